@@ -1,0 +1,168 @@
+"""The plan file ``memplan.plan/1``: for each saved activation, keep / recompute / offload.
+
+Activations a plan does not list are kept. An offloaded activation is copied to host memory as soon as
+it is produced and copied back when backward reaches ``prefetch_at`` (see docs/model.md).
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from memplan.planner.errors import PlanError, PlanMismatch
+from memplan.planner.graph import Graph, _first_error
+
+PLAN_FORMAT = "memplan.plan/1"
+
+
+class Action(str, Enum):
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+
+class Decision(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tensor: int = Field(ge=0, description="tensor id in the graph (a saved activation)")
+    action: Action
+    prefetch_at: int | None = Field(
+        default=None, ge=0,
+        description="offload only: the copy back starts when backward reaches this op (its backward "
+                    "step is about to run); must be at or after (in forward order: at or above) the "
+                    "last op whose backward reads the tensor. None: just before that op")
+
+
+class SolverInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "manual"
+    settings: dict[str, Any] = Field(default_factory=dict)
+    status: str = "feasible"
+    solve_time_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    lower_bound_s: float | None = Field(default=None, description="a bound on the step time, where known")
+    gap: float | None = Field(default=None, description="relative optimality gap, where known")
+
+
+class Prediction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    peak_bytes: int = Field(ge=0)
+    step_time_s: float = Field(ge=0.0, allow_inf_nan=False)
+    recompute_time_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    exposed_transfer_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: str = PLAN_FORMAT
+    graph_fingerprint: str = ""
+    model_fingerprint: str = ""
+    budget_bytes: int | None = Field(default=None, ge=0)
+    host_budget_bytes: int | None = Field(default=None, ge=0, description="pinned host memory for offload")
+    bandwidth_bytes_per_s: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="overrides the graph's host bandwidth")
+    solver: SolverInfo = Field(default_factory=SolverInfo)
+    decisions: list[Decision] = Field(default_factory=list)
+    predicted: Prediction | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        if v != PLAN_FORMAT:
+            raise ValueError(f"unknown plan format version {v!r}; this memplan reads {PLAN_FORMAT!r}")
+        return v
+
+    @field_validator("decisions")
+    @classmethod
+    def _unique(cls, v: list[Decision]) -> list[Decision]:
+        seen: set[int] = set()
+        for d in v:
+            if d.tensor in seen:
+                raise ValueError(f"tensor {d.tensor} has more than one decision")
+            seen.add(d.tensor)
+        return v
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def keep_all(cls, graph: Graph, **kw: Any) -> Plan:
+        return cls.for_graph(graph, {}, **kw)
+
+    @classmethod
+    def for_graph(cls, graph: Graph, actions: dict[int, Action | str],
+                  prefetch_at: dict[int, int] | None = None, **kw: Any) -> Plan:
+        """A plan for ``graph`` from ``{tensor id: action}``; unlisted saved activations are kept."""
+        prefetch_at = prefetch_at or {}
+        decisions = [
+            Decision(tensor=t, action=Action(actions.get(t, Action.KEEP)), prefetch_at=prefetch_at.get(t))
+            for t in graph.saved_activations
+        ]
+        return cls(graph_fingerprint=graph.fingerprint, model_fingerprint=graph.model_fingerprint,
+                   decisions=decisions, **kw)
+
+    def actions(self) -> dict[int, Action]:
+        return {d.tensor: d.action for d in self.decisions}
+
+    def count(self, action: Action) -> int:
+        return sum(1 for d in self.decisions if d.action == action)
+
+    # ---- checking against a graph ---------------------------------------------------------------
+    def check_against(self, graph: Graph) -> None:
+        """Raise :class:`PlanMismatch` / :class:`PlanError` if this plan does not fit ``graph``."""
+        if self.graph_fingerprint and self.graph_fingerprint != graph.fingerprint:
+            raise PlanMismatch(
+                f"plan was made for graph {self.graph_fingerprint}, but this graph is {graph.fingerprint} "
+                f"({graph.name}): re-solve for this graph")
+        saved = set(graph.saved_activations)
+        for d in self.decisions:
+            if d.tensor >= len(graph.tensors):
+                raise PlanError(f"decision names tensor {d.tensor}, but the graph has {len(graph.tensors)}")
+            if d.tensor not in saved:
+                raise PlanError(f"decision names tensor {d.tensor}, which is not an activation saved "
+                                f"for backward; only saved activations can be planned")
+            t = graph.tensors[d.tensor]
+            if d.action == Action.RECOMPUTE and not t.recomputable:
+                raise PlanError(f"tensor {d.tensor} (output of op {t.producer} "
+                                f"{graph.ops[t.producer].name}) cannot be recomputed: it is mutated in "
+                                f"place or its producer cannot be replayed")
+            if d.prefetch_at is not None:
+                if d.action != Action.OFFLOAD:
+                    raise PlanError(f"tensor {d.tensor}: prefetch_at is only meaningful for offload")
+                if d.prefetch_at >= len(graph.ops):
+                    raise PlanError(f"tensor {d.tensor}: prefetch_at {d.prefetch_at} is not an op id")
+                first_bwd_user = max(graph.savers[d.tensor])
+                if d.prefetch_at < first_bwd_user:
+                    raise PlanError(
+                        f"tensor {d.tensor}: prefetch_at op {d.prefetch_at} comes after its first "
+                        f"backward use (op {first_bwd_user}); it must be >= {first_bwd_user}")
+
+    # ---- files -----------------------------------------------------------------------------------
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = "plan") -> Plan:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"{source}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: expected a JSON object with format {PLAN_FORMAT!r}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise PlanError(f"{source}: {_first_error(e)}") from None
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        try:
+            with open(path, "rb") as f:
+                text = f.read()
+        except OSError as e:
+            raise PlanError(f"cannot read plan file {path}: {e.strerror}") from None
+        return cls.from_json(text, source=str(path))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.model_dump_json(indent=1))

@@ -1,0 +1,393 @@
+"""The simulator: replays one training step of a graph under a plan and reports peak device memory and
+step time. It is the single source of truth: every solver's plan is scored by :func:`simulate`.
+
+The cost model is stated in docs/model.md; in short:
+
+* Start: ``graph.fixed.resident_bytes`` are live (parameters, buffers, batch, optimizer state).
+* Forward op ``i``: its new output storages are allocated (peak also counts ``workspace_bytes``), the
+  compute clock advances by ``time_s``; then every activation whose last forward use is ``i`` is freed,
+  unless backward saves it and the plan keeps it, or the caller holds it (``held_by_caller``).
+  An offloaded activation is copied to host on the copy stream as soon as it is produced and its device
+  memory is released at the first op boundary after both its last forward use and the copy's end.
+* Backward, ops in reverse: prefetches scheduled at this op start (device buffer allocated now, copy on
+  the copy stream); missing saved tensors are made resident: an offloaded one waits for its copy (the
+  wait is *exposed* transfer time), a recomputed one is rebuilt by replaying its producer and, recursively,
+  the producers of missing inputs (replayed ops in forward order; replayed saved tensors stay until
+  their own backward, the rest are freed after their last use in the replay). Then the step allocates
+  its gradients (``backward_grad_alloc_bytes``, peak also counts ``backward_workspace_bytes``), the clock
+  advances by ``backward_time_s``, it releases ``backward_grad_free_bytes`` and every saved activation
+  whose last backward reader (the lowest saver id) is this op.
+* Optimizer step: ``optimizer_step_bytes`` transient, ``optimizer_time_s``.
+
+One copy stream (FIFO) carries both directions, concurrent with compute. Memory is tracked at op
+granularity, and frees that depend on a copy happen only at the first op boundary after the copy ends,
+so the model never releases memory earlier than a real run could.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from memplan.planner.errors import PlanError
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Action, Plan
+
+_NEVER = 1 << 62
+
+
+class Event(BaseModel):
+    """One step of the replay. ``live_bytes`` is what is live after it, ``peak_bytes`` the most during."""
+
+    model_config = ConfigDict(frozen=True)
+
+    phase: str = Field(description="forward | backward | recompute | prefetch | wait | optimizer")
+    op: int | None
+    start_s: float
+    live_bytes: int
+    peak_bytes: int
+    note: str = ""
+
+
+class Report(BaseModel):
+    """What :func:`simulate` predicts for one training step."""
+
+    peak_bytes: int = Field(description="highest device memory of the step, fixed memory included")
+    time_s: float = Field(description="step time: forward + backward + recompute + exposed transfers + optimizer")
+    forward_time_s: float
+    backward_time_s: float
+    recompute_time_s: float
+    exposed_transfer_s: float = Field(description="time compute waited for prefetches")
+    optimizer_time_s: float
+    transfer_bytes: int = Field(description="bytes moved device->host plus host->device")
+    host_peak_bytes: int = Field(description="most host (pinned) memory held by offloaded activations")
+    fixed_bytes: int
+    recomputed_ops: int = Field(description="op replays in backward")
+    peak_phase: str
+    peak_op: int | None
+    peak_note: str
+    timeline: list[Event] = Field(default_factory=list)
+
+    def fits(self, budget_bytes: int | None) -> bool:
+        return budget_bytes is None or self.peak_bytes <= budget_bytes
+
+
+@dataclass
+class _Static:
+    """Per-graph facts the replay needs, computed once per graph."""
+
+    saved: list[bool]
+    fwd_free_at: list[int]          # op after which an unsaved / not-kept activation is freed
+    release_at: list[int]           # backward step after which a saved activation is freed (-1: never)
+    first_bwd_use: list[int]        # highest saver id (first backward reader), -1 if unsaved
+    frees_after_fwd: list[list[int]]
+    releases_after_bwd: list[list[int]]
+    is_activation: list[bool]
+
+
+def _static(graph: Graph) -> _Static:
+    cached = graph.__dict__.get("_memplan_sim_static")
+    if cached is not None:
+        return cached
+    n_t = len(graph.tensors)
+    n_o = len(graph.ops)
+    is_act = [t.kind == "activation" for t in graph.tensors]
+    saved = [False] * n_t
+    release_at = [-1] * n_t
+    first_bwd = [-1] * n_t
+    for t, savers in graph.savers.items():
+        if is_act[t]:
+            saved[t] = True
+            release_at[t] = min(savers)
+            first_bwd[t] = max(savers)
+    fwd_free_at = [_NEVER] * n_t
+    for t in graph.tensors:
+        if not is_act[t.id] or t.held_by_caller:
+            continue
+        last = t.producer
+        cons = graph.consumers.get(t.id)
+        if cons:
+            last = max(last, cons[-1])
+        if t.freed_after is not None:
+            last = max(last, t.freed_after)
+        fwd_free_at[t.id] = min(last, n_o - 1)
+    frees_after_fwd: list[list[int]] = [[] for _ in range(n_o)]
+    for t in range(n_t):
+        if fwd_free_at[t] != _NEVER:
+            frees_after_fwd[fwd_free_at[t]].append(t)
+    releases_after_bwd: list[list[int]] = [[] for _ in range(n_o)]
+    for t in range(n_t):
+        if release_at[t] >= 0 and not graph.tensors[t].held_by_caller:
+            releases_after_bwd[release_at[t]].append(t)
+    st = _Static(saved, fwd_free_at, release_at, first_bwd, frees_after_fwd, releases_after_bwd, is_act)
+    graph.__dict__["_memplan_sim_static"] = st
+    return st
+
+
+def default_prefetch_at(graph: Graph, tensor: int, bandwidth_bytes_per_s: float) -> int:
+    """The latest op at which to start a tensor's prefetch so that, with an idle copy stream, the
+    backward compute between it and the tensor's first backward reader covers the copy."""
+    st = _static(graph)
+    first = st.first_bwd_use[tensor]
+    need = graph.tensors[tensor].bytes / bandwidth_bytes_per_s
+    covered = 0.0
+    k = first
+    while covered < need and k + 1 < len(graph.ops):
+        k += 1
+        covered += graph.ops[k].backward_time_s
+    return k
+
+
+def simulate(graph: Graph, plan: Plan | None = None, *, timeline: bool = True, check: bool = True) -> Report:
+    """Replay one training step of ``graph`` under ``plan`` (keep everything when None).
+
+    Returns a :class:`Report` with the peak device bytes, step time and its parts, and (with
+    ``timeline=True``) one :class:`Event` per forward op, backward step, replay, prefetch and wait.
+    Raises :class:`PlanError` if the plan does not fit the graph (with ``check=True``) or asks to
+    rebuild a tensor from one that cannot be recomputed.
+    """
+    if plan is None:
+        plan = Plan.keep_all(graph)
+    if check:
+        plan.check_against(graph)
+    bandwidth = plan.bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
+    actions = plan.actions()
+    prefetch = {d.tensor: d.prefetch_at for d in plan.decisions
+                if d.action == Action.OFFLOAD and d.prefetch_at is not None}
+    return _Replay(graph, actions, prefetch, bandwidth, timeline).run()
+
+
+def simulate_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: dict[int, int] | None = None,
+                     bandwidth_bytes_per_s: float | None = None, timeline: bool = False) -> Report:
+    """:func:`simulate` for solvers' inner loops: ``{tensor id: action}`` instead of a Plan, unchecked."""
+    return _Replay(graph, actions, prefetch_at or {}, bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s,
+                   timeline).run()
+
+
+class _Replay:
+    def __init__(self, graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int],
+                 bandwidth: float, timeline: bool):
+        self.g = graph
+        self.st = _static(graph)
+        self.actions = actions
+        self.bw = bandwidth
+        self.record = timeline
+        self.events: list[Event] = []
+        n_t = len(graph.tensors)
+        self.resident = [not a for a in self.st.is_activation]  # params/buffers/inputs always resident
+        self.ready_at = [0.0] * n_t         # when a prefetched buffer's data has arrived
+        self.on_host = [False] * n_t        # a host copy exists (offloaded)
+        self.d2h_end = [0.0] * n_t
+        self.prefetched = [False] * n_t
+        self.live = graph.fixed.resident_bytes
+        self.peak = self.live
+        self.peak_where: tuple[str, int | None, str] = ("start", None, "fixed memory")
+        self.now = 0.0
+        self.copy_free = 0.0
+        self.host_live = 0
+        self.host_peak = 0
+        self.transfer_bytes = 0
+        self.recompute_s = 0.0
+        self.exposed_s = 0.0
+        self.replays = 0
+        self.pending: list[tuple[float, int]] = []  # (copy end, tensor) awaiting device release
+        self.prefetch_ops: dict[int, list[int]] = {}
+        for t, a in actions.items():
+            if a == Action.OFFLOAD:
+                k = prefetch_at.get(t)
+                if k is None:
+                    k = default_prefetch_at(graph, t, bandwidth)
+                self.prefetch_ops.setdefault(k, []).append(t)
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def _bump(self, during: int, phase: str, op: int | None, note: str) -> None:
+        if during > self.peak:
+            self.peak = during
+            self.peak_where = (phase, op, note)
+
+    def _event(self, phase: str, op: int | None, start: float, during: int, note: str = "") -> None:
+        if self.record:
+            self.events.append(Event(phase=phase, op=op, start_s=start, live_bytes=self.live,
+                                     peak_bytes=max(during, self.live), note=note))
+
+    def _free(self, t: int) -> None:
+        if self.resident[t]:
+            self.resident[t] = False
+            self.live -= self.g.tensors[t].bytes
+
+    def _release_pending(self) -> None:
+        while self.pending and self.pending[0][0] <= self.now:
+            _, t = heapq.heappop(self.pending)
+            if self.resident[t] and not self.prefetched[t]:
+                self._free(t)
+
+    def _action(self, t: int) -> Action:
+        return self.actions.get(t, Action.KEEP)
+
+    # ---- phases -------------------------------------------------------------------------------
+    def run(self) -> Report:
+        g = self.g
+        self._event("start", None, 0.0, self.live, "fixed memory")
+        self._forward()
+        fwd_s = self.now
+        self._backward()
+        bwd_s = self.now - fwd_s - self.recompute_s - self.exposed_s
+        start = self.now
+        during = self.live + g.fixed.optimizer_step_bytes
+        self._bump(during, "optimizer", None, "optimizer step")
+        self.now += g.optimizer_time_s
+        self._event("optimizer", None, start, during, "optimizer step")
+        pw = self.peak_where
+        return Report(
+            peak_bytes=self.peak, time_s=self.now, forward_time_s=fwd_s, backward_time_s=max(bwd_s, 0.0),
+            recompute_time_s=self.recompute_s, exposed_transfer_s=self.exposed_s,
+            optimizer_time_s=g.optimizer_time_s, transfer_bytes=self.transfer_bytes,
+            host_peak_bytes=self.host_peak, fixed_bytes=g.fixed.resident_bytes, recomputed_ops=self.replays,
+            peak_phase=pw[0], peak_op=pw[1], peak_note=pw[2], timeline=self.events)
+
+    def _forward(self) -> None:
+        g, st = self.g, self.st
+        tensors = g.tensors
+        for op in g.ops:
+            self._release_pending()
+            start = self.now
+            for t in op.outputs:
+                if not self.resident[t]:
+                    self.resident[t] = True
+                    self.live += tensors[t].bytes
+            during = self.live + op.workspace_bytes
+            self._bump(during, "forward", op.id, f"forward op {op.id} ({op.name})")
+            self.now += op.time_s
+            for t in op.outputs:
+                if st.saved[t] and self._action(t) == Action.OFFLOAD:
+                    b = tensors[t].bytes
+                    begin = max(self.copy_free, self.now)  # waits for the producing op (an event)
+                    self.copy_free = self.d2h_end[t] = begin + b / self.bw
+                    self.on_host[t] = True
+                    self.transfer_bytes += b
+                    self.host_live += b
+                    self.host_peak = max(self.host_peak, self.host_live)
+            for t in st.frees_after_fwd[op.id]:
+                if not self.resident[t]:
+                    continue
+                if not st.saved[t]:
+                    self._free(t)
+                    continue
+                a = self._action(t)
+                if a == Action.RECOMPUTE:
+                    self._free(t)
+                elif a == Action.OFFLOAD:
+                    heapq.heappush(self.pending, (self.d2h_end[t], t))
+            self._event("forward", op.id, start, during, op.name)
+        self._release_pending()
+
+    def _prefetch(self, t: int, why: str) -> None:
+        """Start copying an offloaded tensor back: its device buffer is allocated now."""
+        if self.prefetched[t]:
+            return
+        self.prefetched[t] = True
+        if self.resident[t]:  # its device copy was never released (the copy ran late): nothing to move
+            return
+        b = self.g.tensors[t].bytes
+        begin = max(self.copy_free, self.now)
+        self.copy_free = self.ready_at[t] = begin + b / self.bw
+        self.resident[t] = True
+        self.live += b
+        self.transfer_bytes += b
+        self._bump(self.live, "prefetch", t, f"prefetch tensor {t} ({why})")
+        self._event("prefetch", self.g.tensors[t].producer, self.now, self.live, f"prefetch tensor {t} ({why})")
+
+    def _wait(self, t: int, for_op: int) -> None:
+        if self.ready_at[t] > self.now:
+            start = self.now
+            self.exposed_s += self.ready_at[t] - self.now
+            self.now = self.ready_at[t]
+            self._event("wait", for_op, start, self.live, f"wait for prefetch of tensor {t}")
+
+    def _materialize(self, target: int, step: int) -> None:
+        """Make ``target`` resident for backward step ``step`` by replaying producers (see module doc)."""
+        g, st = self.g, self.st
+        tensors = g.tensors
+        to_run: set[int] = set()
+        stack = [target]
+        seen: set[int] = set()
+        while stack:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if self.resident[u]:
+                continue
+            if self.on_host[u] and self._action(u) == Action.OFFLOAD:
+                self._prefetch(u, f"needed to recompute tensor {target}")
+                self._wait(u, step)
+                continue
+            t = tensors[u]
+            if not t.recomputable:
+                raise PlanError(f"backward of op {step} needs tensor {target}, whose recomputation needs "
+                                f"tensor {u} (output of op {t.producer} {g.ops[t.producer].name}), which is "
+                                f"neither kept nor recomputable")
+            p = t.producer
+            to_run.add(p)
+            stack.extend(g.ops[p].inputs)
+        order = sorted(to_run)
+        last_use: dict[int, int] = {}
+        for p in order:
+            for u in g.ops[p].inputs:
+                last_use[u] = p
+        made: set[int] = set()
+        for p in order:
+            op = g.ops[p]
+            start = self.now
+            for o in op.outputs:
+                if not self.resident[o]:
+                    self.resident[o] = True
+                    self.live += tensors[o].bytes
+                    made.add(o)
+            note = f"recompute op {p} ({op.name}) for op {step}'s backward"
+            during = self.live + op.workspace_bytes
+            self._bump(during, "recompute", p, note)
+            self.now += op.time_s
+            self.recompute_s += op.time_s
+            self.replays += 1
+            # Free what this replay made and no longer needs; keep what backward still reads.
+            for u in list(made):
+                if u == target or last_use.get(u, -1) > p:
+                    continue
+                if st.saved[u] and st.release_at[u] <= step:
+                    continue  # a saved tensor whose backward is still to come stays, as checkpointing does
+                made.discard(u)
+                self._free(u)
+            self._event("recompute", p, start, during, note)
+
+    def _backward(self) -> None:
+        g, st = self.g, self.st
+        tensors = g.tensors
+        for op in reversed(g.ops):
+            i = op.id
+            self._release_pending()
+            for t in self.prefetch_ops.get(i, ()):
+                self._prefetch(t, f"scheduled at op {i}")
+            for t in dict.fromkeys(op.saved):
+                if not st.is_activation[t]:
+                    continue
+                if not self.resident[t]:
+                    if self._action(t) == Action.OFFLOAD and self.on_host[t]:
+                        self._prefetch(t, f"late: needed by op {i}")
+                    else:
+                        self._materialize(t, i)
+                self._wait(t, i)
+            start = self.now
+            during = self.live + op.backward_grad_alloc_bytes + op.backward_workspace_bytes
+            self._bump(during, "backward", i, f"backward of op {i} ({op.name})")
+            self.live += op.backward_grad_alloc_bytes
+            self.now += op.backward_time_s
+            self.live -= op.backward_grad_free_bytes
+            for t in st.releases_after_bwd[i]:
+                if self.resident[t]:
+                    self._free(t)
+                    if self.on_host[t]:
+                        self.host_live -= tensors[t].bytes
+            self._event("backward", i, start, during, op.name)

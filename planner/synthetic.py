@@ -1,0 +1,93 @@
+"""Small graph generators for tests and benchmarks (torch-free), after Checkmate's ``gen_linear_graph``.
+
+Gradients are filled structurally (:func:`fill_structural_grads`): a backward step creates the gradient
+of each input that requires one, unless a later op's backward already did, and frees the gradient of each
+of its outputs. Profiled graphs carry measured figures instead.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo
+
+
+def fill_structural_grads(graph: Graph) -> Graph:
+    """Set every op's ``backward_grad_alloc_bytes`` / ``backward_grad_free_bytes`` from the structure."""
+    has_grad: set[int] = set()
+    for op in reversed(graph.ops):
+        if not op.has_backward:
+            op.backward_grad_alloc_bytes = op.backward_grad_free_bytes = 0
+            continue
+        alloc = 0
+        for t in dict.fromkeys(op.inputs):
+            info = graph.tensors[t]
+            if info.requires_grad and t not in has_grad:
+                has_grad.add(t)
+                alloc += info.bytes
+        free = 0
+        for t in op.outputs:
+            if t in has_grad and graph.tensors[t].kind == "activation":
+                free += graph.tensors[t].bytes
+        op.backward_grad_alloc_bytes = alloc
+        op.backward_grad_free_bytes = free
+    graph.__dict__.pop("_memplan_sim_static", None)
+    return graph
+
+
+def linear_chain(n: int, *, time_s: Sequence[float] | float = 1.0, backward_time_s: Sequence[float] | float = 2.0,
+                 activation_bytes: Sequence[int] | int = 100, input_bytes: int = 100, param_bytes: int = 0,
+                 name: str = "chain") -> Graph:
+    """A chain of ``n`` ops: op i reads activation i-1 (op 0 reads the input) and saves it, like a
+    Linear layer; op i's output is activation i. Per-op figures may be scalars or sequences."""
+
+    def at(v, i):
+        return v[i] if isinstance(v, Sequence) else v
+
+    tensors = [TensorInfo(id=0, kind="input", bytes=input_bytes, requires_grad=False)]
+    ops = []
+    prev = 0
+    for i in range(n):
+        inputs = [prev]
+        if param_bytes:
+            tensors.append(TensorInfo(id=len(tensors), kind="param", bytes=param_bytes, requires_grad=True))
+            inputs.append(tensors[-1].id)
+        out = len(tensors)
+        tensors.append(TensorInfo(id=out, kind="activation", producer=i, bytes=int(at(activation_bytes, i)),
+                                  requires_grad=True))
+        ops.append(Op(id=i, name="synthetic.layer", module=f"layers.{i}", time_s=float(at(time_s, i)),
+                      backward_time_s=float(at(backward_time_s, i)), inputs=inputs, outputs=[out],
+                      saved=[prev], has_backward=True))
+        prev = out
+    ops[-1].saved.append(prev)  # the loss-like last op keeps its output too
+    g = Graph(name=name, tensors=tensors, ops=ops,
+              fixed=FixedMemory(inputs_bytes=input_bytes, params_bytes=param_bytes * n))
+    return fill_structural_grads(g)
+
+
+def random_dag(n: int, *, seed: int = 0, max_inputs: int = 2, max_bytes: int = 64, skip_prob: float = 0.3,
+               name: str = "dag") -> Graph:
+    """A random DAG of ``n`` ops. Op i reads its predecessor's output and, with probability
+    ``skip_prob``, an older one (a long skip); each op saves a random non-empty subset of what it reads
+    and writes, so some outputs are saved by their own op and some by their consumers."""
+    rng = random.Random(seed)
+    tensors = [TensorInfo(id=0, kind="input", bytes=rng.randint(1, max_bytes), requires_grad=False)]
+    ops: list[Op] = []
+    outs: list[int] = []
+    for i in range(n):
+        inputs = [outs[-1] if outs else 0]
+        if outs and rng.random() < skip_prob and max_inputs > 1:
+            inputs.append(rng.choice(outs[:-1] or [0]))
+        inputs = list(dict.fromkeys(inputs))
+        out = len(tensors)
+        tensors.append(TensorInfo(id=out, kind="activation", producer=i, bytes=rng.randint(1, max_bytes),
+                                  requires_grad=True))
+        candidates = inputs + [out]
+        saved = [t for t in candidates if rng.random() < 0.6] or [rng.choice(candidates)]
+        ops.append(Op(id=i, name=f"synthetic.op{i % 3}", module=f"block{i // 3}.op{i % 3}",
+                      time_s=round(rng.uniform(0.1, 2.0), 3), backward_time_s=round(rng.uniform(0.1, 3.0), 3),
+                      inputs=inputs, outputs=[out], saved=saved, has_backward=True))
+        outs.append(out)
+    g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=tensors[0].bytes))
+    return fill_structural_grads(g)
