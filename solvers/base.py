@@ -156,7 +156,12 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
         pass
     else:
         plans.append(min_memory_actions(graph, offload=offload))
-    return min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in plans)
+    best = min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in plans)
+    if len(saved) <= 10:  # small enough to know the exact minimum
+        from memplan.solvers.oracle import oracle_min_peak
+
+        best = min(best, oracle_min_peak(graph, offload=offload))
+    return best
 
 
 def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,
@@ -217,16 +222,20 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     return SolveResult(plan, full, proposal.status, elapsed, proposal.lower_bound_s, gap, proposal.stats)
 
 
+def _both(n: int) -> str:
+    return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n} B)"
+
+
 def _infeasible(graph: Graph, budget: int, floor: int, method: str | None = None) -> Infeasible:
     who = f"solver {method!r}: " if method else ""
     if floor <= budget:  # the method failed, yet a plan exists: say so rather than blame the budget
         return Infeasible(
-            f"{who}found no plan within {format_bytes(budget)} ({budget} B), but memplan's minimum-memory "
-            f"plan peaks at {format_bytes(floor)} ({floor} B): try another solver or a longer time limit",
+            f"{who}found no plan within {_both(budget)}, but memplan's minimum-memory "
+            f"plan peaks at {_both(floor)}: try another solver or a longer time limit",
             budget_bytes=budget, min_feasible_bytes=floor)
     return Infeasible(
-        f"{who}no plan fits budget {format_bytes(budget)} ({budget} B) for graph {graph.name!r}; the minimum "
-        f"feasible budget memplan knows is {format_bytes(floor)} ({floor} B) (fixed memory alone is "
+        f"{who}no plan fits budget {_both(budget)} for graph {graph.name!r}; the minimum "
+        f"feasible budget memplan knows is {_both(floor)} (fixed memory alone is "
         f"{format_bytes(graph.fixed.resident_bytes)})", budget_bytes=budget, min_feasible_bytes=floor)
 
 
