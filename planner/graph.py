@@ -29,6 +29,10 @@ Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False, description="secon
 TensorKind = Literal["activation", "param", "buffer", "input"]
 
 
+# Keys of the views computed once per graph (cached_property and the simulator's static facts).
+_DERIVED_VIEWS = ("consumers", "savers", "saved_activations", "fingerprint", "_memplan_sim_static")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=False)
 
@@ -175,6 +179,12 @@ class Graph(_Strict):
             f.write(self.model_dump_json(indent=1))
 
     # ---- derived views (not serialised) -------------------------------------------------------
+    def invalidate(self) -> Graph:
+        """Forget the derived views after editing a graph in place (they are computed once)."""
+        for key in _DERIVED_VIEWS:
+            self.__dict__.pop(key, None)
+        return self
+
     @cached_property
     def consumers(self) -> dict[int, list[int]]:
         """tensor id -> ids of the ops that read it in forward, ascending."""

@@ -32,8 +32,7 @@ def fill_structural_grads(graph: Graph) -> Graph:
                 free += graph.tensors[t].bytes
         op.backward_grad_alloc_bytes = alloc
         op.backward_grad_free_bytes = free
-    graph.__dict__.pop("_memplan_sim_static", None)
-    return graph
+    return graph.invalidate()
 
 
 def linear_chain(n: int, *, time_s: Sequence[float] | float = 1.0, backward_time_s: Sequence[float] | float = 2.0,
