@@ -1,0 +1,79 @@
+"""The CLI as a user runs it: real subprocesses, exit codes, one-line errors, --json output."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memplan.planner.plan import Plan
+from memplan.planner.synthetic import linear_chain
+
+MEMPLAN = [sys.executable, "-m", "memplan.api.cli"]
+
+
+def run(*args, cwd=None):
+    env = dict(os.environ)
+    env.pop("MEMPLAN_DEBUG", None)
+    return subprocess.run([*MEMPLAN, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+@pytest.fixture
+def graph_file(tmp_path):
+    path = tmp_path / "graph.json"
+    linear_chain(8).save(str(path))
+    return path
+
+
+def test_simulate_keep_all_json(graph_file):
+    r = run("simulate", graph_file, "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["peak_bytes"] == 1000 and report["time_s"] == 24.0
+    assert "timeline" not in report
+
+
+def test_solve_then_simulate_round_trip(graph_file, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    r = run("solve", graph_file, "--budget", "60%", "--solver", "oracle", "-o", plan_path, "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    # 60% of the keep-all activation memory (900 B) plus the 100 B of fixed memory
+    assert summary["budget_bytes"] == 100 + 540
+    assert summary["peak_bytes"] <= summary["budget_bytes"]
+    plan = Plan.load(str(plan_path))
+    assert plan.budget_bytes == 640 and plan.predicted.peak_bytes == summary["peak_bytes"]
+    r = run("simulate", graph_file, plan_path, "--json")
+    assert json.loads(r.stdout)["peak_bytes"] == summary["peak_bytes"]
+
+
+def test_schema_commands():
+    for which, field in (("graph", "ops"), ("plan", "decisions")):
+        r = run("schema", which)
+        assert r.returncode == 0
+        assert field in json.loads(r.stdout)["properties"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("simulate", "{bad}"), "not valid JSON"),
+    (("simulate", "{missing}"), "cannot read graph file"),
+    (("simulate", "{old}"), "unknown graph format version"),
+    (("solve", "{graph}", "--budget", "10B"), "minimum feasible budget"),
+    (("solve", "{graph}", "--budget", "5 parsecs"), "cannot read size"),
+    (("solve", "{graph}", "--budget", "50%", "--solver", "nope"), "unknown solver 'nope'"),
+    (("simulate", "{graph}", "{otherplan}"), "plan was made for graph"),
+    (("schema", "both"), "unknown schema 'both'"),
+    (("profile", "no-such-workload"), "unknown workload"),
+])
+def test_bad_input_gets_one_clear_line(args, message, graph_file, tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "old.json").write_text(json.dumps({"format": "memplan.graph/0"}))
+    Plan.keep_all(linear_chain(3)).save(str(tmp_path / "other.json"))
+    paths = {"bad": tmp_path / "bad.json", "missing": tmp_path / "nope.json", "old": tmp_path / "old.json",
+             "graph": graph_file, "otherplan": tmp_path / "other.json"}
+    r = run(*[a.format(**paths) for a in args])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    assert len(r.stderr.strip().splitlines()) <= 3  # one logical line, maybe wrapped
