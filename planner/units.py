@@ -1,5 +1,6 @@
 """Parsing and printing of byte sizes and budgets at the edges (CLI, REST). Inside, budgets are bytes."""
 
+import math
 import re
 
 from memplan.planner.errors import MemplanError
@@ -20,6 +21,8 @@ def parse_bytes(text: str) -> int:
         raise MemplanError(f"cannot read size {text!r}: expected a number with an optional unit "
                            f"(B, KB, MB, GB, KiB, MiB, GiB), e.g. '6GiB' or '512MB'")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value) or value > 2**62:
+        raise MemplanError(f"size {text!r} is too large")
     return int(round(value))
 
 
@@ -41,7 +44,7 @@ def parse_budget(text: str | int | float, *, activation_bytes: int | None = None
             frac = float(s[:-1]) / 100.0
         except ValueError:
             raise MemplanError(f"cannot read budget {text!r}: expected e.g. '50%'") from None
-        if not 0.0 <= frac <= 10.0:
+        if not (math.isfinite(frac) and 0.0 <= frac <= 10.0):
             raise MemplanError(f"budget percentage {text!r} is out of range (0% to 1000%)")
         if activation_bytes is None:
             raise MemplanError(f"budget {text!r} is a percentage, but no graph is at hand to take it of")

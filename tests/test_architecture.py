@@ -1,0 +1,54 @@
+"""The dependency direction of STYLE.md, checked by reading imports (no import-linter run needed):
+solvers never import torch or the layers above them; the planner never imports solvers/executor/api."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RULES = {
+    "solvers": ("torch", "memplan.executor", "memplan.api", "memplan.planner.profiler", "memplan.planner.measure",
+                "memplan.planner.workloads"),
+    "planner": ("memplan.solvers", "memplan.executor", "memplan.api"),
+    "executor": ("memplan.solvers", "memplan.api"),
+}
+TORCH_FREE_PLANNER = ("graph.py", "plan.py", "simulator.py", "units.py", "errors.py", "synthetic.py", "__init__.py")
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def _violations(folder: str, forbidden: tuple[str, ...], files=None) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if files and path.name not in files:
+            continue
+        for name in _imports(path):
+            if any(name == f or name.startswith(f + ".") for f in forbidden):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    return bad
+
+
+@pytest.mark.parametrize("folder", sorted(RULES))
+def test_dependency_direction(folder):
+    assert _violations(folder, RULES[folder]) == []
+
+
+def test_planner_model_is_torch_free():
+    assert _violations("planner", ("torch", "transformers"), TORCH_FREE_PLANNER) == []
+
+
+def test_no_bare_package_imports():
+    bare = ("planner", "solvers", "api", "executor")
+    bad = [f"{p.relative_to(ROOT)} imports {n}" for folder in (*bare, "tests", "benchmarks")
+           for p in (ROOT / folder).rglob("*.py") for n in _imports(p) if n.split(".")[0] in bare]
+    assert bad == []
