@@ -1,0 +1,743 @@
+"""The profiler: runs real training steps of a model and records them as a :class:`Graph`.
+
+What it observes, and how (torch >= 2.4):
+
+* **Ops.** A ``TorchDispatchMode`` sees every ATen operator below autograd, in execution order, forward
+  and backward. Composite ops (``linear``) appear as their parts (``t``, ``addmm``); a kernel's own calls
+  do not appear (the mode is off while its handler runs).
+* **Storages.** A tensor is identified by its storage (``untyped_storage()._cdata``): a view or an
+  in-place result is not a new tensor. A ``weakref`` on each new storage fires the moment it dies, which
+  gives ``freed_after`` (forward), the gradient figures (backward) and ``held_by_caller`` (alive after
+  backward). The handler never holds a tensor past the next op, so lifetimes are the unprofiled ones.
+* **Autograd nodes.** When op *k+1* starts, op *k*'s outputs carry their ``grad_fn`` (autograd sets it
+  after the dispatch returns); the node is tagged ``node.metadata["memplan_op"] = k``. A custom autograd
+  Function runs its ops with grad off, so its node lands on the last op that produced its output.
+* **Saved tensors.** After forward the autograd graph is walked from the loss and every ``_saved_*``
+  attribute of every node (``saved_tensors`` of a custom Function) is unpacked: node -> storages ->
+  ``Op.saved``. No ``saved_tensors_hooks`` are installed: they would change the program (autograd then
+  skips the ``detach`` it dispatches when saving an output). Saved tensors that no node exposes (the
+  inner node of ``CopySlices``) are found by their death: an activation that lives into backward, is in
+  no ``saved`` list and is not held by the caller is counted as saved by the op whose backward step
+  released it (``meta["saved_inferred"]`` counts them).
+* **Backward.** ``torch._C._current_autograd_node()`` names the node running each backward ATen op; its
+  tag gives the forward op whose backward step it is. Ops under untagged nodes (``AccumulateGrad``) count
+  toward the most recent tagged step. Storages born in step *i* that outlive it are
+  ``backward_grad_alloc_bytes``; those that die within it make ``backward_workspace_bytes`` (the in-step
+  high-water mark beyond the step's allocations); those born earlier that die in it are
+  ``backward_grad_free_bytes``.
+* **Time.** ``time.perf_counter`` around each op (CUDA: synchronised), median over ``repeats`` steps after
+  ``warmup`` untimed ones. Kernel-internal scratch memory is invisible here, so ``workspace_bytes`` is 0
+  on CPU; on CUDA it is read from the allocator's peak around each op.
+
+Profiling runs real training steps (``warmup + repeats`` of them, plus the measured ones): the model's
+parameters and the optimizer's state are updated as in training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memplan.planner.errors import MemplanError
+from memplan.planner.graph import FixedMemory, Graph, Measured, Op, TensorInfo
+from memplan.planner.workloads import LossFn, default_optimizer, training_step
+
+_TAG = "memplan_op"
+_NOMINAL_HOST_BANDWIDTH = 12e9  # bytes/s; on CPU offload is a logical move (see docs/model.md)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """16 hex chars of sha256 over the parameters' (name, shape, dtype), in registration order. The
+    executor compares it with a plan's to refuse a plan made for another model."""
+    body = [(name, list(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
+    return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+# ---- what one traced step records ---------------------------------------------------------------------
+
+
+@dataclass
+class _Storage:
+    """One storage seen in the step. ``born``/``died`` are (phase, index) clocks: ``("forward", op)``,
+    ``("backward", step)``, ``("optimizer", 0)``; ``died`` stays None while it lives."""
+
+    tid: int
+    kind: str
+    nbytes: int
+    dtype: str
+    shape: list[int]
+    born: tuple[str, int] | None = None
+    died: tuple[str, int] | None = None
+    producer: int | None = None
+    output_index: int = 0
+    requires_grad: bool = False
+    held: bool = False  # alive after backward
+
+
+@dataclass
+class _OpRecord:
+    name: str
+    module: str
+    time_s: float
+    inputs: list[int]
+    outputs: list[int]
+    writes: list[int]
+    random: bool
+    scope: int = -1  # the call's number, which keys its allocator high-water mark
+    workspace_bytes: int = 0
+    has_backward: bool = False
+
+
+@dataclass
+class _Trace:
+    """Everything one traced training step observed."""
+
+    storages: list[_Storage] = field(default_factory=list)
+    n_fixed: int = 0                                                 # storages registered before the step
+    ops: list[_OpRecord] = field(default_factory=list)
+    saved: dict[int, list[int]] = field(default_factory=dict)       # op -> saved storage ids
+    backward_time_s: dict[int, float] = field(default_factory=dict)  # step -> seconds
+    # (step, storage id, +bytes born / -bytes died); storage id -1: kernel scratch, -2: a call's scope marker
+    backward_events: list[tuple[int, int, int]] = field(default_factory=list)
+    backward_order: list[int] = field(default_factory=list)          # steps in the order they ran
+    optimizer_events: list[int] = field(default_factory=list)        # +bytes / -bytes
+    optimizer_scratch_bytes: int = 0                                 # allocator high-water mark of step()
+    optimizer_survivors_bytes: int = 0
+    optimizer_time_s: float = 0.0
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if t.layout != torch.strided or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (functional wrappers)
+        return None
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _keys(args: Any, kwargs: Any) -> set[int]:
+    """The storages a call reads: an output among them is an in-place result, not a new storage."""
+    return {s._cdata for s in map(_storage, _tensors((args, kwargs))) if s is not None}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Tracer(TorchDispatchMode):
+    """The dispatch mode behind :func:`profile`. ``phase`` says what the step is doing."""
+
+    def __init__(self, trace: _Trace, modules: list[str], sync: Callable[[], None], memory: str):
+        super().__init__()
+        self.t = trace
+        self.modules = modules           # the module stack, kept by forward hooks
+        self.model_called = False
+        self.sync = sync
+        self.memory = memory             # how to read kernel scratch: "off", "cuda" (allocator), "cpu" (scopes)
+        self.scope = 0                   # calls so far; a call's number keys its high-water mark
+        self.high: dict[int, int] = {}   # call number -> allocator high-water mark above its start
+        self.born_in: dict[int, int] = {}  # backward call number -> bytes of the storages it created
+        self.phase = "idle"
+        self.clock = -1                  # forward op / backward step the next events belong to
+        self.by_key: dict[int, int] = {}  # live storage _cdata -> storage id
+        self.refs: dict[int, weakref.ref] = {}
+        self.pending: tuple[int, list[torch.Tensor]] | None = None  # last op's outputs, for their grad_fn
+        self.written: dict[Any, list[tuple[int, str]]] = {}
+
+    # -- storages ---------------------------------------------------------------------------------------
+    def register(self, t: torch.Tensor, kind: str) -> int | None:
+        """The storage id of ``t``, registering its storage (as ``kind``) when new."""
+        s = _storage(t)
+        if s is None:
+            return None
+        key = s._cdata
+        tid = self.by_key.get(key)
+        if tid is not None:
+            return tid
+        tid = len(self.t.storages)
+        born = (self.phase, self.clock) if kind == "activation" else None
+        self.t.storages.append(_Storage(tid, kind, s.nbytes(), _dtype_name(t.dtype), list(t.shape), born))
+        self.by_key[key] = tid
+        self.refs[tid] = weakref.ref(s, lambda _ref, tid=tid, key=key: self._died(tid, key))
+        return tid
+
+    def _died(self, tid: int, key: int) -> None:
+        st = self.t.storages[tid]
+        st.died = (self.phase, self.clock)
+        if self.by_key.get(key) == tid:
+            del self.by_key[key]
+        if self.phase == "backward":
+            self.t.backward_events.append((self.clock, tid, -st.nbytes))
+        elif self.phase == "optimizer":
+            self.t.optimizer_events.append(-st.nbytes)
+
+    def alive(self, tid: int) -> bool:
+        return self.refs[tid]() is not None
+
+    # -- the dispatch hook ---------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.phase == "forward":
+            return self._forward(func, args, kwargs)
+        if self.phase == "backward":
+            return self._backward(func, args, kwargs)
+        if self.phase == "optimizer":
+            return self._optimizer(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _timed(self, func, args, kwargs) -> tuple[Any, float, int]:
+        """Run ``func``; return its result, seconds and its call number. With memory on, the allocator's
+        high-water mark during the call (above the bytes allocated before it) goes to ``high[number]``:
+        read at once on CUDA, and on CPU after the step from the torch profiler's allocation events,
+        which land inside the ``memplan:<number>`` range opened here."""
+        self.scope += 1
+        number = self.scope
+        if self.memory == "cpu":
+            with torch._C._profiler._RecordFunctionFast(f"memplan:{number}"):
+                start = time.perf_counter()
+                out = func(*args, **kwargs)
+                return out, time.perf_counter() - start, number
+        self.sync()  # CUDA: let queued kernels finish so that the clock times this op alone
+        if self.memory == "cuda":
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        seconds = time.perf_counter() - start
+        if self.memory == "cuda":
+            self.high[number] = torch.cuda.max_memory_allocated() - before
+        return out, seconds, number
+
+    def resolve_pending(self) -> None:
+        """Tag the autograd node of the previous op's outputs, then drop them (they must not outlive
+        the moment the unprofiled program would free them by more than this)."""
+        if self.pending is None:
+            return
+        k, outs = self.pending
+        self.pending = None
+        op = self.t.ops[k]
+        for out in outs:
+            node = out.grad_fn
+            if node is not None:
+                op.has_backward = True
+                meta = node.metadata
+                meta.setdefault(_TAG, k)
+            tid = self.register(out, "activation")
+            if tid is not None and self.t.storages[tid].producer == k and out.requires_grad:
+                self.t.storages[tid].requires_grad = True
+        del outs
+
+    def _writes(self, func, args, kwargs) -> list[torch.Tensor]:
+        spec = self.written.get(func)
+        if spec is None:
+            spec = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write]
+            self.written[func] = spec
+        out: list[torch.Tensor] = []
+        for i, name in spec:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            out += _tensors(value)
+        return out
+
+    def _forward(self, func, args, kwargs):
+        self.resolve_pending()
+        k = len(self.t.ops)
+        self.clock = k
+        fresh = func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+        inputs = [] if fresh else [self.register(t, "buffer") for t in _tensors((args, kwargs))]
+        writes = [self.register(t, "buffer") for t in self._writes(func, args, kwargs)]
+        if self.modules:
+            module = self.modules[-1]
+        else:
+            module = "loss" if self.model_called else ""
+        rec = _OpRecord(str(func), module, 0.0, list(dict.fromkeys(i for i in inputs if i is not None)), [],
+                        [w for w in dict.fromkeys(writes) if w is not None],
+                        torch.Tag.nondeterministic_seeded in func.tags)
+        self.t.ops.append(rec)
+        out, rec.time_s, rec.scope = self._timed(func, args, kwargs)
+        outs = _tensors(out)
+        for t in outs:
+            s = _storage(t)
+            if s is not None and s._cdata not in self.by_key:  # inputs are registered: this one is new
+                tid = self.register(t, "activation")
+                st = self.t.storages[tid]
+                st.producer, st.output_index = k, len(rec.outputs)
+                rec.outputs.append(tid)
+        self.pending = (k, outs)
+        return out
+
+    def _backward(self, func, args, kwargs):
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            step = node.metadata.get(_TAG)
+            if step is not None and step != self.clock:
+                self.clock = step
+                self.t.backward_order.append(step)
+        seen = _keys(args, kwargs)
+        out, seconds, number = self._timed(func, args, kwargs)
+        self.t.backward_time_s[self.clock] = self.t.backward_time_s.get(self.clock, 0.0) + seconds
+        born = 0
+        for t in _tensors(out):
+            s = _storage(t)
+            if s is not None and s._cdata not in self.by_key and s._cdata not in seen:
+                tid = self.register(t, "activation")
+                born += self.t.storages[tid].nbytes
+                self.t.backward_events.append((self.clock, tid, self.t.storages[tid].nbytes))
+        if self.memory != "off":  # where its kernel scratch goes, once known (see apply_scratch)
+            self.born_in[number] = born
+            self.t.backward_events.append((self.clock, -2, number))
+        return out
+
+    def apply_scratch(self) -> None:
+        """Turn the high-water marks into workspace: a forward op's is what it reached beyond its outputs;
+        a backward call's becomes a transient (+, -) event pair right after its births."""
+        for rec in self.t.ops:
+            outputs = sum(self.t.storages[o].nbytes for o in rec.outputs)
+            rec.workspace_bytes = max(0, self.high.get(rec.scope, 0) - outputs)
+        events = []
+        for step, tid, value in self.t.backward_events:
+            if tid != -2:
+                events.append((step, tid, value))
+                continue
+            extra = self.high.get(value, 0) - self.born_in.get(value, 0)
+            if extra > 0:
+                events += [(step, -1, extra), (step, -1, -extra)]
+        self.t.backward_events = events
+
+    def _optimizer(self, func, args, kwargs):
+        seen = _keys(args, kwargs)
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            s = _storage(t)
+            if s is not None and s._cdata not in self.by_key and s._cdata not in seen:
+                tid = self.register(t, "activation")
+                self.t.optimizer_events.append(self.t.storages[tid].nbytes)
+        return out
+
+
+@contextlib.contextmanager
+def _module_stack(model: nn.Module, stack: list[str], tracer_ref: list[_Tracer | None]) -> Iterator[None]:
+    """Keep ``stack`` equal to the path of the module running now (forward pre/post hooks)."""
+    handles = []
+
+    def pre(name: str):
+        def hook(_module, _args):
+            stack.append(name)
+        return hook
+
+    def post(_module, _args, _out):
+        stack.pop()
+        if not stack and tracer_ref[0] is not None:
+            tracer_ref[0].model_called = True
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(pre(name)))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---- one traced step ---------------------------------------------------------------------------------------
+
+
+def _saved_by_node(loss: torch.Tensor, tracer: _Tracer) -> dict[int, list[int]]:
+    """Walk the autograd graph from the loss; return forward op -> storage ids its node saved."""
+    out: dict[int, list[int]] = {}
+    attrs_of: dict[type, list[str]] = {}
+    seen: set[int] = set()
+    keep: list[Any] = []  # holds the node wrappers during the walk so that id() stays unique
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+        cls = type(node)
+        if cls not in attrs_of:
+            attrs_of[cls] = [a for a in dir(node) if a.startswith("_saved_")]
+        values = []
+        for a in attrs_of[cls]:
+            try:
+                values.append(getattr(node, a))
+            except RuntimeError:  # released, or an undefined optional tensor
+                continue
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            values.append(node.saved_tensors)
+        tids = [tracer.register(t, "buffer") for t in _tensors(values)]
+        tids = list(dict.fromkeys(t for t in tids if t is not None))
+        del values
+        if not tids:
+            continue
+        op = node.metadata.get(_TAG)
+        if op is None:  # untagged node: the latest op that produced one of its saved tensors
+            producers = [tracer.t.storages[t].producer for t in tids if tracer.t.storages[t].producer is not None]
+            if not producers:
+                continue
+            op = max(producers)
+        out.setdefault(op, []).extend(tids)
+    return {op: list(dict.fromkeys(tids)) for op, tids in out.items()}
+
+
+def _allocation_highs(prof: Any) -> dict[str, int]:
+    """``memplan:*`` range name -> the highest running sum of the allocation events inside it."""
+    from torch._C._profiler import _EventType
+
+    highs: dict[str, int] = {}
+
+    def allocations(event: Any) -> list[tuple[int, int]]:
+        found = []
+        stack = list(event.children)
+        while stack:
+            e = stack.pop()
+            if e.tag == _EventType.Allocation:
+                found.append((e.start_time_ns, e.extra_fields.alloc_size))
+            stack.extend(e.children)
+        return sorted(found)
+
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.name.startswith("memplan:"):
+            highs[e.name] = _max_prefix([size for _, size in allocations(e)])
+            continue  # ranges do not nest: the handler runs with the mode off
+        stack.extend(e.children)
+    return highs
+
+
+def _traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+                 fixed_tensors: dict[str, list[torch.Tensor]], sync: Callable[[], None], *,
+                 structure: bool, memory: str = "off") -> _Trace:
+    """One training step under the tracer. ``structure``: also record saved tensors (pack hooks and the
+    graph walk) and trace the optimizer step; otherwise the optimizer step is only timed, outside the
+    mode. ``memory``: how kernel scratch is read ("off", "cuda", "cpu"; see ``_Tracer._timed``)."""
+    trace = _Trace()
+    stack: list[str] = []
+    tracer = _Tracer(trace, stack, sync, memory)
+    tracer_ref: list[_Tracer | None] = [tracer]
+    for kind in ("param", "buffer", "input"):
+        for t in fixed_tensors[kind]:
+            tracer.register(t, kind)
+    trace.n_fixed = len(trace.storages)
+    allocator_events = contextlib.nullcontext()
+    if memory == "cpu":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        allocator_events = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+    optimizer.zero_grad(set_to_none=True)
+    with allocator_events as prof:
+        with _module_stack(model, stack, tracer_ref), tracer:
+            tracer.phase = "forward"
+            loss = loss_fn(model, batch)
+            tracer.resolve_pending()
+            tracer.phase = "idle"
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+                got = f"{type(loss).__name__} of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) \
+                    else type(loss).__name__
+                raise MemplanError(f"loss_fn(model, batch) must return a scalar tensor that requires grad, "
+                                   f"got {got}")
+            if structure:
+                trace.saved = _saved_by_node(loss, tracer)
+            tracer.phase, tracer.clock = "backward", len(trace.ops) - 1
+            loss.backward()
+            tracer.phase = "idle"
+            for st in trace.storages:  # alive after backward: held by the caller (the loss, outputs)
+                st.held = st.kind == "activation" and st.died is None
+            if structure:
+                tracer.phase, tracer.clock = "optimizer", 0
+                _, _, number = tracer._timed(lambda: optimizer.step(), (), {})
+                tracer.phase = "idle"
+            del loss
+        if not structure:
+            sync()
+            start = time.perf_counter()
+            optimizer.step()
+            sync()  # CUDA: the step's kernels are asynchronous
+            trace.optimizer_time_s = time.perf_counter() - start
+    tracer_ref[0] = None
+    if memory == "cpu":
+        for name, high in _allocation_highs(prof).items():
+            tracer.high[int(name.removeprefix("memplan:"))] = high
+    if memory != "off":
+        tracer.apply_scratch()
+    if structure:
+        trace.optimizer_scratch_bytes = tracer.high.get(number, 0)
+        trace.optimizer_survivors_bytes = sum(
+            st.nbytes for st in trace.storages if st.born == ("optimizer", 0) and st.died is None)
+    return trace
+
+
+# ---- the graph --------------------------------------------------------------------------------------------
+
+
+def _max_prefix(deltas: list[int]) -> int:
+    best = running = 0
+    for d in deltas:
+        running += d
+        best = max(best, running)
+    return best
+
+
+def _backward_figures(trace: _Trace, n_ops: int) -> tuple[list[int], list[int], list[int], dict[int, int]]:
+    """Per forward op: (grad alloc, grad free, backward workspace) bytes of its backward step, and, for each
+    activation born in forward that died in backward, the step that released it."""
+    alloc = [0] * n_ops
+    free = [0] * n_ops
+    workspace = [0] * n_ops
+    born_step: dict[int, int] = {}
+    death_step: dict[int, int] = {}
+    for step, tid, delta in trace.backward_events:
+        if tid < 0:
+            continue
+        if delta > 0:
+            born_step[tid] = step
+        else:
+            death_step[tid] = step
+    for tid, b in born_step.items():
+        d = death_step.get(tid)
+        # Died in its own step (or, engine order differing from op order, in a step simulated earlier): a
+        # transient of its birth step. Otherwise it outlives the step: allocated at b, released at d.
+        if d is not None and d >= b:
+            continue
+        alloc[b] += trace.storages[tid].nbytes
+        if d is not None:
+            free[d] += trace.storages[tid].nbytes
+    # The in-step high-water mark, segment by segment (a step's events are normally one run).
+    segment_step, running, high = None, 0, 0
+    highs: dict[int, int] = {}
+    for step, _tid, delta in trace.backward_events:
+        if step != segment_step:
+            if segment_step is not None:
+                highs[segment_step] = max(highs.get(segment_step, 0), high)
+            segment_step, running, high = step, 0, 0
+        running += delta
+        high = max(high, running)
+    if segment_step is not None:
+        highs[segment_step] = max(highs.get(segment_step, 0), high)
+    for step, high in highs.items():
+        workspace[step] = max(0, high - alloc[step])
+    released = {tid: step for tid, step in death_step.items()
+                if tid not in born_step and trace.storages[tid].kind == "activation"}
+    return alloc, free, workspace, released
+
+
+def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[int, float]],
+                 fixed: FixedMemory, optimizer_time_s: float, name: str, device: torch.device,
+                 fingerprint: str, bandwidth: float, meta: dict[str, Any]) -> Graph:
+    n_ops = len(trace.ops)
+    # Tensor ids in the graph: the pre-existing storages the step reads or that are fixed, then the
+    # activations born in forward, in birth order. Storages born in backward/optimizer are not tensors.
+    order = [st for st in trace.storages if st.kind != "activation"] + \
+            [st for st in trace.storages if st.kind == "activation" and st.born and st.born[0] == "forward"]
+    new_id = {st.tid: i for i, st in enumerate(order)}
+    alloc, free, workspace, released = _backward_figures(trace, n_ops)
+
+    saved = {op: [new_id[t] for t in tids if t in new_id] for op, tids in trace.saved.items()}
+    in_saved = {t for tids in saved.values() for t in tids}
+    inferred = 0
+    for tid, step in released.items():  # lived into backward, no node exposed it: saved by its releaser
+        if tid in new_id and new_id[tid] not in in_saved and not trace.storages[tid].held:
+            saved.setdefault(step, []).append(new_id[tid])
+            inferred += 1
+
+    mutated_by: dict[int, list[int]] = {}
+    for k, op in enumerate(trace.ops):
+        for t in op.writes:
+            if t in new_id and trace.storages[t].producer != k:
+                mutated_by.setdefault(new_id[t], []).append(k)
+
+    tensors = []
+    for i, st in enumerate(order):
+        act = st.kind == "activation"
+        freed_after = None
+        if act and st.died is not None and st.died[0] == "forward":
+            freed_after = max(st.died[1], st.producer)
+        producer_writes = act and bool(trace.ops[st.producer].writes)
+        tensors.append(TensorInfo(
+            id=i, kind=st.kind, producer=st.producer if act else None, output_index=st.output_index if act else 0,
+            bytes=st.nbytes, dtype=st.dtype, shape=st.shape, requires_grad=st.requires_grad,
+            freed_after=freed_after, held_by_caller=act and st.held,
+            recomputable=not (i in mutated_by or producer_writes)))
+
+    ops = []
+    for k, rec in enumerate(trace.ops):
+        ops.append(Op(
+            id=k, name=rec.name, module=rec.module,
+            time_s=statistics.median(run[k] for run in times),
+            backward_time_s=statistics.median(run.get(k, 0.0) for run in bwd_times),
+            inputs=[new_id[t] for t in rec.inputs if t in new_id],
+            outputs=[new_id[t] for t in rec.outputs],
+            saved=saved.get(k, []), workspace_bytes=rec.workspace_bytes,
+            backward_workspace_bytes=workspace[k], backward_grad_alloc_bytes=alloc[k],
+            backward_grad_free_bytes=free[k], has_backward=rec.has_backward, random=rec.random))
+
+    # pre-existing storages the step read that are not parameters, buffers or the batch (module attributes)
+    other = sum(st.nbytes for st in order if st.kind == "buffer" and st.tid >= trace.n_fixed)
+    fixed = fixed.model_copy(update={"other_bytes": other})
+    reversed_ok = all(a > b for a, b in zip(trace.backward_order, trace.backward_order[1:]))
+    meta.update({
+        "saved_inferred": inferred,
+        "backward_in_reverse_op_order": reversed_ok,
+        "optimizer_step_survivors_bytes": trace.optimizer_survivors_bytes,
+        "mutated_by": {str(t): ops_ for t, ops_ in mutated_by.items()},
+    })
+    return Graph(name=name, device=device.type, model_fingerprint=fingerprint, tensors=tensors, ops=ops,
+                 fixed=fixed, optimizer_time_s=optimizer_time_s, host_bandwidth_bytes_per_s=bandwidth, meta=meta)
+
+
+# ---- the public entry point ---------------------------------------------------------------------------------
+
+
+def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        s = _storage(t)
+        if s is not None and s._cdata not in seen:
+            seen.add(s._cdata)
+            total += s.nbytes()
+    return total
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return type(batch)({k: _move(v, device) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        moved = [_move(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def _host_bandwidth(device: torch.device) -> float:
+    """Pinned host -> device copy bandwidth (CUDA); a nominal figure elsewhere."""
+    if device.type != "cuda":
+        return _NOMINAL_HOST_BANDWIDTH
+    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=device)
+    dev.copy_(host, non_blocking=True)  # warm-up
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(4):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)  # wait for the async copies before reading the clock
+    return 4 * host.numel() / (time.perf_counter() - start)
+
+
+def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
+            optimizer: torch.optim.Optimizer | None = None, warmup: int = 1, repeats: int = 3,
+            device: str | torch.device | None = None, progress: bool = True, measure: bool = True,
+            name: str = "graph") -> Graph:
+    """Profile real training steps of ``model`` and return their :class:`Graph` (``memplan.graph/1``).
+
+    One step is ``optimizer.zero_grad(set_to_none=True); loss = loss_fn(model, example_batch);
+    loss.backward(); optimizer.step()`` (see :mod:`memplan.planner.workloads`): ``loss_fn`` calls the
+    model itself and returns a scalar tensor. ``optimizer`` defaults to AdamW (foreach). ``device``:
+    ``None`` is CUDA when available, else CPU; the model and batch are moved there. ``warmup`` (>= 1)
+    untimed steps create the optimizer state; then ``repeats`` traced steps give the structure (from the
+    first) and median times. With ``measure``, :func:`memplan.planner.measure.measure_step` fills
+    ``graph.measured`` with an independent measurement of the peak and step time.
+
+    Raises ``ValueError`` for warmup < 1 or repeats < 1, and :class:`MemplanError` if ``loss_fn`` does not
+    return a scalar that requires grad or the op sequence changes between repeats.
+    """
+    if warmup < 1 or repeats < 1:
+        raise ValueError(f"profile needs warmup >= 1 (to create the optimizer state) and repeats >= 1, "
+                         f"got warmup={warmup}, repeats={repeats}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    model.to(device)
+    batch = _move(example_batch, device)
+    model.train()
+    optimizer = optimizer or default_optimizer(model)
+    on_cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
+
+    with _progress(progress, name, warmup + 1 + repeats + (1 if measure else 0)) as advance:
+        for _ in range(warmup):
+            training_step(model, batch, loss_fn, optimizer)
+            advance()
+        params = [p for _, p in model.named_parameters()]
+        buffers = [b for _, b in model.named_buffers()]
+        inputs = _tensors(batch)
+        state = [t for s in optimizer.state.values() for t in _tensors(s)]
+        seen: set[int] = set()
+        fixed = FixedMemory(params_bytes=_unique_bytes(params, seen), buffers_bytes=_unique_bytes(buffers, seen),
+                            inputs_bytes=_unique_bytes(inputs, seen),
+                            optimizer_state_bytes=_unique_bytes(state, seen))
+        fixed_tensors = {"param": params, "buffer": buffers, "input": inputs}
+        # The structure and the memory figures come from one step; its clock is perturbed by the scratch
+        # measurement, so the times come from the `repeats` steps after it.
+        first = _traced_step(model, batch, loss_fn, optimizer, fixed_tensors, sync, structure=True,
+                             memory="cuda" if on_cuda else "cpu")
+        advance()
+        traces = []
+        for _ in range(repeats):
+            traces.append(_traced_step(model, batch, loss_fn, optimizer, fixed_tensors, sync, structure=False))
+            advance()
+        measured = Measured()
+        if measure:
+            from memplan.planner.measure import measure_step
+            m = measure_step(model, batch, loss_fn, optimizer, steps=repeats, warmup=0)
+            measured = Measured(peak_bytes=m.peak_bytes, step_time_s=m.step_time_s,
+                                forward_time_s=m.forward_time_s, backward_time_s=m.backward_time_s)
+            advance()
+
+    names = [op.name for op in first.ops]
+    for r, tr in enumerate(traces, start=1):
+        if [op.name for op in tr.ops] != names:
+            raise MemplanError(f"profile of {name}: the forward op sequence of timed step {r} differs from the "
+                               f"traced step's ({len(tr.ops)} vs {len(names)} ops); data-dependent control "
+                               f"flow cannot be recorded as one graph")
+    meta = {
+        "profiler": "memplan.planner.profiler", "torch": torch.__version__, "warmup": warmup,
+        "repeats": repeats, "optimizer": type(optimizer).__name__,
+        "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+        "threads": torch.get_num_threads(),
+    }
+    graph = _build_graph(first, [[op.time_s for op in tr.ops] for tr in traces],
+                         [tr.backward_time_s for tr in traces], fixed,
+                         statistics.median(tr.optimizer_time_s for tr in traces),
+                         name, device, model_fingerprint(model), _host_bandwidth(device), meta)
+    # the allocator's view includes kernel scratch; the storages' view is the floor
+    graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, _max_prefix(first.optimizer_events))
+    graph.measured = measured
+    return graph
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, name: str, total: int) -> Iterator[Callable[[], None]]:
+    """A transient rich progress bar over the profiled steps (on stderr), or nothing."""
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(name, total=total)
+        yield lambda: bar.advance(task)

@@ -1,0 +1,277 @@
+"""Workloads: a model, an example batch and a loss function, built-in or loaded from a file.
+
+A workload is what one training step needs. The calling convention, shared by the profiler, the
+measurement harness and the executor, is :func:`training_step`::
+
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)      # the forward and the loss; returns a scalar tensor
+    loss.backward()
+    optimizer.step()
+
+``loss_fn(model, batch)`` calls the model itself, so a batch can be anything (a tensor, a tuple, a dict of
+keyword arguments) and labels never need to pass through the model. Ops it runs outside the model's
+modules are attributed to the module ``loss``.
+
+Built-ins (random weights, nothing downloaded; sized so one CPU step takes well under a second):
+
+* ``mlp``    a chain of ``depth`` Linear+ReLU layers;
+* ``resnet`` transformers' ``ResNetForImageClassification`` on small images;
+* ``gpt2``   transformers' ``GPT2LMHeadModel``, dropout on, next-token cross-entropy;
+* ``unet``   a small U-Net defined here: long skip connections make it a DAG, not a chain;
+* ``bert``   transformers' ``BertForMaskedLM``, masked-token cross-entropy.
+
+Each takes keyword overrides (``load_workload("gpt2", layers=12)``); ``path/to/file.py:function`` calls
+``function(**overrides)``, which must return ``(model, example_batch, loss_fn)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.planner.errors import WorkloadError
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class Workload:
+    """One training step's ingredients; ``loss_fn(model, batch)`` returns the scalar loss."""
+
+    name: str
+    model: nn.Module
+    batch: Any
+    loss_fn: LossFn
+
+
+def training_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> None:
+    """One real training step, the one memplan models (see the module docstring)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    optimizer.step()
+
+
+def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW (foreach) over the parameters that require grad: what the profiler uses when given none."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+
+
+# ---- built-in models -------------------------------------------------------------------------------
+
+
+def _mlp(*, depth: int = 16, width: int = 256, batch_size: int = 1024, seed: int = 0) -> Workload:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    x = torch.randn(batch_size, width)
+    y = torch.randn(batch_size, width)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, target = batch
+        return nn.functional.mse_loss(model(inputs), target)
+
+    return Workload("mlp", model, (x, y), loss_fn)
+
+
+def _classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(pixel_values=batch["pixel_values"]).logits
+    return nn.functional.cross_entropy(logits, batch["labels"])
+
+
+def _resnet(*, depths: tuple[int, ...] = (2, 2, 2, 2), width: int = 32, image_size: int = 64,
+            batch_size: int = 8, num_labels: int = 10, seed: int = 0) -> Workload:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(seed)
+    config = ResNetConfig(embedding_size=width, hidden_sizes=[width * 2**i for i in range(len(depths))],
+                          depths=list(depths), layer_type="basic", num_labels=num_labels)
+    model = ResNetForImageClassification(config)
+    batch = {"pixel_values": torch.randn(batch_size, 3, image_size, image_size),
+             "labels": torch.randint(0, num_labels, (batch_size,))}
+    return Workload("resnet", model, batch, _classification_loss)
+
+
+def _token_batch(vocab_size: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _gpt2(*, layers: int = 6, n_embd: int = 256, n_head: int = 4, seq_len: int = 128, batch_size: int = 4,
+          vocab_size: int = 8192, dropout: float = 0.1, attn_implementation: str = "eager",
+          seed: int = 0) -> Workload:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=layers, n_embd=n_embd, n_head=n_head, n_positions=seq_len,
+                        vocab_size=vocab_size, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, use_cache=False)
+    config._attn_implementation = attn_implementation
+    model = GPT2LMHeadModel(config)
+    batch = _token_batch(vocab_size, batch_size, seq_len)
+
+    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # next-token prediction: position t predicts token t+1
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                           batch["input_ids"][:, 1:].reshape(-1))
+
+    return Workload("gpt2", model, batch, loss_fn)
+
+
+def _bert(*, layers: int = 4, hidden: int = 256, heads: int = 4, seq_len: int = 128, batch_size: int = 4,
+          vocab_size: int = 8192, dropout: float = 0.1, attn_implementation: str = "eager",
+          seed: int = 0) -> Workload:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                        intermediate_size=4 * hidden, max_position_embeddings=seq_len, vocab_size=vocab_size,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    config._attn_implementation = attn_implementation
+    model = BertForMaskedLM(config)
+    batch = _token_batch(vocab_size, batch_size, seq_len)
+    # 15% of positions are predicted; the others are ignored by the loss (label -100)
+    masked = torch.rand(batch_size, seq_len) < 0.15
+    batch["labels"] = torch.where(masked, batch["input_ids"], torch.full_like(batch["input_ids"], -100))
+
+    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+
+    return Workload("bert", model, batch, loss_fn)
+
+
+class _ConvBlock(nn.Sequential):
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(),
+                         nn.Conv2d(c_out, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+class UNet(nn.Module):
+    """A small U-Net (Ronneberger et al., 2015): each encoder level's output is concatenated into the
+    decoder level of the same resolution, so activations cross the whole network (a DAG)."""
+
+    def __init__(self, channels: tuple[int, ...] = (16, 32, 64, 128), in_channels: int = 3,
+                 out_channels: int = 3):
+        super().__init__()
+        self.down = nn.ModuleList()
+        c = in_channels
+        for width in channels[:-1]:
+            self.down.append(_ConvBlock(c, width))
+            c = width
+        self.pool = nn.MaxPool2d(2)
+        self.bottom = _ConvBlock(c, channels[-1])
+        self.up = nn.ModuleList()
+        self.merge = nn.ModuleList()
+        c = channels[-1]
+        for width in reversed(channels[:-1]):
+            self.up.append(nn.ConvTranspose2d(c, width, 2, stride=2))
+            self.merge.append(_ConvBlock(2 * width, width))
+            c = width
+        self.head = nn.Conv2d(c, out_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.bottom(x)
+        for up, merge, skip in zip(self.up, self.merge, reversed(skips)):
+            x = merge(torch.cat([up(x), skip], dim=1))
+        return self.head(x)
+
+
+def _unet(*, channels: tuple[int, ...] = (16, 32, 64, 128), image_size: int = 64, batch_size: int = 4,
+          seed: int = 0) -> Workload:
+    torch.manual_seed(seed)
+    model = UNet(tuple(channels))
+    x = torch.randn(batch_size, 3, image_size, image_size)
+    target = torch.randn(batch_size, 3, image_size, image_size)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, target = batch
+        return nn.functional.mse_loss(model(inputs), target)
+
+    return Workload("unet", model, (x, target), loss_fn)
+
+
+BUILTINS: dict[str, Callable[..., Workload]] = {
+    "mlp": _mlp, "resnet": _resnet, "gpt2": _gpt2, "unet": _unet, "bert": _bert,
+}
+
+
+# ---- loading -----------------------------------------------------------------------------------------
+
+
+def load_workload(spec: str, **overrides: Any) -> Workload:
+    """A :class:`Workload` from a built-in name (``mlp``, ``resnet``, ``gpt2``, ``unet``, ``bert``) or
+    ``path/to/file.py:function``. ``overrides`` go to the builder as keyword arguments.
+
+    Raises :class:`WorkloadError` with a one-line message for an unknown name, a missing file or
+    function, an unknown override, or a function that does not return ``(model, example_batch, loss_fn)``.
+    """
+    if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
+        return _from_file(spec, overrides)
+    builder = BUILTINS.get(spec)
+    if builder is None:
+        raise WorkloadError(f"unknown workload {spec!r}: expected one of {', '.join(BUILTINS)} "
+                            f"or path/to/file.py:function")
+    _check_overrides(spec, builder, overrides)
+    return builder(**overrides)
+
+
+def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str, Any]) -> None:
+    params = inspect.signature(builder).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(overrides) - set(params))
+    if unknown:
+        raise WorkloadError(f"workload {spec!r} has no option {', '.join(unknown)}; "
+                            f"it takes {', '.join(params) or 'none'}")
+
+
+def _from_file(spec: str, overrides: dict[str, Any]) -> Workload:
+    path_text, func_name = spec.rsplit(":", 1)
+    path = Path(path_text)
+    if not path.is_file():
+        raise WorkloadError(f"workload file {path_text} not found (spec {spec!r})")
+    if not func_name.isidentifier():
+        raise WorkloadError(f"workload spec {spec!r}: {func_name!r} is not a function name")
+    module_name = f"memplan_workload_{abs(hash(str(path.resolve())))}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise WorkloadError(f"cannot import workload file {path_text}")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: report what went wrong in one line
+        del sys.modules[module_name]
+        raise WorkloadError(f"importing workload file {path_text} failed: {type(e).__name__}: {e}") from e
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise WorkloadError(f"workload file {path_text} has no function {func_name!r}")
+    _check_overrides(spec, func, overrides)
+    result = func(**overrides)
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise WorkloadError(f"{spec} must return (model, example_batch, loss_fn), "
+                            f"got {type(result).__name__}")
+    model, batch, loss_fn = result
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"{spec} returned a {type(model).__name__} as the model; expected a torch.nn.Module")
+    if not callable(loss_fn):
+        raise WorkloadError(f"{spec} returned a {type(loss_fn).__name__} as loss_fn; expected a callable "
+                            f"loss_fn(model, batch) -> scalar tensor")
+    return Workload(path.stem + ":" + func_name, model, batch, loss_fn)
