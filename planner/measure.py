@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.planner.workloads import LossFn, default_optimizer
+from memplan.planner.workloads import LossFn, compute_loss, default_optimizer, training_step
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _cpu_step_peak(model, batch, loss_fn, optimizer) -> tuple[int, int]:
     optimizer.zero_grad(set_to_none=True)
     baseline = live_storage_bytes(model, batch, optimizer)
     with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = loss_fn(model, batch)
+        loss = compute_loss(model, batch, loss_fn)
         loss.backward()
         optimizer.step()
         del loss
@@ -101,7 +101,7 @@ def _cuda_step_peak(model, batch, loss_fn, optimizer, device) -> tuple[int, int]
     torch.cuda.synchronize(device)
     baseline = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    loss = loss_fn(model, batch)
+    loss = compute_loss(model, batch, loss_fn)
     loss.backward()
     optimizer.step()
     del loss
@@ -130,9 +130,7 @@ def measure_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
             torch.cuda.synchronize(device)
 
     for _ in range(warmup):
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model, batch).backward()
-        optimizer.step()
+        training_step(model, batch, loss_fn, optimizer)
     if on_cuda:
         peak, baseline = _cuda_step_peak(model, batch, loss_fn, optimizer, device)
     else:
@@ -142,7 +140,7 @@ def measure_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
         optimizer.zero_grad(set_to_none=True)
         sync()
         t0 = time.perf_counter()
-        loss = loss_fn(model, batch)
+        loss = compute_loss(model, batch, loss_fn)
         sync()
         t1 = time.perf_counter()
         loss.backward()

@@ -25,18 +25,24 @@ What it observes, and how (torch >= 2.4):
   ``backward_grad_alloc_bytes``; those that die within it make ``backward_workspace_bytes`` (the in-step
   high-water mark beyond the step's allocations); those born earlier that die in it are
   ``backward_grad_free_bytes``.
-* **Time.** ``time.perf_counter`` around each op (CUDA: synchronised), median over ``repeats`` steps after
-  ``warmup`` untimed ones. Kernel-internal scratch memory is invisible here, so ``workspace_bytes`` is 0
-  on CPU; on CUDA it is read from the allocator's peak around each op.
+* **Workspace.** Scratch memory inside a kernel (oneDNN's reorders in a convolution's backward) is no
+  storage the mode sees, but the allocator sees it. On CUDA the allocator's peak is read around each op;
+  on CPU the traced step runs under ``torch.profiler`` with ``profile_memory=True``, each op inside a
+  ``memplan:<n>`` range, and the highest running sum of the allocation events inside the range is the op's
+  high-water mark. Beyond its outputs, that is ``workspace_bytes``; in backward it joins the step's
+  events (``backward_workspace_bytes``); for ``optimizer.step()`` it is ``optimizer_step_bytes``.
+* **Time.** ``time.perf_counter`` around each op (CUDA: synchronised) in ``repeats`` further steps (the
+  traced step's clock is perturbed by the memory reading), median per op.
 
-Profiling runs real training steps (``warmup + repeats`` of them, plus the measured ones): the model's
-parameters and the optimizer's state are updated as in training.
+Profiling runs real training steps (``warmup + 1 + repeats`` of them, plus those of the measurement):
+the model's parameters and the optimizer's state are updated as in training.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import statistics
 import time
@@ -52,7 +58,7 @@ from torch.utils._pytree import tree_flatten
 
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import FixedMemory, Graph, Measured, Op, TensorInfo
-from memplan.planner.workloads import LossFn, default_optimizer, training_step
+from memplan.planner.workloads import LossFn, compute_loss, default_optimizer, training_step
 
 _TAG = "memplan_op"
 _NOMINAL_HOST_BANDWIDTH = 12e9  # bytes/s; on CPU offload is a logical move (see docs/model.md)
@@ -172,7 +178,8 @@ class _Tracer(TorchDispatchMode):
             return tid
         tid = len(self.t.storages)
         born = (self.phase, self.clock) if kind == "activation" else None
-        self.t.storages.append(_Storage(tid, kind, s.nbytes(), _dtype_name(t.dtype), list(t.shape), born))
+        self.t.storages.append(_Storage(tid, kind, s.nbytes(), _dtype_name(t.dtype), list(t.shape), born,
+                                        requires_grad=kind != "activation" and t.requires_grad))
         self.by_key[key] = tid
         self.refs[tid] = weakref.ref(s, lambda _ref, tid=tid, key=key: self._died(tid, key))
         return tid
@@ -186,9 +193,6 @@ class _Tracer(TorchDispatchMode):
             self.t.backward_events.append((self.clock, tid, -st.nbytes))
         elif self.phase == "optimizer":
             self.t.optimizer_events.append(-st.nbytes)
-
-    def alive(self, tid: int) -> bool:
-        return self.refs[tid]() is not None
 
     # -- the dispatch hook ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -450,14 +454,9 @@ def _traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
     with allocator_events as prof:
         with _module_stack(model, stack, tracer_ref), tracer:
             tracer.phase = "forward"
-            loss = loss_fn(model, batch)
+            loss = compute_loss(model, batch, loss_fn)
             tracer.resolve_pending()
             tracer.phase = "idle"
-            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-                got = f"{type(loss).__name__} of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) \
-                    else type(loss).__name__
-                raise MemplanError(f"loss_fn(model, batch) must return a scalar tensor that requires grad, "
-                                   f"got {got}")
             if structure:
                 trace.saved = _saved_by_node(loss, tracer)
             tracer.phase, tracer.clock = "backward", len(trace.ops) - 1
@@ -565,7 +564,7 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
     mutated_by: dict[int, list[int]] = {}
     for k, op in enumerate(trace.ops):
         for t in op.writes:
-            if t in new_id and trace.storages[t].producer != k:
+            if t in new_id and trace.storages[t].kind == "activation" and trace.storages[t].producer != k:
                 mutated_by.setdefault(new_id[t], []).append(k)
 
     tensors = []
@@ -596,7 +595,7 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
     # pre-existing storages the step read that are not parameters, buffers or the batch (module attributes)
     other = sum(st.nbytes for st in order if st.kind == "buffer" and st.tid >= trace.n_fixed)
     fixed = fixed.model_copy(update={"other_bytes": other})
-    reversed_ok = all(a > b for a, b in zip(trace.backward_order, trace.backward_order[1:]))
+    reversed_ok = all(a > b for a, b in itertools.pairwise(trace.backward_order))
     meta.update({
         "saved_inferred": inferred,
         "backward_in_reverse_op_order": reversed_ok,
@@ -660,8 +659,8 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     first) and median times. With ``measure``, :func:`memplan.planner.measure.measure_step` fills
     ``graph.measured`` with an independent measurement of the peak and step time.
 
-    Raises ``ValueError`` for warmup < 1 or repeats < 1, and :class:`MemplanError` if ``loss_fn`` does not
-    return a scalar that requires grad or the op sequence changes between repeats.
+    Raises ``ValueError`` for warmup < 1 or repeats < 1, :class:`WorkloadError` if ``loss_fn`` does not
+    return a scalar that requires grad, and :class:`MemplanError` if the op sequence changes between steps.
     """
     if warmup < 1 or repeats < 1:
         raise ValueError(f"profile needs warmup >= 1 (to create the optimizer state) and repeats >= 1, "

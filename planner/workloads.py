@@ -52,10 +52,21 @@ class Workload:
     loss_fn: LossFn
 
 
+def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
+    """``loss_fn(model, batch)``, checked: raises :class:`WorkloadError` unless it is a one-element tensor
+    that requires grad (what ``loss.backward()`` needs)."""
+    loss = loss_fn(model, batch)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+        got = (f"a tensor of shape {list(loss.shape)}{'' if loss.requires_grad else ' that does not require grad'}"
+               if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
+        raise WorkloadError(f"loss_fn(model, batch) must return a scalar tensor that requires grad, got {got}")
+    return loss
+
+
 def training_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> None:
     """One real training step, the one memplan models (see the module docstring)."""
     optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model, batch)
+    loss = compute_loss(model, batch, loss_fn)
     loss.backward()
     optimizer.step()
 
@@ -188,7 +199,7 @@ class UNet(nn.Module):
             skips.append(x)
             x = self.pool(x)
         x = self.bottom(x)
-        for up, merge, skip in zip(self.up, self.merge, reversed(skips)):
+        for up, merge, skip in zip(self.up, self.merge, reversed(skips), strict=True):
             x = merge(torch.cat([up(x), skip], dim=1))
         return self.head(x)
 

@@ -1,0 +1,80 @@
+"""Workload specs: every built-in builds and gives a scalar loss; bad specs fail with one clear line."""
+
+import pytest
+import torch
+
+from memplan.planner.errors import WorkloadError
+from memplan.planner.workloads import BUILTINS, compute_loss, load_workload
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_builtin_gives_a_scalar_loss(name):
+    w = load_workload(name)
+    assert w.name == name and isinstance(w.model, torch.nn.Module)
+    loss = compute_loss(w.model, w.batch, w.loss_fn)
+    assert loss.shape == () and loss.requires_grad and torch.isfinite(loss)
+
+
+def test_builtins_are_reproducible():
+    a, b = load_workload("mlp", depth=2), load_workload("mlp", depth=2)
+    assert torch.equal(a.model[0].weight, b.model[0].weight) and torch.equal(a.batch[0], b.batch[0])
+
+
+def test_overrides_reach_the_builder():
+    w = load_workload("gpt2", layers=2, seq_len=16, batch_size=1)
+    assert w.model.config.n_layer == 2 and w.batch["input_ids"].shape == (1, 16)
+    assert len(load_workload("mlp", depth=3).model) == 6
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(WorkloadError, match=r"unknown workload 'gpt3': expected one of mlp, resnet, gpt2, unet, bert"):
+        load_workload("gpt3")
+
+
+def test_unknown_override():
+    with pytest.raises(WorkloadError, match=r"workload 'mlp' has no option layers; it takes depth, width"):
+        load_workload("mlp", layers=3)
+
+
+def test_file_spec(tmp_path):
+    f = tmp_path / "wl.py"
+    f.write_text(
+        "import torch\n"
+        "def make(width=4):\n"
+        "    m = torch.nn.Linear(width, 1)\n"
+        "    return m, torch.randn(2, width), lambda model, x: model(x).sum()\n"
+        "def bad_tuple():\n"
+        "    return 1, 2\n"
+        "def bad_model():\n"
+        "    return 'model', torch.randn(2), lambda m, x: x\n"
+        "VALUE = 3\n")
+    w = load_workload(f"{f}:make", width=6)
+    assert w.name == "wl:make" and w.model.in_features == 6
+    assert compute_loss(w.model, w.batch, w.loss_fn).shape == ()
+    with pytest.raises(WorkloadError, match=r"must return \(model, example_batch, loss_fn\), got tuple"):
+        load_workload(f"{f}:bad_tuple")
+    with pytest.raises(WorkloadError, match="returned a str as the model; expected a torch.nn.Module"):
+        load_workload(f"{f}:bad_model")
+    with pytest.raises(WorkloadError, match=r"has no function 'missing'"):
+        load_workload(f"{f}:missing")
+    with pytest.raises(WorkloadError, match=r"has no function 'VALUE'"):
+        load_workload(f"{f}:VALUE")
+
+
+def test_missing_file_and_broken_file(tmp_path):
+    with pytest.raises(WorkloadError, match=r"workload file .*nope.py not found"):
+        load_workload(str(tmp_path / "nope.py") + ":make")
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise ImportError('no such dependency')\n")
+    with pytest.raises(WorkloadError, match="importing workload file .* failed: ImportError: no such dependency"):
+        load_workload(f"{broken}:make")
+
+
+def test_loss_must_be_a_scalar_that_requires_grad():
+    w = load_workload("mlp", depth=1)
+    with pytest.raises(WorkloadError, match="got a tensor of shape \\[1024, 256\\]"):
+        compute_loss(w.model, w.batch, lambda m, b: m(b[0]))
+    with pytest.raises(WorkloadError, match="got a float"):
+        compute_loss(w.model, w.batch, lambda m, b: 1.0)
+    with pytest.raises(WorkloadError, match="that does not require grad"):
+        compute_loss(w.model, w.batch, lambda m, b: m(b[0]).sum().detach())
