@@ -205,28 +205,48 @@ def solve(
 def frontier(
     graph_file: Annotated[Path, typer.Argument(help="graph.json")],
     budgets: Annotated[str, typer.Option(help="comma-separated budgets")] = "30%,40%,50%,60%,70%,80%,90%,100%",
-    solver: Annotated[str, typer.Option("--solver", "-s")] = "auto",
+    solver: Annotated[str, typer.Option("--solver", "-s", help="a solver, or several: a,b,c")] = "auto",
     time_limit: Annotated[float, typer.Option("--time-limit", help="seconds per budget")] = 30.0,
+    plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG of memory against overhead per solver")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Predicted step-time overhead at each budget: memory against time."""
-    from memplan.solvers import solve_frontier
+    from memplan.solvers import keep_all_report, solve_frontier
 
     graph = Graph.load(str(graph_file))
     pairs = [(text.strip(), _budget(text, graph)) for text in budgets.split(",") if text.strip()]
-    points = solve_frontier(graph, [b for _, b in pairs], solver, time_limit_s=time_limit)
-    rows = [{"budget": label, "budget_bytes": b, "overhead": ov} for (label, _), (b, ov) in zip(pairs, points, strict=True)]
+    names = [n.strip() for n in solver.split(",") if n.strip()] or ["auto"]
+    series = {}
+    for name in names:
+        points = solve_frontier(graph, [b for _, b in pairs], name, time_limit_s=time_limit)
+        series[name] = [{"budget": label, "budget_bytes": b, "overhead": ov}
+                        for (label, _), (b, ov) in zip(pairs, points, strict=True)]
+    if plot is not None:
+        from memplan.api.plots import frontier_png
+
+        frontier_png(plot, {n: [(r["budget_bytes"], r["overhead"]) for r in rows] for n, rows in series.items()},
+                     keep_all_peak_bytes=keep_all_report(graph).peak_bytes, title=f"{graph.name}: memory against overhead")
+    rows = series[names[0]]
     if json_out:
-        _emit_json({"graph": graph.name, "solver": solver, "points": rows})
+        doc: dict[str, Any] = {"graph": graph.name, "solver": solver, "points": rows}
+        if len(names) > 1:
+            doc["series"] = [{"solver": n, "points": series[n]} for n in names]
+        if plot is not None:
+            doc["plot"] = str(plot)
+        _emit_json(doc)
         return
     t = Table(title=f"{graph.name}: frontier ({solver})")
     t.add_column("budget")
     t.add_column("bytes", justify="right")
-    t.add_column("overhead", justify="right")
-    for r in rows:
+    for n in names:
+        t.add_column("overhead" if len(names) == 1 else n, justify="right")
+    for i, r in enumerate(rows):
         t.add_row(r["budget"], format_bytes(r["budget_bytes"]),
-                  "infeasible" if r["overhead"] is None else f"{r['overhead'] * 100:.1f}%")
+                  *("infeasible" if series[n][i]["overhead"] is None else f"{series[n][i]['overhead'] * 100:.1f}%"
+                    for n in names))
     out.print(t)
+    if plot is not None:
+        out.print(f"wrote [bold]{plot}[/bold]")
 
 
 # ---- solvers ------------------------------------------------------------------------------------
@@ -290,6 +310,103 @@ def plan_workload(
               + (f" (measured {format_bytes(measured)})" if measured else "")
               + f", {base.time_s * 1e3:.1f} ms; plan: {format_bytes(result.report.peak_bytes)}, "
               f"{result.report.time_s * 1e3:.1f} ms; wrote {graph_output} and {output}")
+
+
+# ---- show: a plan, readable, and its memory timeline ---------------------------------------------
+@app.command()
+@_guard
+def show(
+    plan_file: Annotated[Path, typer.Argument(help="plan.json")],
+    graph_file: Annotated[Path, typer.Option("--graph", "-g", help="the graph.json the plan was made for")],
+    run_file: Annotated[Path | None, typer.Option("--run", help="a run report with a measured peak / timeline")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="PNG of the memory timeline to write")] = Path("timeline.png"),
+    top: Annotated[int, typer.Option(min=0, help="largest non-kept activations to list")] = 10,
+    json_out: JsonOpt = False,
+) -> None:
+    """Summarise a plan (what it keeps, recomputes, offloads; predicted peak and time) and plot its
+    memory timeline, against the measured one when a run report is given."""
+    from memplan.api.plots import load_run_report, timeline_png
+    from memplan.planner.simulator import simulate as run_sim
+    from memplan.solvers import keep_all_report
+
+    graph = Graph.load(str(graph_file))
+    plan = Plan.load(str(plan_file))
+    report = run_sim(graph, plan)  # checks the plan against the graph (fingerprint, tensor ids)
+    base = keep_all_report(graph)
+    measured = load_run_report(run_file) if run_file else None
+    timeline_png(output, report.timeline, budget_bytes=plan.budget_bytes, measured=measured,
+                 title=f"{graph.name}: {plan.solver.name} plan ({plan.solver.status})")
+    tensors = graph.tensors
+    by_action: dict[str, dict[str, int]] = {}
+    for d in plan.decisions:
+        row = by_action.setdefault(d.action.value, {"count": 0, "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += tensors[d.tensor].bytes
+    moved = sorted((d for d in plan.decisions if d.action.value != "keep"), key=lambda d: -tensors[d.tensor].bytes)
+    summary: dict[str, Any] = {
+        "graph": graph.name, "graph_fingerprint": graph.fingerprint, "solver": plan.solver.name,
+        "status": plan.solver.status, "solve_time_s": plan.solver.solve_time_s, "gap": plan.solver.gap,
+        "budget_bytes": plan.budget_bytes, "peak_bytes": report.peak_bytes, "peak_at": report.peak_note,
+        "time_s": report.time_s, "recompute_time_s": report.recompute_time_s,
+        "exposed_transfer_s": report.exposed_transfer_s, "host_peak_bytes": report.host_peak_bytes,
+        "keep_all_peak_bytes": base.peak_bytes, "keep_all_time_s": base.time_s,
+        "overhead": report.time_s / base.time_s - 1.0 if base.time_s else 0.0,
+        "actions": by_action,
+        "stale_prediction": plan.predicted is not None and plan.predicted.peak_bytes != report.peak_bytes,
+        "measured_peak_bytes": measured.peak_bytes if measured else None,
+        "timeline_png": str(output),
+        "largest_moved": [{"tensor": d.tensor, "action": d.action.value, "bytes": tensors[d.tensor].bytes,
+                           "producer": graph.ops[tensors[d.tensor].producer].name,
+                           "module": graph.ops[tensors[d.tensor].producer].module} for d in moved[:top]],
+    }
+    if measured and measured.peak_bytes:
+        summary["peak_error"] = report.peak_bytes / measured.peak_bytes - 1.0
+    if json_out:
+        _emit_json(summary)
+        return
+    _print_report(report, title=f"{graph.name}: {plan.solver.name} plan ({plan.solver.status}, solved in "
+                                f"{plan.solver.solve_time_s:.2f} s)", budget=plan.budget_bytes)
+    out.print(f"keep-all: {format_bytes(base.peak_bytes)}, {base.time_s * 1e3:.2f} ms -> peak "
+              f"{report.peak_bytes / base.peak_bytes * 100 if base.peak_bytes else 0:.0f}% of it, overhead "
+              f"{summary['overhead'] * 100:.1f}%")
+    counts = ", ".join(f"{v['count']} {k} ({format_bytes(v['bytes'])})" for k, v in sorted(by_action.items()))
+    out.print(f"decisions: {counts or 'none'}")
+    if summary["stale_prediction"]:
+        out.print(f"[yellow]the plan file predicted {format_bytes(plan.predicted.peak_bytes)}; the simulator now "
+                  f"says {format_bytes(report.peak_bytes)}[/yellow]")
+    if measured and measured.peak_bytes:
+        out.print(f"measured peak {format_bytes(measured.peak_bytes)}: predicted is "
+                  f"{summary['peak_error'] * 100:+.1f}% off")
+    if moved:
+        t = Table(title=f"largest activations not kept (of {len(moved)})")
+        for c in ("tensor", "action", "bytes", "producer", "module"):
+            t.add_column(c, justify="right" if c in ("tensor", "bytes") else "left")
+        for r in summary["largest_moved"]:
+            t.add_row(str(r["tensor"]), r["action"], format_bytes(r["bytes"]), r["producer"], r["module"])
+        out.print(t)
+    out.print(f"wrote [bold]{output}[/bold]")
+
+
+# ---- serve: the REST service -------------------------------------------------------------------
+@app.command()
+@_guard
+def serve(
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    cache: Annotated[str | None, typer.Option(help="SQLite plan cache file (':memory:' for none kept); "
+                                                   "default ~/.cache/memplan/plans.sqlite")] = None,
+    workers: Annotated[int, typer.Option(min=1, max=256, help="solves that run at once (worker processes)")] = 2,
+) -> None:
+    """Serve the REST API (OpenAPI docs at /docs). Other limits: MEMPLAN_* variables (see api/settings.py)."""
+    import uvicorn
+
+    from memplan.api.app import create_app
+    from memplan.api.settings import Settings, default_cache_path
+
+    settings = Settings.from_env(cache_path=cache or default_cache_path(), workers=workers)
+    err.print(f"memplan serving on http://{host}:{port} (docs at /docs), plan cache {settings.cache_path}, "
+              f"{settings.workers} {settings.pool} workers", highlight=False)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
 
 def main() -> None:

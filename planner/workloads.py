@@ -20,8 +20,10 @@ Built-ins (random weights, nothing downloaded; sized so one CPU step takes well 
 * ``unet``   a small U-Net defined here: long skip connections make it a DAG, not a chain;
 * ``bert``   transformers' ``BertForMaskedLM``, masked-token cross-entropy.
 
-Each takes keyword overrides (``load_workload("gpt2", layers=12)``); ``path/to/file.py:function`` calls
-``function(**overrides)``, which must return ``(model, example_batch, loss_fn)``.
+Each takes ``size`` (a preset: ``small``, the default, or a larger one from :data:`SIZES`) and keyword
+overrides named after the transformers config field they set (``load_workload("gpt2", n_layer=12)``,
+``load_workload("bert", size="base")``). ``path/to/file.py:function`` calls ``function(**overrides)``,
+which must return ``(model, example_batch, loss_fn)``.
 """
 
 from __future__ import annotations
@@ -77,9 +79,11 @@ def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 # ---- built-in models -------------------------------------------------------------------------------
+# Options carry the names of the transformers config they set (n_layer, hidden_size, ...); ``size`` picks a
+# preset (SIZES below) that explicit options override.
 
 
-def _mlp(*, depth: int = 16, width: int = 256, batch_size: int = 1024, seed: int = 0) -> Workload:
+def _mlp(*, depth: int, width: int, batch_size: int, seed: int = 0) -> Workload:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for _ in range(depth):
@@ -100,13 +104,13 @@ def _classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> to
     return nn.functional.cross_entropy(logits, batch["labels"])
 
 
-def _resnet(*, depths: tuple[int, ...] = (2, 2, 2, 2), width: int = 32, image_size: int = 64,
-            batch_size: int = 8, num_labels: int = 10, seed: int = 0) -> Workload:
+def _resnet(*, layer_type: str, embedding_size: int, hidden_sizes: tuple[int, ...], depths: tuple[int, ...],
+            image_size: int, batch_size: int, num_labels: int = 10, seed: int = 0) -> Workload:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)
-    config = ResNetConfig(embedding_size=width, hidden_sizes=[width * 2**i for i in range(len(depths))],
-                          depths=list(depths), layer_type="basic", num_labels=num_labels)
+    config = ResNetConfig(embedding_size=embedding_size, hidden_sizes=list(hidden_sizes), depths=list(depths),
+                          layer_type=layer_type, num_labels=num_labels)
     model = ResNetForImageClassification(config)
     batch = {"pixel_values": torch.randn(batch_size, 3, image_size, image_size),
              "labels": torch.randint(0, num_labels, (batch_size,))}
@@ -118,13 +122,12 @@ def _token_batch(vocab_size: int, batch_size: int, seq_len: int) -> dict[str, to
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def _gpt2(*, layers: int = 6, n_embd: int = 256, n_head: int = 4, seq_len: int = 128, batch_size: int = 4,
-          vocab_size: int = 8192, dropout: float = 0.1, attn_implementation: str = "eager",
-          seed: int = 0) -> Workload:
+def _gpt2(*, n_layer: int, n_embd: int, n_head: int, vocab_size: int, seq_len: int, batch_size: int,
+          dropout: float = 0.1, attn_implementation: str = "eager", seed: int = 0) -> Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=layers, n_embd=n_embd, n_head=n_head, n_positions=seq_len,
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq_len,
                         vocab_size=vocab_size, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                         bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, use_cache=False)
     config._attn_implementation = attn_implementation
@@ -140,15 +143,16 @@ def _gpt2(*, layers: int = 6, n_embd: int = 256, n_head: int = 4, seq_len: int =
     return Workload("gpt2", model, batch, loss_fn)
 
 
-def _bert(*, layers: int = 4, hidden: int = 256, heads: int = 4, seq_len: int = 128, batch_size: int = 4,
-          vocab_size: int = 8192, dropout: float = 0.1, attn_implementation: str = "eager",
+def _bert(*, num_hidden_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,
+          seq_len: int, batch_size: int, dropout: float = 0.1, attn_implementation: str = "eager",
           seed: int = 0) -> Workload:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
-    config = BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                        intermediate_size=4 * hidden, max_position_embeddings=seq_len, vocab_size=vocab_size,
-                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    config = BertConfig(num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+                        num_attention_heads=num_attention_heads, intermediate_size=4 * hidden_size,
+                        max_position_embeddings=seq_len, vocab_size=vocab_size, hidden_dropout_prob=dropout,
+                        attention_probs_dropout_prob=dropout)
     config._attn_implementation = attn_implementation
     model = BertForMaskedLM(config)
     batch = _token_batch(vocab_size, batch_size, seq_len)
@@ -204,8 +208,7 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def _unet(*, channels: tuple[int, ...] = (16, 32, 64, 128), image_size: int = 64, batch_size: int = 4,
-          seed: int = 0) -> Workload:
+def _unet(*, channels: tuple[int, ...], image_size: int, batch_size: int, seed: int = 0) -> Workload:
     torch.manual_seed(seed)
     model = UNet(tuple(channels))
     x = torch.randn(batch_size, 3, image_size, image_size)
@@ -220,6 +223,37 @@ def _unet(*, channels: tuple[int, ...] = (16, 32, 64, 128), image_size: int = 64
 
 BUILTINS: dict[str, Callable[..., Workload]] = {
     "mlp": _mlp, "resnet": _resnet, "gpt2": _gpt2, "unet": _unet, "bert": _bert,
+}
+
+# ``size`` presets; "small" is the default, sized for a CPU step well under a second. The larger ones are
+# the usual architectures (GPT-2 and BERT base, ResNet-18/50) at a batch a 2-core CPU still steps in seconds.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "mlp": {
+        "small": {"depth": 16, "width": 256, "batch_size": 1024},
+        "large": {"depth": 32, "width": 1024, "batch_size": 2048},
+    },
+    "resnet": {
+        "small": {"layer_type": "basic", "embedding_size": 32, "hidden_sizes": (32, 64, 128, 256),
+                  "depths": (2, 2, 2, 2), "image_size": 64, "batch_size": 8},
+        "18": {"layer_type": "basic", "embedding_size": 64, "hidden_sizes": (64, 128, 256, 512),
+               "depths": (2, 2, 2, 2), "image_size": 128, "batch_size": 8},
+        "50": {"layer_type": "bottleneck", "embedding_size": 64, "hidden_sizes": (256, 512, 1024, 2048),
+               "depths": (3, 4, 6, 3), "image_size": 128, "batch_size": 8},
+    },
+    "gpt2": {
+        "small": {"n_layer": 6, "n_embd": 256, "n_head": 4, "vocab_size": 8192, "seq_len": 128, "batch_size": 4},
+        "base": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "seq_len": 256, "batch_size": 4},
+    },
+    "bert": {
+        "small": {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 8192,
+                  "seq_len": 128, "batch_size": 4},
+        "base": {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "vocab_size": 30522,
+                 "seq_len": 256, "batch_size": 4},
+    },
+    "unet": {
+        "small": {"channels": (16, 32, 64, 128), "image_size": 64, "batch_size": 4},
+        "large": {"channels": (32, 64, 128, 256, 512), "image_size": 128, "batch_size": 4},
+    },
 }
 
 
@@ -239,8 +273,12 @@ def load_workload(spec: str, **overrides: Any) -> Workload:
     if builder is None:
         raise WorkloadError(f"unknown workload {spec!r}: expected one of {', '.join(BUILTINS)} "
                             f"or path/to/file.py:function")
+    size = str(overrides.pop("size", "small"))
+    presets = SIZES[spec]
+    if size not in presets:
+        raise WorkloadError(f"workload {spec!r} has no size {size!r}; sizes: {', '.join(presets)}")
     _check_overrides(spec, builder, overrides)
-    return builder(**overrides)
+    return builder(**{**presets[size], **overrides})
 
 
 def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str, Any]) -> None:
@@ -249,8 +287,9 @@ def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str
         return
     unknown = sorted(set(overrides) - set(params))
     if unknown:
+        takes = [*params, "size"] if spec in BUILTINS else list(params)
         raise WorkloadError(f"workload {spec!r} has no option {', '.join(unknown)}; "
-                            f"it takes {', '.join(params) or 'none'}")
+                            f"it takes {', '.join(takes) or 'none'}")
 
 
 def _from_file(spec: str, overrides: dict[str, Any]) -> Workload:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from memplan.planner.errors import WorkloadError
-from memplan.planner.workloads import BUILTINS, compute_loss, load_workload
+from memplan.planner.workloads import BUILTINS, SIZES, compute_loss, load_workload
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))
@@ -21,7 +21,7 @@ def test_builtins_are_reproducible():
 
 
 def test_overrides_reach_the_builder():
-    w = load_workload("gpt2", layers=2, seq_len=16, batch_size=1)
+    w = load_workload("gpt2", n_layer=2, seq_len=16, batch_size=1)
     assert w.model.config.n_layer == 2 and w.batch["input_ids"].shape == (1, 16)
     assert len(load_workload("mlp", depth=3).model) == 6
 
@@ -31,9 +31,19 @@ def test_unknown_name_lists_the_known_ones():
         load_workload("gpt3")
 
 
-def test_unknown_override():
-    with pytest.raises(WorkloadError, match=r"workload 'mlp' has no option layers; it takes depth, width"):
+def test_unknown_override_and_size():
+    with pytest.raises(WorkloadError, match=r"workload 'mlp' has no option layers; it takes depth, width, "
+                                            r"batch_size, seed, size"):
         load_workload("mlp", layers=3)
+    with pytest.raises(WorkloadError, match=r"workload 'gpt2' has no size 'xl'; sizes: small, base"):
+        load_workload("gpt2", size="xl")
+
+
+@pytest.mark.parametrize(("name", "size"), [(n, s) for n, sizes in SIZES.items() for s in sizes])
+def test_size_presets_build(name, size):
+    # every preset names only options its builder takes (building the large models is skipped: slow)
+    import inspect
+    assert set(SIZES[name][size]) <= set(inspect.signature(BUILTINS[name]).parameters)
 
 
 def test_file_spec(tmp_path):

@@ -1,0 +1,139 @@
+"""What the service's workers run: pure functions from a graph (JSON text or object) and plain arguments
+to JSON-able dicts, shaped like the response schemas. They import memplan's core only (no FastAPI), so a
+worker process starts quickly; memplan's errors raised here reach the server intact (they pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from memplan.planner.errors import GraphError, MemplanError
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Plan
+from memplan.planner.simulator import simulate
+from memplan.planner.units import parse_budget
+
+# Step times beyond this are refused: sums of them (recompute replays included) must stay finite, or the
+# figures would not serialise.
+_MAX_TOTAL_S = 1e290
+
+
+def warm_up() -> list[str]:
+    """Import and register every solver (run once per worker at start); returns their names."""
+    from memplan.solvers import solvers
+
+    return sorted(solvers())
+
+
+def load_graph(graph: Graph | str) -> Graph:
+    """A validated graph from its JSON text (what travels to a worker process) or the object itself."""
+    g = graph if isinstance(graph, Graph) else Graph.from_json(graph, source="graph")
+    check_finite(g)
+    return g
+
+
+def check_finite(g: Graph) -> None:
+    """Refuse graphs whose figures overflow when added up (each is finite, their sums need not be)."""
+    total_s = g.optimizer_time_s + sum(o.time_s + o.backward_time_s for o in g.ops)
+    total_bytes = sum(t.bytes for t in g.tensors)
+    transfer_s = 2.0 * float(total_bytes) / g.host_bandwidth_bytes_per_s
+    worst = (len(g.ops) + 2) * total_s + transfer_s
+    if not math.isfinite(worst) or worst > _MAX_TOTAL_S:
+        raise GraphError(f"graph: its op times and transfer times ({total_s:.3g} s of compute, "
+                         f"{transfer_s:.3g} s of copies) are too large to add up; use seconds")
+
+
+def resolve_budget(value: int | str | None, graph: Graph) -> int | None:
+    """Bytes from a request budget (``50%`` is of the keep-everything activation memory)."""
+    from memplan.solvers import activation_bytes
+
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().endswith("%"):
+        return parse_budget(value, activation_bytes=activation_bytes(graph), fixed_bytes=graph.fixed.resident_bytes)
+    return parse_budget(value)
+
+
+def _jsonable(obj: Any) -> Any:
+    """Solver statistics as plain JSON (numbers that are not finite become strings)."""
+    def default(o: Any) -> Any:
+        return str(o)
+    text = json.dumps(obj, default=default, allow_nan=True)
+    return json.loads(text, parse_constant=lambda c: c)
+
+
+def _overhead(time_s: float, base_s: float) -> float:
+    return time_s / base_s - 1.0 if base_s > 0 else 0.0
+
+
+def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_limit_s: float,
+             offload: bool, host_budget: int | str | None) -> dict[str, Any]:
+    """Solve; returns a :class:`memplan.api.schemas.PlanResponse` without ``cache_hit``.
+
+    Raises :class:`memplan.planner.errors.Infeasible` (with ``min_feasible_bytes``) and the other
+    :class:`MemplanError` s for input the user can fix.
+    """
+    from memplan.solvers import keep_all_report, solve
+
+    g = load_graph(graph)
+    budget_bytes = resolve_budget(budget, g)
+    if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
+        raise MemplanError(f"host_budget: {host_budget!r} is a percentage; give bytes such as '8GiB'")
+    host_bytes = resolve_budget(host_budget, g)
+    result = solve(g, budget_bytes, solver, time_limit_s=time_limit_s, offload=offload,
+                   host_budget_bytes=host_bytes)
+    base = keep_all_report(g)
+    r = result.report
+    return {
+        "plan": result.plan.model_dump(mode="json"),
+        "budget_bytes": result.plan.budget_bytes,
+        "graph_fingerprint": g.fingerprint,
+        "predicted": {
+            "peak_bytes": r.peak_bytes, "step_time_s": r.time_s, "recompute_time_s": r.recompute_time_s,
+            "exposed_transfer_s": r.exposed_transfer_s, "host_peak_bytes": r.host_peak_bytes,
+            "transfer_bytes": r.transfer_bytes, "keep_all_peak_bytes": base.peak_bytes,
+            "keep_all_step_time_s": base.time_s, "overhead": _overhead(r.time_s, base.time_s),
+        },
+        "solver": {
+            "name": result.plan.solver.name, "requested": solver, "status": result.status,
+            "solve_time_s": result.solve_time_s, "lower_bound_s": result.lower_bound_s, "gap": result.gap,
+            "stats": _jsonable(result.stats),
+        },
+    }
+
+
+def simulate_job(graph: Graph | str, plan: Plan | dict[str, Any] | None, *, timeline: bool) -> dict[str, Any]:
+    """Replay the step under ``plan`` (None: keep everything); returns a ``SimulationResponse``.
+    Raises :class:`memplan.planner.errors.PlanMismatch` / ``PlanError`` for a plan of another graph."""
+    g = load_graph(graph)
+    p = plan if plan is None or isinstance(plan, Plan) else Plan.model_validate(plan)
+    report = simulate(g, p, timeline=timeline)
+    out = report.model_dump(exclude={"timeline"})
+    out["graph_fingerprint"] = g.fingerprint
+    out["timeline"] = [e.model_dump() for e in report.timeline] if timeline else None
+    return out
+
+
+def frontier_job(graph: Graph | str, *, budgets: list[int | str], solvers: list[str], time_limit_s: float,
+                 offload: bool) -> dict[str, Any]:
+    """Predicted overhead at each budget for each solver; returns a ``FrontierResponse``."""
+    from memplan.solvers import keep_all_report, solve_frontier
+
+    g = load_graph(graph)
+    resolved = []
+    for b in budgets:
+        value = resolve_budget(b, g)
+        if value is None:  # cannot happen: budgets are never null in a frontier request
+            raise MemplanError("budgets: a frontier needs a budget at every point")
+        resolved.append(value)
+    base = keep_all_report(g)
+    series = []
+    for name in solvers:
+        points = solve_frontier(g, resolved, name, time_limit_s=time_limit_s, offload=offload)
+        series.append({"solver": name, "points": [
+            {"budget": str(label), "budget_bytes": b, "overhead": ov}
+            for label, (b, ov) in zip(budgets, points, strict=True)]})
+    return {"graph_fingerprint": g.fingerprint, "keep_all_peak_bytes": base.peak_bytes,
+            "keep_all_step_time_s": base.time_s, "series": series}

@@ -1,0 +1,172 @@
+"""PNG plots (matplotlib, Agg backend: no display needed, safe in threads): the memory timeline of a
+plan, predicted against measured when a run report is given, and the memory/overhead frontier.
+
+Figures are built with ``matplotlib.figure.Figure`` directly, not pyplot, so no global state is touched;
+each PNG is exactly ``width_px`` x ``height_px``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memplan.planner.errors import MemplanError
+from memplan.planner.simulator import Event
+from memplan.planner.units import format_bytes
+
+_PHASE_COLOURS = {"forward": "tab:blue", "backward": "tab:green", "recompute": "tab:red",
+                  "prefetch": "tab:purple", "wait": "tab:orange", "optimizer": "tab:gray"}
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """What a real run measured: its peak and, where recorded, memory over time ``(time_s, bytes)``."""
+
+    peak_bytes: int | None
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+
+
+def read_run_report(data: Mapping[str, Any], *, source: str = "run report") -> MeasuredRun:
+    """A :class:`MeasuredRun` from a run report (JSON object).
+
+    Accepted keys: the peak as ``measured_peak_bytes``, ``peak_bytes`` or ``measured.peak_bytes``; the
+    timeline as ``timeline`` (or ``measured.timeline``), a list of objects with a time (``time_s``,
+    ``start_s`` or ``t_s``) and a size (``bytes``, ``allocated_bytes`` or ``live_bytes``).
+    """
+    if not isinstance(data, Mapping):
+        raise MemplanError(f"{source}: expected a JSON object")
+    measured = data.get("measured") if isinstance(data.get("measured"), Mapping) else {}
+    peak = data.get("measured_peak_bytes", data.get("peak_bytes", measured.get("peak_bytes")))
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int) or peak < 0):
+        raise MemplanError(f"{source}: peak_bytes must be a non-negative integer, got {peak!r}")
+    raw = data.get("timeline", measured.get("timeline")) or []
+    if not isinstance(raw, list):
+        raise MemplanError(f"{source}: timeline must be a list")
+    points = []
+    for i, p in enumerate(raw):
+        t = _first(p, ("time_s", "start_s", "t_s")) if isinstance(p, Mapping) else None
+        b = _first(p, ("bytes", "allocated_bytes", "live_bytes")) if isinstance(p, Mapping) else None
+        if not isinstance(t, (int, float)) or not isinstance(b, (int, float)):
+            raise MemplanError(f"{source}: timeline[{i}] needs a time (time_s) and a size (bytes), got {p!r}")
+        points.append((float(t), int(b)))
+    if peak is None and not points:
+        raise MemplanError(f"{source}: no measured peak (measured_peak_bytes) or timeline in it")
+    return MeasuredRun(peak, points)
+
+
+def load_run_report(path: str | Path) -> MeasuredRun:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise MemplanError(f"cannot read run report {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise MemplanError(f"run report {path}: not valid JSON ({e})") from None
+    return read_run_report(data, source=str(path))
+
+
+def _first(d: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    return next((d[k] for k in keys if k in d), None)
+
+
+def _figure(width_px: int, height_px: int, dpi: int) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if width_px < 50 or height_px < 50:
+        raise MemplanError(f"plot size {width_px}x{height_px} px is too small (at least 50x50)")
+    fig = Figure(figsize=(width_px / dpi, height_px / dpi), dpi=dpi)
+    FigureCanvasAgg(fig)  # attaches the Agg canvas: no display, no pyplot
+    return fig
+
+
+def _bytes_axis(ax: Any, axis: str = "y") -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    fmt = FuncFormatter(lambda v, _pos: format_bytes(v))
+    (ax.yaxis if axis == "y" else ax.xaxis).set_major_formatter(fmt)
+
+
+def _save(fig: Any, path: str | Path, dpi: int) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, format="png")  # no bbox_inches="tight": keep the exact pixel size
+    return path
+
+
+def timeline_png(path: str | Path, timeline: Sequence[Event], *, budget_bytes: int | None = None,
+                 measured: MeasuredRun | None = None, title: str = "memory timeline",
+                 width_px: int = 1200, height_px: int = 600, dpi: int = 100) -> Path:
+    """Write the simulator's memory timeline (``simulate(graph, plan).timeline``) as a PNG.
+
+    Live memory after each step is drawn as a step line, each step's peak as a dot coloured by phase
+    (forward, backward, recompute, ...); the budget and the predicted peak as horizontal lines; a
+    measured run's timeline and peak, when given, in black. Returns ``path``.
+    """
+    if not timeline:
+        raise MemplanError("timeline is empty: simulate with timeline=True")
+    fig = _figure(width_px, height_px, dpi)
+    ax = fig.add_subplot(1, 1, 1)
+    times = [e.start_s for e in timeline]
+    ax.step(times, [e.live_bytes for e in timeline], where="post", color="0.4", lw=1.2, label="predicted live")
+    for phase, colour in _PHASE_COLOURS.items():
+        pts = [(e.start_s, e.peak_bytes) for e in timeline if e.phase == phase]
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), s=10, color=colour, label=f"{phase} peak", zorder=3)
+    predicted_peak = max(e.peak_bytes for e in timeline)
+    ax.axhline(predicted_peak, color="tab:blue", ls=":", lw=1, label=f"predicted peak {format_bytes(predicted_peak)}")
+    if budget_bytes is not None:
+        ax.axhline(budget_bytes, color="tab:red", ls="--", lw=1, label=f"budget {format_bytes(budget_bytes)}")
+    if measured is not None:
+        if measured.timeline:
+            mt, mb = zip(*measured.timeline, strict=True)
+            ax.plot(mt, mb, color="black", lw=1, label="measured")
+        if measured.peak_bytes is not None:
+            ax.axhline(measured.peak_bytes, color="black", ls="-.", lw=1,
+                       label=f"measured peak {format_bytes(measured.peak_bytes)}")
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("device memory")
+    ax.set_ylim(bottom=0)
+    _bytes_axis(ax)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize="small", ncols=2)
+    fig.tight_layout()
+    return _save(fig, path, dpi)
+
+
+def frontier_png(path: str | Path, series: Mapping[str, Sequence[tuple[int, float | None]]], *,
+                 keep_all_peak_bytes: int | None = None, title: str = "memory against overhead",
+                 width_px: int = 1000, height_px: int = 600, dpi: int = 100) -> Path:
+    """Write memory (budget, y) against predicted step-time overhead (x, %) for each solver: one line
+    per ``series[solver] = [(budget_bytes, overhead or None), ...]``; infeasible points (None) are left
+    out. Returns ``path``."""
+    if not series:
+        raise MemplanError("frontier plot: no solver series given")
+    fig = _figure(width_px, height_px, dpi)
+    ax = fig.add_subplot(1, 1, 1)
+    plotted = 0
+    markers = "os^Dv<>p"
+    for i, (name, points) in enumerate(series.items()):
+        pts = sorted((ov * 100.0, b) for b, ov in points if ov is not None)
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            # distinct markers and thinning lines: solvers that agree stay visible under each other
+            ax.plot(xs, ys, marker=markers[i % len(markers)], ms=7 - min(i, 4), lw=2.5 - 0.4 * min(i, 4),
+                    label=name)
+            plotted += 1
+        else:
+            ax.plot([], [], label=f"{name} (no feasible budget)")
+    if keep_all_peak_bytes is not None:
+        ax.axhline(keep_all_peak_bytes, color="0.5", ls="--", lw=1,
+                   label=f"keep everything {format_bytes(keep_all_peak_bytes)}")
+    ax.set_xlabel("predicted step-time overhead (%)")
+    ax.set_ylabel("memory budget")
+    _bytes_axis(ax)
+    ax.set_title(title if plotted else f"{title} (no feasible point)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return _save(fig, path, dpi)

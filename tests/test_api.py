@@ -1,0 +1,322 @@
+"""The REST service through its test client: status codes and exact error details, the plan cache, the
+limits, and the worker pool's queue and timeout."""
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from memplan.api import jobs
+from memplan.api.app import create_app
+from memplan.api.cache import PlanCache
+from memplan.api.errors import Overloaded, SolveTimeout
+from memplan.api.pool import WorkerPool
+from memplan.api.schemas import FrontierResponse, PlanResponse, SimulationResponse
+from memplan.api.settings import Settings
+from memplan.planner.errors import MemplanError
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Plan
+from memplan.planner.simulator import simulate
+from memplan.planner.synthetic import linear_chain
+
+CHAIN8 = linear_chain(8)  # keep-all peak 1000 B (100 B fixed), the smallest feasible peak is 600 B
+FAST = Settings(pool="thread", workers=2, max_ops=50, max_time_limit_s=10.0, default_time_limit_s=5.0,
+                max_body_bytes=64 * 1024, max_frontier_points=12)
+
+
+def body(graph=CHAIN8, **kw):
+    return {"graph": graph.model_dump(mode="json"), **kw}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(create_app(FAST)) as c:
+        yield c
+
+
+# ---- plans --------------------------------------------------------------------------------------
+def test_plan_fits_budget_and_simulates_to_its_prediction(client):
+    r = client.post("/v1/plans", json=body(budget="60%", solver="oracle"))
+    assert r.status_code == 200, r.text
+    res = PlanResponse.model_validate(r.json())
+    assert res.budget_bytes == 640  # 100 B fixed + 60% of the 900 B of activations
+    assert res.solver.name == "oracle" and res.solver.status == "optimal" and res.solver.gap == 0.0
+    assert res.plan.graph_fingerprint == CHAIN8.fingerprint == res.graph_fingerprint
+    report = simulate(CHAIN8, res.plan)
+    assert report.peak_bytes == res.predicted.peak_bytes <= 640
+    assert report.time_s == pytest.approx(res.predicted.step_time_s)
+    assert res.predicted.keep_all_peak_bytes == 1000 and res.predicted.keep_all_step_time_s == 24.0
+    assert res.predicted.overhead == pytest.approx(report.time_s / 24.0 - 1.0)
+
+
+@pytest.mark.parametrize("budget, expected_bytes", [(700, 700), ("700", 700), ("1KiB", 1024), ("100%", 1000)])
+def test_budget_forms(client, budget, expected_bytes):
+    r = client.post("/v1/plans", json=body(budget=budget, solver="oracle"))
+    assert r.status_code == 200, r.text
+    assert r.json()["budget_bytes"] == expected_bytes
+    assert r.json()["predicted"]["peak_bytes"] <= expected_bytes
+
+
+def test_identical_request_is_a_cache_hit_with_the_same_plan(client):
+    req = body(budget=777, solver="oracle")
+    first = client.post("/v1/plans", json=req).json()
+    second = client.post("/v1/plans", json=req).json()
+    assert first["cache_hit"] is False and second["cache_hit"] is True
+    assert {k: v for k, v in second.items() if k != "cache_hit"} == {k: v for k, v in first.items() if k != "cache_hit"}
+    # another budget, solver setting or graph timing is another key
+    assert client.post("/v1/plans", json=body(budget=778, solver="oracle")).json()["cache_hit"] is False
+    assert client.post("/v1/plans", json={**req, "time_limit_s": 4.0}).json()["cache_hit"] is False
+    slower = linear_chain(8, time_s=3.0)
+    assert slower.fingerprint == CHAIN8.fingerprint  # the structural fingerprint ignores timings...
+    r = client.post("/v1/plans", json=body(slower, budget=777, solver="oracle")).json()
+    assert r["cache_hit"] is False  # ...the cache key does not
+    assert r["predicted"]["keep_all_step_time_s"] == 40.0
+
+
+def test_concurrent_identical_requests_share_one_solve(client):
+    req = body(budget=801, solver="oracle")
+    results = []
+
+    def post():
+        results.append(client.post("/v1/plans", json=req).json())
+
+    threads = [threading.Thread(target=post) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # each answer is a cache hit or carries the one solve's own timing: one solve ran, not four
+    solve_times = {r["solver"]["solve_time_s"] for r in results}
+    assert len(solve_times) == 1
+
+
+def test_infeasible_budget_names_the_minimum(client):
+    r = client.post("/v1/plans", json=body(budget=10, solver="oracle"))
+    assert r.status_code == 422
+    assert r.json() == {
+        "detail": "no plan fits budget 10 B for graph 'chain'; the minimum feasible budget memplan knows is "
+                  "600 B (fixed memory alone is 100 B)",
+        "error": "infeasible", "budget_bytes": 10, "min_feasible_bytes": 600}
+
+
+def test_bad_budget_and_unknown_solver_are_422(client):
+    r = client.post("/v1/plans", json=body(budget="6 bananas"))
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+    assert r.json()["detail"].startswith("cannot read size '6 bananas'")
+    r = client.post("/v1/plans", json=body(budget=-1))
+    assert r.status_code == 422 and r.json()["detail"] == "budget must not be negative, got -1"
+    r = client.post("/v1/plans", json=body(solver="nope"))
+    assert r.status_code == 422 and r.json()["detail"].startswith("unknown solver 'nope'; known: ")
+
+
+# ---- malformed input -----------------------------------------------------------------------------
+def _graph_dict(**edits):
+    g = CHAIN8.model_dump(mode="json")
+    for path, value in edits.items():
+        *head, last = path.split("__")
+        node = g
+        for k in head:
+            node = node[int(k)] if k.isdigit() else node[k]
+        node[int(last) if last.isdigit() else last] = value
+    return g
+
+
+@pytest.mark.parametrize("edits, detail, field", [
+    ({"ops__3__time_s": -1.0}, "graph: ops.3.time_s: Input should be greater than or equal to 0", "graph.ops.3.time_s"),
+    ({"tensors__2__bytes": "lots"}, "graph: tensors.2.bytes: Input should be a valid integer, unable to parse string "
+                                    "as an integer", "graph.tensors.2.bytes"),
+    ({"ops__3__inputs": [99]}, "graph: dangling edge: op 3 (synthetic.layer) inputs names tensor 99, but the graph "
+                               "has 9 tensors", "graph"),
+    ({"format": "memplan.graph/9"}, "graph: format: unknown graph format version 'memplan.graph/9'; this memplan "
+                                    "reads 'memplan.graph/1'", "graph.format"),
+])
+def test_malformed_graph_is_422_naming_the_field(client, edits, detail, field):
+    r = client.post("/v1/plans", json={"graph": _graph_dict(**edits)})
+    assert r.status_code == 422
+    assert r.json() == {"detail": detail, "error": "graph_error", "field": field}
+
+
+def test_graph_messages_are_memplans_own(client):
+    """The service words a bad graph as ``Graph.from_dict`` (the CLI's loader) does."""
+    g = _graph_dict(ops__3__inputs=[99])
+    with pytest.raises(MemplanError) as e:
+        Graph.from_dict(g, source="graph")
+    assert client.post("/v1/simulate", json={"graph": g}).json()["detail"] == str(e.value)
+
+
+def test_unreadable_bodies(client):
+    r = client.post("/v1/plans", content=b'{"graph": ', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"].startswith("request body is not valid JSON")
+    r = client.post("/v1/plans", json={})
+    assert r.status_code == 422 and r.json() == {"detail": "graph: Field required", "error": "graph_error",
+                                                 "field": "graph"}
+    r = client.post("/v1/plans", json={**body(), "colour": "red"})
+    assert r.status_code == 422 and r.json()["field"] == "colour"
+
+
+def test_overflowing_times_are_refused_not_crashed(client):
+    g = _graph_dict(ops__0__time_s=1e308, ops__1__time_s=1e308)
+    r = client.post("/v1/plans", json={"graph": g})
+    assert r.status_code == 422 and r.json()["error"] == "graph_error"
+    assert "too large to add up" in r.json()["detail"]
+
+
+# ---- limits --------------------------------------------------------------------------------------
+def test_body_over_the_cap_is_413_naming_the_limit(client):
+    big = json.dumps({**body(), "padding": "x" * 70_000}).encode()
+    r = client.post("/v1/plans", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert r.json() == {"detail": f"request body is {len(big)} bytes; this server accepts at most 65536 bytes "
+                                  "(max_body_bytes)", "error": "limit_exceeded", "limit": "max_body_bytes",
+                        "limit_value": 65536}
+
+
+def test_chunked_body_over_the_cap_is_413(client):
+    def chunks():
+        yield b'{"graph": {"name": "'
+        for _ in range(100):
+            yield b"x" * 1000
+        yield b'"}}'
+
+    r = client.post("/v1/plans", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["limit"] == "max_body_bytes"
+
+
+def test_node_cap_is_422_naming_the_limit(client):
+    r = client.post("/v1/plans", json=body(linear_chain(60)))
+    assert r.status_code == 422
+    assert r.json() == {"detail": "graph has 60 ops; this server plans graphs of at most 50 ops (max_ops)",
+                        "error": "limit_exceeded", "limit": "max_ops", "limit_value": 50}
+
+
+def test_time_limit_cap_is_422_naming_the_limit(client):
+    r = client.post("/v1/plans", json=body(time_limit_s=11))
+    assert r.status_code == 422
+    assert r.json() == {"detail": "time_limit_s 11 s is over this server's cap of 10 s (max_time_limit_s)",
+                        "error": "limit_exceeded", "limit": "max_time_limit_s", "limit_value": 10.0}
+    r = client.post("/v1/frontier", json=body(budgets=["60%", "80%"], solvers=["oracle"], time_limit_s=6))
+    assert r.status_code == 422 and r.json()["limit"] == "max_time_limit_s"
+    assert r.json()["detail"].startswith("2 solves of time_limit_s 6 s (12 s) is over")
+
+
+# ---- simulate ------------------------------------------------------------------------------------
+def test_simulate_keep_all_and_timeline_only_when_asked(client):
+    r = client.post("/v1/simulate", json=body())
+    assert r.status_code == 200
+    res = SimulationResponse.model_validate(r.json())
+    assert (res.peak_bytes, res.time_s, res.timeline) == (1000, 24.0, None)
+    r = client.post("/v1/simulate", json=body(timeline=True)).json()
+    assert [e["phase"] for e in r["timeline"]][:2] == ["start", "forward"]
+    assert max(e["peak_bytes"] for e in r["timeline"]) == 1000
+
+
+def test_simulate_a_plan_and_a_mismatched_plan(client):
+    plan = Plan.for_graph(CHAIN8, {1: "recompute", 3: "recompute"})
+    r = client.post("/v1/simulate", json=body(plan=plan.model_dump(mode="json")))
+    assert r.status_code == 200 and r.json()["peak_bytes"] == simulate(CHAIN8, plan).peak_bytes
+    other = linear_chain(9)
+    r = client.post("/v1/simulate", json=body(other, plan=plan.model_dump(mode="json")))
+    assert r.status_code == 422
+    assert r.json() == {"detail": f"plan was made for graph {CHAIN8.fingerprint}, but this graph is "
+                                  f"{other.fingerprint} (chain): re-solve for this graph", "error": "plan_mismatch"}
+    bad = Plan.for_graph(CHAIN8, {}).model_dump(mode="json")
+    bad["decisions"][0]["tensor"] = 0  # the input: not a saved activation
+    r = client.post("/v1/simulate", json=body(plan=bad))
+    assert r.status_code == 422 and r.json()["error"] == "plan_error"
+
+
+# ---- frontier, solvers, health, docs ---------------------------------------------------------------
+def test_frontier_per_solver(client):
+    r = client.post("/v1/frontier", json=body(budgets=["50%", "60%", "100%", 2000], solvers=["oracle", "greedy"]))
+    assert r.status_code == 200, r.text
+    res = FrontierResponse.model_validate(r.json())
+    assert [s.solver for s in res.series] == ["oracle", "greedy"]
+    oracle = res.series[0].points
+    assert [p.budget_bytes for p in oracle] == [550, 640, 1000, 2000]
+    assert oracle[0].overhead is None  # below the 600 B minimum
+    assert oracle[1].overhead == pytest.approx(1 / 6) and oracle[2].overhead == 0.0 == oracle[3].overhead
+    # no heuristic beats the exhaustive oracle
+    for o, g in zip(oracle, res.series[1].points, strict=True):
+        assert g.overhead is None or g.overhead >= o.overhead - 1e-9
+
+
+def test_frontier_point_cap(client):
+    r = client.post("/v1/frontier", json=body(budgets=[f"{p}%" for p in range(30, 100, 10)], solvers=["oracle", "greedy"]))
+    assert r.status_code == 422
+    assert r.json()["detail"] == ("7 budgets x 2 solvers = 14 solves; this server computes at most 12 per "
+                                  "request (max_frontier_points)")
+
+
+def test_solvers_health_and_docs(client):
+    solvers = {s["name"]: s for s in client.get("/v1/solvers").json()["solvers"]}
+    assert solvers["oracle"]["exact"] is True and solvers["oracle"]["max_saved_activations"] == 14
+    h = client.get("/healthz").json()
+    assert h["status"] == "ok" and h["pool"] == "thread" and h["workers"] == 2 and h["busy"] == 0
+    assert client.get("/docs").status_code == 200
+    spec = client.get("/openapi.json").json()
+    assert {"/v1/plans", "/v1/simulate", "/v1/frontier", "/v1/solvers", "/healthz"} <= set(spec["paths"])
+    assert "413" in spec["paths"]["/v1/plans"]["post"]["responses"]
+
+
+def test_unexpected_errors_are_500_without_internals(client, monkeypatch):
+    def broken(*a, **kw):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(jobs, "plan_job", broken)
+    r = client.post("/v1/plans", json=body(budget=999, solver="oracle"))
+    assert r.status_code == 500
+    assert r.json() == {"detail": "internal error (RuntimeError); it has been logged", "error": "internal_error"}
+
+
+# ---- the cache on disk ----------------------------------------------------------------------------
+def test_cache_file_survives_a_restart(tmp_path):
+    path = str(tmp_path / "plans.sqlite")
+    settings = Settings(pool="thread", workers=1, cache_path=path)
+    with TestClient(create_app(settings)) as c:
+        assert c.post("/v1/plans", json=body(budget="70%", solver="oracle")).json()["cache_hit"] is False
+    with TestClient(create_app(settings)) as c:
+        assert c.post("/v1/plans", json=body(budget="70%", solver="oracle")).json()["cache_hit"] is True
+    assert len(PlanCache(path)) == 1
+
+
+def test_timeouts_are_not_cached():
+    cache = PlanCache()
+    answer = {"graph_fingerprint": "f", "solver": {"name": "ilp", "status": "timeout"}}
+    assert cache.put("k", answer) is False and cache.get("k") is None
+    assert cache.put("k", {**answer, "solver": {"name": "ilp", "status": "optimal"}}) is True
+    assert json.loads(cache.get("k"))["solver"]["status"] == "optimal"
+
+
+# ---- the worker pool -------------------------------------------------------------------------------
+def test_pool_queue_limit_and_timeout():
+    async def scenario():
+        pool = WorkerPool("thread", workers=1, max_queue=0)
+        await pool.start()
+        try:
+            slow = asyncio.ensure_future(pool.run(time.sleep, 0.5, timeout_s=0.1))
+            await asyncio.sleep(0.05)
+            assert pool.busy == 1
+            with pytest.raises(Overloaded):  # the one worker is busy and no request may wait
+                await pool.run(time.sleep, 0, timeout_s=1)
+            with pytest.raises(SolveTimeout):
+                await slow
+            assert pool.busy == 1  # the job keeps its worker until it returns...
+            await asyncio.sleep(0.6)
+            assert pool.busy == 0  # ...and then hands it back
+            assert await pool.run(sum, [1, 2], timeout_s=1) == 3
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_settings_from_env():
+    s = Settings.from_env({"MEMPLAN_MAX_OPS": "77", "MEMPLAN_POOL": "thread", "MEMPLAN_GRACE_S": "1.5"}, workers=3)
+    assert (s.max_ops, s.pool, s.grace_s, s.workers) == (77, "thread", 1.5, 3)
+    with pytest.raises(MemplanError, match="MEMPLAN_MAX_OPS='many' is not a int"):
+        Settings.from_env({"MEMPLAN_MAX_OPS": "many"})
+    with pytest.raises(MemplanError, match="workers must be >= 1"):
+        Settings(workers=0)
