@@ -12,8 +12,13 @@ allocator's own accounting.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -67,14 +72,56 @@ def _leaves(tree: Any) -> list[torch.Tensor]:
     return []
 
 
-def _cpu_step_peak(model, batch, loss_fn, optimizer) -> tuple[int, int]:
-    from torch._C._profiler import _EventType
+@contextlib.contextmanager
+def _without_kineto_chatter() -> Iterator[None]:
+    """Kineto writes a ``USDT: ... profiler_start``/``profiler_stop`` line to file descriptor 2 each time a
+    profiler starts or stops; users of the CLI should not see it. Descriptor 2 goes to a temporary file
+    while the profiler starts or stops, and every other line written meanwhile is passed on."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a descriptor
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            sink.seek(0)
+            rest = [line for line in sink.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("USDT:")]
+            if rest:
+                sys.stderr.write("".join(rest))
+
+
+@contextlib.contextmanager
+def allocator_events() -> Iterator[Any]:
+    """``torch.profiler.profile(activities=[CPU], profile_memory=True)``, quiet: yields the profiler,
+    whose event tree holds every allocation and free the CPU allocator made inside the block."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _without_kineto_chatter():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _without_kineto_chatter():
+            prof.__exit__(None, None, None)
+
+
+def _cpu_step_peak(model, batch, loss_fn, optimizer) -> tuple[int, int]:
+    from torch._C._profiler import _EventType
+
     optimizer.zero_grad(set_to_none=True)
     baseline = live_storage_bytes(model, batch, optimizer)
-    with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocator_events() as prof:
         loss = compute_loss(model, batch, loss_fn)
         loss.backward()
         optimizer.step()

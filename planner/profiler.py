@@ -446,9 +446,8 @@ def _traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
     trace.n_fixed = len(trace.storages)
     allocator_events = contextlib.nullcontext()
     if memory == "cpu":
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-        allocator_events = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        from memplan.planner.measure import allocator_events as quiet_allocator_events
+        allocator_events = quiet_allocator_events()
 
     optimizer.zero_grad(set_to_none=True)
     with allocator_events as prof:
