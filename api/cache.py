@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -33,18 +34,22 @@ CREATE TABLE IF NOT EXISTS plans (
 
 CACHEABLE_STATUSES = ("optimal", "feasible")
 
+log = logging.getLogger("memplan.api")
+
 
 def content_hash(text: str | bytes) -> str:
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 
 def plan_key(*, graph_sha256: str, budget: int | str | None, solver: str, time_limit_s: float, offload: bool,
-             host_budget: int | str | None, context: str) -> str:
+             host_budget: int | str | None, context: str, budget_fraction: float | None = None) -> str:
     """The cache key of a plan request. ``budget`` is taken as given (``"50%"`` and the same number of
     bytes are two keys, both correct); ``context`` names memplan's version and the registered solvers."""
     norm = [b.strip() if isinstance(b, str) else b for b in (budget, host_budget)]
     body = {"graph": graph_sha256, "budget": norm[0], "host_budget": norm[1], "solver": solver,
             "time_limit_s": float(time_limit_s), "offload": bool(offload), "context": context}
+    if budget_fraction is not None:  # only when given: keys of requests without it stay as they were
+        body["budget_fraction"] = float(budget_fraction)
     return content_hash(json.dumps(body, sort_keys=True, separators=(",", ":")))
 
 
@@ -65,8 +70,14 @@ class PlanCache:
         self._db.execute(_SCHEMA)
 
     def get(self, key: str) -> str | None:
-        with self._lock:
-            row = self._db.execute("SELECT response FROM plans WHERE key = ?", (key,)).fetchone()
+        """The stored response text, or None (also when the database cannot be read: a cache that fails
+        costs a solve, never an answer)."""
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT response FROM plans WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error as e:
+            log.warning("plan cache %s: read failed (%s); solving instead", self.path, e)
+            return None
         return row[0] if row else None
 
     def put(self, key: str, response: dict[str, Any]) -> bool:
@@ -76,11 +87,15 @@ class PlanCache:
         if status not in CACHEABLE_STATUSES:
             return False
         text = json.dumps(response, separators=(",", ":"), allow_nan=False)
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO plans (key, graph_fingerprint, solver, status, response, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (key, response["graph_fingerprint"], response["solver"]["name"], status, text, time.time()))
+        try:
+            with self._lock:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO plans (key, graph_fingerprint, solver, status, response, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (key, response["graph_fingerprint"], response["solver"]["name"], status, text, time.time()))
+        except sqlite3.Error as e:  # full disk, a locked file: the answer still goes out, uncached
+            log.warning("plan cache %s: write failed (%s); answer not cached", self.path, e)
+            return False
         return True
 
     def __len__(self) -> int:

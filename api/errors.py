@@ -48,6 +48,10 @@ class SolveTimeout(MemplanError):
     """A job ran past its time limit plus the grace period."""
 
 
+class WorkerLost(MemplanError):
+    """A worker process died under a job (the pool has been restarted)."""
+
+
 # ---- one table: error class -> (status, code), most specific first ----------------------------
 _STATUS: list[tuple[type[BaseException], int, str]] = [
     (GraphError, 422, "graph_error"),
@@ -58,6 +62,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (SolverUnavailable, 503, "solver_unavailable"),
     (Overloaded, 503, "overloaded"),
     (SolveTimeout, 504, "solve_timeout"),
+    (WorkerLost, 503, "worker_lost"),
     (MemplanError, 422, "invalid_request"),
 ]
 
@@ -74,7 +79,7 @@ def memplan_error_response(e: MemplanError) -> JSONResponse:
     extra: dict[str, Any] = {}
     if isinstance(e, Infeasible):
         extra = {"budget_bytes": e.budget_bytes, "min_feasible_bytes": e.min_feasible_bytes}
-    headers = {"Retry-After": "5"} if isinstance(e, Overloaded) else None
+    headers = {"Retry-After": "5"} if isinstance(e, (Overloaded, WorkerLost)) else None
     return JSONResponse(error_body(str(e), code, **extra), status_code=status, headers=headers)
 
 

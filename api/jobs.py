@@ -45,10 +45,15 @@ def check_finite(g: Graph) -> None:
                          f"{transfer_s:.3g} s of copies) are too large to add up; use seconds")
 
 
-def resolve_budget(value: int | str | None, graph: Graph) -> int | None:
-    """Bytes from a request budget (``50%`` is of the keep-everything activation memory)."""
+def resolve_budget(value: int | str | None, graph: Graph, *, fraction: float | None = None) -> int | None:
+    """Bytes from a request budget (``50%`` is of the keep-everything activation memory), or from
+    ``fraction`` of that memory (``0.5`` is ``50%``) when no ``value`` is given."""
     from memplan.solvers import activation_bytes
 
+    if value is None and fraction is not None:
+        if not (math.isfinite(fraction) and 0.0 <= fraction <= 10.0):
+            raise MemplanError(f"budget_fraction {fraction!r} is out of range (0 to 10)")
+        return int(graph.fixed.resident_bytes + fraction * activation_bytes(graph))
     if value is None:
         return None
     if isinstance(value, str) and value.strip().endswith("%"):
@@ -69,7 +74,7 @@ def _overhead(time_s: float, base_s: float) -> float:
 
 
 def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_limit_s: float,
-             offload: bool, host_budget: int | str | None) -> dict[str, Any]:
+             offload: bool, host_budget: int | str | None, budget_fraction: float | None = None) -> dict[str, Any]:
     """Solve; returns a :class:`memplan.api.schemas.PlanResponse` without ``cache_hit``.
 
     Raises :class:`memplan.planner.errors.Infeasible` (with ``min_feasible_bytes``) and the other
@@ -78,7 +83,7 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
     from memplan.solvers import keep_all_report, solve
 
     g = load_graph(graph)
-    budget_bytes = resolve_budget(budget, g)
+    budget_bytes = resolve_budget(budget, g, fraction=budget_fraction)
     if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
         raise MemplanError(f"host_budget: {host_budget!r} is a percentage; give bytes such as '8GiB'")
     host_bytes = resolve_budget(host_budget, g)

@@ -10,13 +10,16 @@ returns (solvers honour their time limits, so this is bounded in practice).
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 from memplan.api import jobs
-from memplan.api.errors import Overloaded, SolveTimeout
+from memplan.api.errors import Overloaded, SolveTimeout, WorkerLost
+
+log = logging.getLogger("memplan.api")
 
 
 class WorkerPool:
@@ -35,11 +38,7 @@ class WorkerPool:
         first request does not pay for it)."""
         self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(self.workers)
-        if self.kind == "process":
-            # spawn, not fork: the server process has threads (the event loop's executor, OR-Tools').
-            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-        else:
-            self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="memplan-solve")
+        self._executor = self._new_executor()
         warm = [asyncio.wrap_future(self._executor.submit(jobs.warm_up)) for _ in range(self.workers)]
         await asyncio.gather(*warm)
 
@@ -72,8 +71,12 @@ class WorkerPool:
         finally:
             self.queued -= 1
         self.busy += 1
+        executor = self._executor
         try:
-            future: Future[Any] = self._executor.submit(fn, *args, **kwargs)
+            future: Future[Any] = executor.submit(fn, *args, **kwargs)
+        except BrokenExecutor:
+            self._release()
+            raise self._replace(executor) from None
         except BaseException:
             self._release()
             raise
@@ -93,6 +96,24 @@ class WorkerPool:
         except TimeoutError:
             raise SolveTimeout(f"the job did not finish within {timeout_s:.1f} s (its time limit plus the "
                                f"server's grace period); try a smaller graph or time limit") from None
+        except BrokenExecutor:
+            raise self._replace(executor) from None
+
+    def _new_executor(self) -> Executor:
+        if self.kind == "process":
+            # spawn, not fork: the server process has threads (the event loop's executor, OR-Tools').
+            return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return ThreadPoolExecutor(self.workers, thread_name_prefix="memplan-solve")
+
+    def _replace(self, broken: Executor) -> WorkerLost:
+        """A worker process died (killed for memory, a crash in a native solver): a process pool is then
+        unusable, so start a fresh one (once, however many jobs saw it die) and say what happened."""
+        log.error("a worker process of the solve pool died; starting a new pool")
+        if self._executor is broken:
+            broken.shutdown(wait=False, cancel_futures=True)
+            self._executor = self._new_executor()
+        return WorkerLost("a worker process died while running this request (out of memory?); the pool was "
+                          "restarted, retry or send a smaller graph")
 
     def _release(self) -> None:
         self.busy -= 1

@@ -35,7 +35,12 @@ class _Out(BaseModel):
 # ---- requests -------------------------------------------------------------------------------------
 class PlanRequest(_In):
     graph: Graph = Field(description="the training step, in memplan.graph/1 form (memplan profile)")
-    budget: Budget | None = Field(default=None, description="None: no limit (the keep-everything peak)")
+    budget: Budget | None = Field(default=None, description="None (and no budget_fraction): no limit (the "
+                                                          "keep-everything peak)")
+    budget_fraction: float | None = Field(
+        default=None, ge=0, le=10, allow_inf_nan=False,
+        description="the budget as a fraction of the keep-everything activation memory, fixed memory added "
+                    "back (0.5 is the same as budget '50%'); give this or budget, not both")
     solver: SolverName = "auto"
     time_limit_s: TimeLimit | None = Field(default=None, description="None: the server's default")
     offload: bool = Field(default=False, description="let the solver offload activations to host memory")

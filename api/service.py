@@ -8,18 +8,20 @@ One :class:`Service` lives per app (created in its lifespan); routes reach it th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from memplan.api import jobs
 from memplan.api.cache import PlanCache, content_hash, plan_key
-from memplan.api.errors import LimitExceeded, Overloaded
+from memplan.api.errors import LimitExceeded
 from memplan.api.pool import WorkerPool
-from memplan.api.schemas import FrontierRequest, PlanRequest, SimulateRequest
+from memplan.api.schemas import EventOut, FrontierRequest, PlanRequest, SimulateRequest, SimulationResponse
 from memplan.api.settings import Settings
+from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 
 
@@ -38,7 +40,7 @@ class Service:
         self.cache = PlanCache(settings.cache_path)
         self.solver_names: list[str] = []
         self._cache_context = ""
-        self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}  # plan key -> the solve running
 
     async def start(self) -> None:
         await self.pool.start()
@@ -47,6 +49,8 @@ class Service:
         self._cache_context = f"memplan {self.version}; solvers {','.join(self.solver_names)}"
 
     def close(self) -> None:
+        for task in self._inflight.values():
+            task.cancel()
         self.pool.close()
         self.cache.close()
 
@@ -79,51 +83,53 @@ class Service:
         """A ``PlanResponse`` as JSON bytes: from the cache, from an identical request being solved
         now, or solved in the pool (and then cached)."""
         self._check_graph(req.graph)
+        if req.budget is not None and req.budget_fraction is not None:
+            raise MemplanError("budget and budget_fraction: give one of them, not both")
         time_limit_s = self._time_limit(req.time_limit_s)
         graph_json = req.graph.model_dump_json()
-        key = plan_key(graph_sha256=content_hash(graph_json), budget=req.budget, solver=req.solver,
-                       time_limit_s=time_limit_s, offload=req.offload, host_budget=req.host_budget,
-                       context=self._cache_context)
+        key = plan_key(graph_sha256=content_hash(graph_json), budget=req.budget,
+                       budget_fraction=req.budget_fraction, solver=req.solver, time_limit_s=time_limit_s,
+                       offload=req.offload, host_budget=req.host_budget, context=self._cache_context)
         stored = self.cache.get(key)
         if stored is not None:
             # The stored text is a JSON object without "cache_hit": prepend the field, skip re-encoding.
             return b'{"cache_hit":true,' + stored[1:].encode()
-        if key in self._inflight:  # the same request is being solved: share its answer
-            shared = self._inflight[key]
-            try:
-                result = await asyncio.shield(shared)
-            except asyncio.CancelledError:
-                if shared.cancelled():
-                    raise Overloaded("the identical request this one was waiting on was cancelled; retry") from None
-                raise
-            return _encode(result, cache_hit=False)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = fut
-        try:
+        task = self._inflight.get(key)
+        if task is None:  # else the same request is being solved now: share its answer
             graph_arg = graph_json if self.settings.pool == "process" else req.graph
-            result = await self.pool.run(
-                jobs.plan_job, graph_arg, budget=req.budget, solver=req.solver, time_limit_s=time_limit_s,
-                offload=req.offload, host_budget=req.host_budget,
-                timeout_s=time_limit_s + self.settings.grace_s)
-            self.cache.put(key, result)
-            fut.set_result(result)
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # marks it retrieved: no "never retrieved" warning when nobody shared it
-            raise
-        finally:
+            task = asyncio.ensure_future(self._solve_and_cache(
+                key, graph_arg, budget=req.budget, budget_fraction=req.budget_fraction, solver=req.solver,
+                time_limit_s=time_limit_s, offload=req.offload, host_budget=req.host_budget))
+            self._inflight[key] = task
+            task.add_done_callback(functools.partial(self._solved, key))
+        # shield: a request that goes away leaves the solve running; its answer is still cached.
+        return _encode(await asyncio.shield(task), cache_hit=False)
+
+    async def _solve_and_cache(self, key: str, graph_arg: Graph | str, *, time_limit_s: float,
+                               **kwargs: Any) -> dict[str, Any]:
+        result: dict[str, Any] = await self.pool.run(jobs.plan_job, graph_arg, time_limit_s=time_limit_s,
+                                                     timeout_s=time_limit_s + self.settings.grace_s, **kwargs)
+        self.cache.put(key, result)  # before the task ends: an identical request finds it in one place or the other
+        return result
+
+    def _solved(self, key: str, task: asyncio.Future[dict[str, Any]]) -> None:
+        if self._inflight.get(key) is task:
             del self._inflight[key]
-        return _encode(result, cache_hit=False)
+        if not task.cancelled():
+            task.exception()  # retrieved: no "never retrieved" warning when every waiter went away
 
     # ---- simulate --------------------------------------------------------------------------------
     async def simulate(self, req: SimulateRequest) -> dict[str, Any]:
         self._check_graph(req.graph)
-        return await self.pool.run(
+        out = await self.pool.run(
             jobs.simulate_job, self._graph_arg(req.graph), req.plan, timeline=req.timeline,
             timeout_s=self.settings.max_time_limit_s + self.settings.grace_s)
+        # The wire form names its fields: a figure the simulator adds later is not sent until it is
+        # added to the schema (rather than failing the response's validation).
+        out = {k: v for k, v in out.items() if k in SimulationResponse.model_fields}
+        if out.get("timeline") is not None:
+            out["timeline"] = [{k: v for k, v in e.items() if k in EventOut.model_fields} for e in out["timeline"]]
+        return out
 
     # ---- frontier --------------------------------------------------------------------------------
     async def frontier(self, req: FrontierRequest) -> dict[str, Any]:
@@ -147,3 +153,6 @@ def _encode(result: dict[str, Any], *, cache_hit: bool) -> bytes:
 def get_service(request: Request) -> Service:
     """FastAPI dependency: the app's :class:`Service` (made in its lifespan)."""
     return request.app.state.service
+
+
+ServiceDep = Annotated[Service, Depends(get_service)]

@@ -60,6 +60,18 @@ def test_budget_forms(client, budget, expected_bytes):
     assert r.json()["predicted"]["peak_bytes"] <= expected_bytes
 
 
+def test_budget_as_a_fraction(client):
+    r = client.post("/v1/plans", json=body(budget_fraction=0.6, solver="oracle"))
+    assert r.status_code == 200, r.text
+    assert r.json()["budget_bytes"] == 640  # the same as "60%"
+    assert r.json()["predicted"]["peak_bytes"] <= 640
+    r = client.post("/v1/plans", json=body(budget="60%", budget_fraction=0.6))
+    assert r.status_code == 422
+    assert r.json() == {"detail": "budget and budget_fraction: give one of them, not both", "error": "invalid_request"}
+    r = client.post("/v1/plans", json=body(budget_fraction=11))
+    assert r.status_code == 422 and r.json()["field"] == "budget_fraction"
+
+
 def test_identical_request_is_a_cache_hit_with_the_same_plan(client):
     req = body(budget=777, solver="oracle")
     first = client.post("/v1/plans", json=req).json()
@@ -261,14 +273,22 @@ def test_solvers_health_and_docs(client):
     assert "413" in spec["paths"]["/v1/plans"]["post"]["responses"]
 
 
-def test_unexpected_errors_are_500_without_internals(client, monkeypatch):
+def test_unexpected_errors_are_500_without_internals_and_logged(monkeypatch, caplog):
     def broken(*a, **kw):
         raise RuntimeError("secret internals")
 
     monkeypatch.setattr(jobs, "plan_job", broken)
-    r = client.post("/v1/plans", json=body(budget=999, solver="oracle"))
-    assert r.status_code == 500
-    assert r.json() == {"detail": "internal error (RuntimeError); it has been logged", "error": "internal_error"}
+    # Starlette answers the 500 and then re-raises for the server to log; a real server does not raise
+    # into its client, so neither may this one.
+    with TestClient(create_app(FAST), raise_server_exceptions=False) as c, caplog.at_level("ERROR", "memplan.api"):
+        r = c.post("/v1/plans", json=body(budget=999, solver="oracle"))
+        assert r.status_code == 500
+        assert r.json() == {"detail": "internal error (RuntimeError); it has been logged", "error": "internal_error"}
+        assert "secret" not in r.text
+        assert c.get("/healthz").status_code == 200  # the server carries on
+    logged = [rec for rec in caplog.records if rec.name == "memplan.api"]
+    assert [rec.getMessage() for rec in logged] == ["unhandled error on POST /v1/plans"]
+    assert "secret internals" in str(logged[0].exc_info[1])  # the internals go to the log, with the traceback
 
 
 # ---- the cache on disk ----------------------------------------------------------------------------
@@ -307,6 +327,28 @@ def test_pool_queue_limit_and_timeout():
             await asyncio.sleep(0.6)
             assert pool.busy == 0  # ...and then hands it back
             assert await pool.run(sum, [1, 2], timeout_s=1) == 3
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_pool_replaces_a_dead_worker_process():
+    """A worker killed under a job (out of memory, a native crash) is a 503 for that job, not a pool
+    that refuses every later one."""
+    import os
+
+    from memplan.api.errors import WorkerLost
+
+    async def scenario():
+        pool = WorkerPool("process", workers=1, max_queue=4)
+        await pool.start()
+        try:
+            with pytest.raises(WorkerLost, match="a worker process died"):
+                await pool.run(os._exit, 3, timeout_s=30)
+            assert pool.busy == 0
+            assert await pool.run(sum, [1, 2], timeout_s=30) == 3
         finally:
             pool.close()
 

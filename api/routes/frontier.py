@@ -2,17 +2,17 @@
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from memplan.api.schemas import ERROR_RESPONSES, FrontierRequest, FrontierResponse
-from memplan.api.service import Service, get_service
+from memplan.api.service import ServiceDep
 
 router = APIRouter(prefix="/v1", tags=["frontier"])
 
 
 @router.post("/frontier", response_model=FrontierResponse, responses=ERROR_RESPONSES,
              summary="Memory against time: overhead at each budget")
-async def frontier(req: FrontierRequest, service: Service = Depends(get_service)) -> Any:
+async def frontier(req: FrontierRequest, service: ServiceDep) -> Any:
     """One series per solver; a point's ``overhead`` is None where its budget is infeasible. Without
     ``time_limit_s`` the server's default is shared out between the solves."""
     return await service.frontier(req)

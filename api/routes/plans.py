@@ -1,16 +1,16 @@
 """POST /v1/plans: a plan for a graph under a budget, with its prediction and the solver's statistics."""
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Response
 
 from memplan.api.schemas import ERROR_RESPONSES, PlanRequest, PlanResponse
-from memplan.api.service import Service, get_service
+from memplan.api.service import ServiceDep
 
 router = APIRouter(prefix="/v1", tags=["plans"])
 
 
 @router.post("/plans", response_model=PlanResponse, responses=ERROR_RESPONSES,
              summary="Plan a graph under a memory budget")
-async def create_plan(req: PlanRequest, service: Service = Depends(get_service)) -> Response:
+async def create_plan(req: PlanRequest, service: ServiceDep) -> Response:
     """Solve (or answer from the plan cache): the fastest plan whose simulated peak fits the budget.
 
     ``cache_hit`` says whether it was answered from the cache. An infeasible budget is a 422 whose body

@@ -2,17 +2,17 @@
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from memplan.api.schemas import ERROR_RESPONSES, SimulateRequest, SimulationResponse
-from memplan.api.service import Service, get_service
+from memplan.api.service import ServiceDep
 
 router = APIRouter(prefix="/v1", tags=["simulate"])
 
 
 @router.post("/simulate", response_model=SimulationResponse, response_model_exclude_none=False,
              responses=ERROR_RESPONSES, summary="Predict peak memory and step time of a plan")
-async def simulate(req: SimulateRequest, service: Service = Depends(get_service)) -> Any:
+async def simulate(req: SimulateRequest, service: ServiceDep) -> Any:
     """The simulator's report; the per-step timeline only when ``timeline`` is true. A plan made for
     another graph is a 422 (``plan_mismatch``)."""
     return await service.simulate(req)

@@ -1,0 +1,199 @@
+"""The REST service end to end: ``memplan serve`` in a subprocess on a free loopback port (worker
+processes, a SQLite cache file), spoken to over HTTP with httpx, planning a graph profiled from a real
+PyTorch model."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Plan
+from memplan.planner.simulator import simulate
+from memplan.planner.synthetic import linear_chain
+
+pytestmark = pytest.mark.slow  # a server start (worker processes) and a profile: ~10 s together
+
+MAX_BODY_BYTES = 1 << 20
+MAX_TIME_LIMIT_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    """A profiled training step of a small real model (a 4-layer MLP)."""
+    from memplan.planner.profiler import profile
+    from memplan.planner.workloads import load_workload
+
+    w = load_workload("mlp", depth=4, width=64, batch_size=512)  # the smallest plan peaks at ~73%
+    return profile(w.model, w.batch, w.loss_fn, repeats=1, progress=False, name="mlp")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The base URL of a running ``memplan serve``; stopped (Ctrl-C, as a user would) at the end."""
+    port = free_port()
+    cache = tmp_path_factory.mktemp("cache") / "plans.sqlite"
+    env = {**os.environ, "MEMPLAN_MAX_BODY_BYTES": str(MAX_BODY_BYTES), "MEMPLAN_MAX_OPS": "2000",
+           "MEMPLAN_MAX_TIME_LIMIT_S": str(MAX_TIME_LIMIT_S), "MEMPLAN_DEFAULT_TIME_LIMIT_S": "5"}
+    proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port), "--cache",
+                             str(cache), "--workers", "2"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"memplan serve exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"memplan serve did not answer within 90 s: {proc.stdout.read()}")
+        time.sleep(0.2)
+    yield url
+    proc.send_signal(subprocess.signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("memplan serve did not stop on Ctrl-C within 20 s")
+    assert cache.exists()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=60) as c:
+        yield c
+
+
+def test_health_solvers_and_docs(http):
+    h = http.get("/healthz").json()
+    assert h["status"] == "ok" and h["pool"] == "process" and h["workers"] == 2
+    names = {s["name"] for s in http.get("/v1/solvers").json()["solvers"]}
+    assert {"oracle", "greedy"} <= names
+    spec = http.get("/openapi.json").json()
+    assert spec["info"]["title"] == "memplan" and "/v1/plans" in spec["paths"]
+    docs = http.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+def test_plan_then_cache_hit_then_simulate(http, graph):
+    req = {"graph": graph.model_dump(mode="json"), "budget": "80%", "solver": "auto"}
+    t0 = time.perf_counter()
+    first = http.post("/v1/plans", json=req)
+    assert first.status_code == 200, first.text
+    miss_s = time.perf_counter() - t0
+    res = first.json()
+    assert res["cache_hit"] is False
+    assert res["graph_fingerprint"] == graph.fingerprint
+    assert res["solver"]["requested"] == "auto" and res["solver"]["status"] in ("optimal", "feasible")
+    plan = Plan.model_validate(res["plan"])
+    local = simulate(graph, plan)  # the answer is a real plan for this graph: same figures here
+    assert local.peak_bytes == res["predicted"]["peak_bytes"] <= res["budget_bytes"]
+    assert local.time_s == pytest.approx(res["predicted"]["step_time_s"])
+    assert res["budget_bytes"] < res["predicted"]["keep_all_peak_bytes"]
+
+    t0 = time.perf_counter()
+    second = http.post("/v1/plans", json=req)
+    hit_s = time.perf_counter() - t0
+    assert second.status_code == 200 and second.json()["cache_hit"] is True
+    assert {**second.json(), "cache_hit": False} == res  # identical answer, marked as a hit
+    assert hit_s < max(0.5, miss_s)
+
+    sim = http.post("/v1/simulate", json={"graph": req["graph"], "plan": res["plan"], "timeline": True})
+    assert sim.status_code == 200, sim.text
+    assert sim.json()["peak_bytes"] == res["predicted"]["peak_bytes"]
+    assert max(e["peak_bytes"] for e in sim.json()["timeline"]) == res["predicted"]["peak_bytes"]
+
+
+def test_budget_forms_agree(http, graph):
+    g = graph.model_dump(mode="json")
+    by_percent = http.post("/v1/plans", json={"graph": g, "budget": "85%", "solver": "oracle"}).json()
+    by_fraction = http.post("/v1/plans", json={"graph": g, "budget_fraction": 0.85, "solver": "oracle"}).json()
+    by_bytes = http.post("/v1/plans", json={"graph": g, "budget": by_percent["budget_bytes"], "solver": "oracle"}).json()
+    assert by_percent["budget_bytes"] == by_fraction["budget_bytes"] == by_bytes["budget_bytes"]
+    assert by_percent["plan"]["decisions"] == by_fraction["plan"]["decisions"] == by_bytes["plan"]["decisions"]
+
+
+def test_frontier(http, graph):
+    r = http.post("/v1/frontier", json={"graph": graph.model_dump(mode="json"), "budgets": ["50%", "80%", "100%"],
+                                        "solvers": ["oracle", "greedy"]})
+    assert r.status_code == 200, r.text
+    series = {s["solver"]: s["points"] for s in r.json()["series"]}
+    assert set(series) == {"oracle", "greedy"}
+    assert series["oracle"][0]["overhead"] is None  # 50%: below the smallest plan's peak
+    assert series["oracle"][1]["overhead"] > 0.0 and series["oracle"][2]["overhead"] == 0.0  # 100%: keep all
+    for exact, heuristic in zip(series["oracle"], series["greedy"], strict=True):
+        assert exact["budget_bytes"] == heuristic["budget_bytes"]
+        if heuristic["overhead"] is not None:
+            assert exact["overhead"] is not None and heuristic["overhead"] >= exact["overhead"] - 1e-9
+
+
+def test_errors_over_http(http, graph):
+    g = graph.model_dump(mode="json")
+    r = http.post("/v1/plans", json={"graph": g, "budget": 1})
+    assert r.status_code == 422 and r.json()["error"] == "infeasible"
+    assert r.json()["budget_bytes"] == 1 and r.json()["min_feasible_bytes"] > graph.fixed.resident_bytes
+
+    bad = json.loads(json.dumps(g))
+    bad["ops"][2]["time_s"] = "slow"
+    r = http.post("/v1/plans", json={"graph": bad})
+    assert r.status_code == 422 and r.json()["field"] == "graph.ops.2.time_s"
+
+    r = http.post("/v1/plans", json={"graph": g, "time_limit_s": MAX_TIME_LIMIT_S + 1})
+    assert r.status_code == 422 and r.json()["limit"] == "max_time_limit_s"
+
+    r = http.post("/v1/plans", content=b"{" + b" " * MAX_BODY_BYTES + b"}", headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["limit"] == "max_body_bytes"
+
+    r = http.post("/v1/plans", content=b"not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"].startswith("request body is not valid JSON")
+
+    assert http.get("/v1/nothing").status_code == 404
+    assert http.get("/healthz").json()["status"] == "ok"  # and the server is still up
+
+
+def test_stays_responsive_while_a_long_solve_runs(http, server):
+    """An exhaustive search that runs to its 3 s time limit in a worker process; meanwhile /healthz
+    (and a cache hit) answer at once. A timed-out answer is not cached."""
+    req = {"graph": linear_chain(14).model_dump(mode="json"), "solver": "oracle", "offload": True,
+           "time_limit_s": 3.0}
+    answers = []
+
+    def long_solve():
+        with httpx.Client(base_url=server, timeout=60) as c:
+            answers.append(c.post("/v1/plans", json=req))
+
+    worker = threading.Thread(target=long_solve)
+    t0 = time.perf_counter()
+    worker.start()
+    latencies, busy = [], 0
+    while time.perf_counter() - t0 < 2.0:
+        s = time.perf_counter()
+        h = http.get("/healthz")
+        latencies.append(time.perf_counter() - s)
+        busy = max(busy, h.json()["busy"])
+        time.sleep(0.05)
+    worker.join()
+    assert busy >= 1, "the long solve never showed as running"
+    assert max(latencies) < 0.25, f"/healthz took up to {max(latencies) * 1e3:.0f} ms while a solve ran"
+    assert time.perf_counter() - t0 >= 3.0  # the solve used its time limit...
+    r = answers[0]
+    assert r.status_code == 200, r.text
+    assert r.json()["solver"]["status"] == "timeout"  # ...and said so
+    again = http.post("/v1/plans", json={**req, "time_limit_s": 0.2})
+    assert again.status_code == 200 and again.json()["cache_hit"] is False
