@@ -7,6 +7,7 @@ anything else exits 1 with one line (set ``MEMPLAN_DEBUG=1`` for the traceback).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -17,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 from memplan.planner.errors import Infeasible, MemplanError
@@ -70,6 +72,11 @@ def _emit_json(obj: Any) -> None:
 def _report_dict(report: Any) -> dict[str, Any]:
     d = report.model_dump(exclude={"timeline"})
     return d
+
+
+def _working(what: str, *, quiet: bool) -> contextlib.AbstractContextManager[Any]:
+    """A spinner on stderr while a long call runs (none under --json or off a terminal)."""
+    return contextlib.nullcontext() if quiet or not err.is_terminal else err.status(what, spinner="dots")
 
 
 def _budget(text: str, graph: Graph) -> int:
@@ -177,7 +184,8 @@ def solve(
     graph = Graph.load(str(graph_file))
     b = _budget(budget, graph)
     host = parse_budget(host_budget) if host_budget else None
-    result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host)
+    with _working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
+        result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host)
     result.plan.save(str(output))
     base = keep_all_report(graph)
     summary = {
@@ -216,11 +224,17 @@ def frontier(
     graph = Graph.load(str(graph_file))
     pairs = [(text.strip(), _budget(text, graph)) for text in budgets.split(",") if text.strip()]
     names = [n.strip() for n in solver.split(",") if n.strip()] or ["auto"]
-    series = {}
-    for name in names:
-        points = solve_frontier(graph, [b for _, b in pairs], name, time_limit_s=time_limit)
-        series[name] = [{"budget": label, "budget_bytes": b, "overhead": ov}
-                        for (label, _), (b, ov) in zip(pairs, points, strict=True)]
+    series: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    # One solve per (solver, budget): a bar on stderr (hidden under --json; rich draws none off a terminal).
+    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[what]}"), console=err,
+                  transient=True, disable=json_out) as progress:
+        task = progress.add_task("frontier", total=len(names) * len(pairs), what="")
+        for name in names:
+            for label, b in pairs:
+                progress.update(task, what=f"{name} at {label}")
+                (_, ov), = solve_frontier(graph, [b], name, time_limit_s=time_limit)
+                series[name].append({"budget": label, "budget_bytes": b, "overhead": ov})
+                progress.advance(task)
     if plot is not None:
         from memplan.api.plots import frontier_png
 
