@@ -7,6 +7,7 @@ the worker functions in ``api/jobs.py``, and the mapping of errors to HTTP in ``
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from memplan.api import errors
 from memplan.api.errors import error_body
 from memplan.api.routes import frontier, health, plans, simulate, solvers
-from memplan.api.service import Service, memplan_version
+from memplan.api.service import BODY_KEY, Service, memplan_version
 from memplan.api.settings import Settings
 
 
@@ -43,7 +44,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for module in (plans, simulate, frontier, solvers, health):
         app.include_router(module.router)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(PlanCacheShortcut)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)  # the outer one: runs first
     return app
 
 
@@ -85,17 +87,7 @@ class BodySizeLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: wait for the disconnect, as the server would say
-
-        await self.app(scope, replay, send)
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     async def _refuse(self, send: Send, what: str) -> None:
         body = json.dumps(error_body(
@@ -105,3 +97,57 @@ class BodySizeLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+class PlanCacheShortcut:
+    """Answer a repeated ``POST /v1/plans`` from the plan cache before its body is parsed.
+
+    Parsing and validating a graph costs milliseconds; a client that repeats a request sends the same
+    bytes. The body's hash (with its content type) is mapped to the plan cache key when the request is
+    first answered (:meth:`Service.plan`); the same bytes again are answered from the cache directly.
+    Anything else (another body, a key not in the cache: a timed-out answer) goes the normal way.
+    """
+
+    PATH = "/v1/plans"
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.PATH:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:  # the body is already whole and within its limit (BodySizeLimit): usually one message
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        content_type = dict(scope.get("headers") or []).get(b"content-type", b"")
+        body_key = hashlib.sha256(content_type + b"\0" + body).hexdigest()
+        service = getattr(scope["app"].state, "service", None)
+        answer = service.cached_by_body(body_key) if service is not None else None
+        if answer is not None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(answer)).encode())]})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        scope = {**scope, BODY_KEY: body_key}
+        await self.app(scope, _replay(body, receive), send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: wait for the disconnect, as the server would say
+
+    return replay

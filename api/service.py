@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from collections import OrderedDict
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
@@ -23,6 +24,10 @@ from memplan.api.schemas import EventOut, FrontierRequest, PlanRequest, Simulate
 from memplan.api.settings import Settings
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
+
+BODY_KEY = "memplan.body_sha256"
+"""Scope key under which ``memplan.api.app.PlanCacheShortcut`` hands a request body's hash to the route."""
+_MAX_BODY_KEYS = 65_536  # request bodies remembered for the cache shortcut (~10 MiB)
 
 
 def memplan_version() -> str:
@@ -40,6 +45,7 @@ class Service:
         self.cache = PlanCache(settings.cache_path)
         self.solver_names: list[str] = []
         self._cache_context = ""
+        self._body_keys: OrderedDict[str, str] = OrderedDict()  # request body hash -> plan key
         self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}  # plan key -> the solve running
 
     async def start(self) -> None:
@@ -79,9 +85,22 @@ class Service:
         return graph.model_dump_json() if self.settings.pool == "process" else graph
 
     # ---- plans -----------------------------------------------------------------------------------
-    async def plan(self, req: PlanRequest) -> bytes:
+    def cached_by_body(self, body_key: str) -> bytes | None:
+        """The cached answer to a request body seen before (its hash, from ``PlanCacheShortcut``)."""
+        key = self._body_keys.get(body_key)
+        stored = self.cache.get(key) if key is not None else None
+        return None if stored is None else _hit(stored)
+
+    def _remember_body(self, body_key: str, key: str) -> None:
+        self._body_keys[body_key] = key
+        self._body_keys.move_to_end(body_key)
+        while len(self._body_keys) > _MAX_BODY_KEYS:  # bounded: the oldest bodies go first
+            self._body_keys.popitem(last=False)
+
+    async def plan(self, req: PlanRequest, *, body_key: str | None = None) -> bytes:
         """A ``PlanResponse`` as JSON bytes: from the cache, from an identical request being solved
-        now, or solved in the pool (and then cached)."""
+        now, or solved in the pool (and then cached). ``body_key``: the hash of the request's bytes,
+        remembered so that the same bytes again skip parsing (:meth:`cached_by_body`)."""
         self._check_graph(req.graph)
         if req.budget is not None and req.budget_fraction is not None:
             raise MemplanError("budget and budget_fraction: give one of them, not both")
@@ -90,10 +109,11 @@ class Service:
         key = plan_key(graph_sha256=content_hash(graph_json), budget=req.budget,
                        budget_fraction=req.budget_fraction, solver=req.solver, time_limit_s=time_limit_s,
                        offload=req.offload, host_budget=req.host_budget, context=self._cache_context)
+        if body_key is not None:
+            self._remember_body(body_key, key)
         stored = self.cache.get(key)
         if stored is not None:
-            # The stored text is a JSON object without "cache_hit": prepend the field, skip re-encoding.
-            return b'{"cache_hit":true,' + stored[1:].encode()
+            return _hit(stored)
         task = self._inflight.get(key)
         if task is None:  # else the same request is being solved now: share its answer
             graph_arg = graph_json if self.settings.pool == "process" else req.graph
@@ -144,6 +164,11 @@ class Service:
         return await self.pool.run(
             jobs.frontier_job, self._graph_arg(req.graph), budgets=list(req.budgets), solvers=list(req.solvers),
             time_limit_s=per_solve_s, offload=req.offload, timeout_s=per_solve_s * solves + s.grace_s)
+
+
+def _hit(stored: str) -> bytes:
+    # The stored text is a JSON object without "cache_hit": prepend the field, skip re-encoding.
+    return b'{"cache_hit":true,' + stored[1:].encode()
 
 
 def _encode(result: dict[str, Any], *, cache_hit: bool) -> bytes:

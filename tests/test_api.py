@@ -88,6 +88,34 @@ def test_identical_request_is_a_cache_hit_with_the_same_plan(client):
     assert r["predicted"]["keep_all_step_time_s"] == 40.0
 
 
+def test_repeated_bytes_are_answered_before_parsing(monkeypatch):
+    """The same request bytes again are answered from the cache without parsing the graph (the
+    ``PlanCacheShortcut``); other bytes for the same plan go the normal way and are hits too."""
+    from memplan.api.service import Service
+
+    with TestClient(create_app(FAST)) as c:
+        raw = json.dumps(body(budget=700, solver="oracle")).encode()
+        headers = {"content-type": "application/json"}
+        first = c.post("/v1/plans", content=raw, headers=headers)
+        assert first.status_code == 200 and first.json()["cache_hit"] is False
+
+        def unreachable(*a, **kw):
+            raise AssertionError("parsed and planned again")
+
+        with monkeypatch.context() as m:
+            m.setattr(Service, "plan", unreachable)
+            again = c.post("/v1/plans", content=raw, headers=headers)
+        assert again.status_code == 200 and again.headers["content-type"] == "application/json"
+        assert again.json() == {**first.json(), "cache_hit": True}
+        spaced = c.post("/v1/plans", content=json.dumps(json.loads(raw), indent=2).encode(), headers=headers)
+        assert spaced.json() == again.json()  # other bytes, same request: parsed, then a hit
+        # a remembered body whose answer left the cache is solved again, not answered from memory
+        c.app.state.service.cache.clear()
+        assert c.post("/v1/plans", content=raw, headers=headers).json()["cache_hit"] is False
+        # other routes and methods are not touched
+        assert c.get("/v1/plans").status_code == 405
+
+
 def test_concurrent_identical_requests_share_one_solve(client):
     req = body(budget=801, solver="oracle")
     results = []
