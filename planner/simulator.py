@@ -85,6 +85,7 @@ class _Static:
     frees_after_fwd: list[list[int]]
     releases_after_bwd: list[list[int]]
     is_activation: list[bool]
+    fixed_content: list[bool]       # an activation that cannot be rebuilt (not recomputable, not held)
 
 
 def _static(graph: Graph) -> _Static:
@@ -121,7 +122,9 @@ def _static(graph: Graph) -> _Static:
     for t in range(n_t):
         if release_at[t] >= 0 and not graph.tensors[t].held_by_caller:
             releases_after_bwd[release_at[t]].append(t)
-    st = _Static(saved, fwd_free_at, release_at, first_bwd, frees_after_fwd, releases_after_bwd, is_act)
+    fixed_content = [is_act[t.id] and not t.recomputable and not t.held_by_caller for t in graph.tensors]
+    st = _Static(saved, fwd_free_at, release_at, first_bwd, frees_after_fwd, releases_after_bwd, is_act,
+                 fixed_content)
     graph.__dict__["_memplan_sim_static"] = st
     return st
 
@@ -156,20 +159,44 @@ def simulate(graph: Graph, plan: Plan | None = None, *, timeline: bool = True, c
     actions = plan.actions()
     prefetch = {d.tensor: d.prefetch_at for d in plan.decisions
                 if d.action == Action.OFFLOAD and d.prefetch_at is not None}
-    return _Replay(graph, actions, prefetch, bandwidth, timeline).run()
+    return _run(graph, actions, prefetch, bandwidth, timeline)
 
 
 def simulate_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: dict[int, int] | None = None,
                      bandwidth_bytes_per_s: float | None = None, timeline: bool = False) -> Report:
     """:func:`simulate` for solvers' inner loops: ``{tensor id: action}`` instead of a Plan, unchecked."""
-    return _Replay(graph, actions, prefetch_at or {}, bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s,
-                   timeline).run()
+    return _run(graph, actions, prefetch_at or {}, bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s,
+                timeline)
+
+
+def _run(graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int], bandwidth: float,
+         timeline: bool) -> Report:
+    """Pinning (docs/model.md): a replay that reads an activation which cannot be rebuilt (not
+    recomputable: mutated in place later, say) needs that very tensor, so it is retained until the last
+    backward step whose replay reads it. Which ones are read depends only on the plan, not on memory: a
+    first pass that retains every such tensor records the reads; the second, real pass retains exactly
+    those, each until its last read."""
+    pins: dict[int, int] = {}
+    st = _static(graph)
+    if any(a == Action.RECOMPUTE for a in actions.values()) and any(st.fixed_content):
+        probe = _Replay(graph, actions, prefetch_at, bandwidth, False, discover=True)
+        probe.run()
+        pins = probe.reads
+    return _Replay(graph, actions, prefetch_at, bandwidth, timeline, pins=pins).run()
 
 
 class _Replay:
     def __init__(self, graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int],
-                 bandwidth: float, timeline: bool):
+                 bandwidth: float, timeline: bool, *, discover: bool = False, pins: dict[int, int] | None = None):
         self.g = graph
+        # discover: retain every pinnable tensor and record in ``reads`` the lowest backward step whose
+        # replay reads each; pins: {tensor: step} retained from production until after that step
+        self.discover = discover
+        self.reads: dict[int, int] = {}
+        self.pins = pins or {}
+        self.pin_release: dict[int, list[int]] = {}
+        for t, s in self.pins.items():
+            self.pin_release.setdefault(s, []).append(t)
         self.st = _static(graph)
         self.actions = actions
         self.bw = bandwidth
@@ -226,6 +253,15 @@ class _Replay:
     def _action(self, t: int) -> Action:
         return self.actions.get(t, Action.KEEP)
 
+    def _pinnable(self, t: int) -> bool:
+        return self.st.fixed_content[t] and self._action(t) == Action.KEEP
+
+    def _pinned(self, t: int) -> bool:
+        """Retained past its usual free because a replay reads it (see :func:`_run`)."""
+        if self.discover:
+            return self._pinnable(t)
+        return t in self.pins and self._pinnable(t)
+
     # ---- phases -------------------------------------------------------------------------------
     def run(self) -> Report:
         g = self.g
@@ -270,7 +306,7 @@ class _Replay:
                     self.host_live += b
                     self.host_peak = max(self.host_peak, self.host_live)
             for t in st.frees_after_fwd[op.id]:
-                if not self.resident[t]:
+                if not self.resident[t] or self._pinned(t):
                     continue
                 if not st.saved[t]:
                     self._free(t)
@@ -319,6 +355,8 @@ class _Replay:
                 continue
             seen.add(u)
             if self.resident[u]:
+                if u != target and self.discover and self._pinnable(u):
+                    self.reads[u] = min(self.reads.get(u, step), step)
                 continue
             if self.on_host[u] and self._action(u) == Action.OFFLOAD:
                 self._prefetch(u, f"needed to recompute tensor {target}")
@@ -386,8 +424,16 @@ class _Replay:
             self.now += op.backward_time_s
             self.live -= op.backward_grad_free_bytes
             for t in st.releases_after_bwd[i]:
+                if self.discover and self._pinnable(t):
+                    continue
+                if self._pinned(t) and self.pins[t] < i:
+                    continue  # a later replay reads it: released after that step instead
                 if self.resident[t]:
                     self._free(t)
                     if self.on_host[t]:
                         self.host_live -= tensors[t].bytes
+            for t in self.pin_release.get(i, ()):
+                if st.saved[t] and st.release_at[t] < i:
+                    continue  # its own backward reader comes later and releases it
+                self._free(t)
             self._event("backward", i, start, during, op.name)

@@ -234,7 +234,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "resnet": {
         "small": {"layer_type": "basic", "embedding_size": 32, "hidden_sizes": (32, 64, 128, 256),
-                  "depths": (2, 2, 2, 2), "image_size": 64, "batch_size": 8},
+                  "depths": (2, 2, 2, 2), "image_size": 64, "batch_size": 32},
         "18": {"layer_type": "basic", "embedding_size": 64, "hidden_sizes": (64, 128, 256, 512),
                "depths": (2, 2, 2, 2), "image_size": 128, "batch_size": 8},
         "50": {"layer_type": "bottleneck", "embedding_size": 64, "hidden_sizes": (256, 512, 1024, 2048),

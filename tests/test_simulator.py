@@ -119,13 +119,31 @@ def test_plan_checks():
         simulate(g, Plan(graph_fingerprint=g.fingerprint, decisions=[{"tensor": 0, "action": "recompute"}]))
 
 
-def test_replay_through_a_non_recomputable_tensor_is_refused():
+def test_replay_through_a_non_recomputable_tensor_pins_it():
+    # a1 (500 B) cannot be rebuilt (say, mutated in place later) and is not saved, so the forward would
+    # free it after op 1; recomputing a2 = op1(a1) in backward needs that very tensor, so the plan pins a1
+    # from its production until the replay at op 2's backward, and pays for it.
+    g = linear_chain(4, activation_bytes=[500, 100, 100, 100])
+    g.tensors[1].recomputable = False
+    g.ops[1].saved = []
+    g.invalidate()
+    keep = simulate(g, Plan.keep_all(g))
+    r = simulate(g, Plan.for_graph(g, {2: "recompute"}))
+    after = {(e.phase, e.op): e.live_bytes for e in r.timeline}
+    assert [after[("forward", i)] for i in range(4)] == [600, 700, 700, 800]  # a1 stays; a2 goes after op 2
+    assert after[("recompute", 1)] == 800            # a2 rebuilt from the pinned a1
+    assert after[("backward", 2)] == 200              # a1 released with a2 after op 2's backward
+    assert (r.peak_bytes, keep.peak_bytes) == (900, 700)  # recomputing here costs memory: no solver picks it
+    assert r.recompute_time_s == 1.0 and r.time_s == keep.time_s + 1.0
+
+
+def test_replay_needing_a_lost_tensor_is_refused():
+    # recomputing a non-recomputable tensor itself is a malformed plan
     g = linear_chain(4)
     g.tensors[1].recomputable = False
-    g.ops[1].saved = []  # a1 is unsaved, so freed in forward; a2's replay needs it
     g.invalidate()
     with pytest.raises(PlanError, match="neither kept nor recomputable"):
-        simulate(g, Plan.for_graph(g, {2: "recompute"}))
+        simulate_actions(g, {1: Action.RECOMPUTE, 2: Action.RECOMPUTE})
 
 
 @settings(max_examples=60, deadline=None)
