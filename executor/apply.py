@@ -1,0 +1,235 @@
+"""``apply(model, plan, ...)``: run an unchanged training loop under a plan.
+
+    ex = memplan.executor.apply(model, "plan.json", graph="graph.json", optimizer=opt)
+    for batch in data:                       # the loop does not change
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        opt.step()
+    ex.remove()                              # or: with memplan.executor.apply(...) as ex: ...
+
+A step begins at the model's forward (a forward pre-hook on the root module enters the op-counting mode
+and the saved-tensor hooks; ops of the loss after the model's forward are counted too, as the profiler
+counted them) and its forward ends when backward starts; the mode is left at ``optimizer.step()``, at the
+next forward, or at ``remove()``. Only training forwards with grad enabled are planned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from memplan.executor.optim import FusedOptimizer
+from memplan.executor.runtime import HostPool, _Mode, _Packed, _Step, prefetch_order
+from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Action, Plan
+from memplan.planner.profiler import model_fingerprint
+from memplan.planner.simulator import default_prefetch_at
+
+
+def _fingerprint_diff(model: nn.Module, graph: Graph | None) -> str:
+    """Name the first parameter that differs from the profiled model's (shapes/dtypes from the graph)."""
+    if graph is None:
+        return ""
+    ours: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        key = p.untyped_storage()._cdata
+        if key not in seen:  # the profiler registered each storage once
+            seen.add(key)
+            ours.append((name, p))
+    theirs = [t for t in graph.tensors if t.kind == "param"]
+    for (name, p), t in zip(ours, theirs, strict=False):
+        dtype = str(p.dtype).removeprefix("torch.")
+        if list(p.shape) != t.shape or dtype != t.dtype:
+            return (f": parameter {name} is {dtype}{list(p.shape)} here, {t.dtype}{t.shape} in the profiled "
+                    f"model")
+    if len(ours) != len(theirs):
+        extra = ours[len(theirs)][0] if len(ours) > len(theirs) else None
+        return (f": this model has {len(ours)} parameter tensors, the profiled one {len(theirs)}"
+                + (f" (first extra: {extra})" if extra else ""))
+    return ": parameter names differ (shapes and dtypes agree)"
+
+
+def _load(plan: Plan | str | Path, graph: Graph | str | Path | None) -> tuple[Plan, Graph]:
+    plan_path = None
+    if not isinstance(plan, Plan):
+        plan_path = Path(plan)
+        plan = Plan.load(str(plan_path))
+    if graph is None:
+        sibling = plan_path.with_name("graph.json") if plan_path is not None else None
+        if sibling is None or not sibling.is_file():
+            raise PlanError("the executor needs the graph the plan was made for: pass graph=Graph or a path "
+                            "(memplan plan writes graph.json next to plan.json)")
+        graph = sibling
+    if not isinstance(graph, Graph):
+        graph = Graph.load(str(graph))
+    return plan, graph
+
+
+class Executor:
+    """A plan applied to a model (and optionally its optimizer). See :func:`apply`."""
+
+    def __init__(self, model: nn.Module, plan: Plan, graph: Graph, *, optimizer: torch.optim.Optimizer | None,
+                 fuse: str | None, accumulation_steps: int, max_grad_norm: float | None):
+        plan.check_against(graph)
+        fp = model_fingerprint(model)
+        expected = plan.model_fingerprint or graph.model_fingerprint
+        if expected and fp != expected:
+            raise PlanMismatch(f"the plan was made for model {expected}, this model is {fp}"
+                               f"{_fingerprint_diff(model, graph)}; re-profile and re-solve for this model")
+        if fuse is not None and optimizer is None:
+            raise MemplanError(f"fuse={fuse!r} needs the optimizer: apply(..., optimizer=opt)")
+        if max_grad_norm is not None and fuse is None:
+            raise MemplanError("max_grad_norm is applied by fused steps; without fusion call "
+                               "torch.nn.utils.clip_grad_norm_ in the loop as usual")
+        self.model = model
+        self.plan = plan
+        self.graph = graph
+        self.optimizer = optimizer
+        self.actions = {t: a for t, a in plan.actions().items() if a != Action.KEEP}
+        self.records = any(a == Action.RECOMPUTE for a in self.actions.values())
+        offloaded = sorted(t for t, a in self.actions.items() if a == Action.OFFLOAD)
+        bandwidth = plan.bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
+        given = {d.tensor: d.prefetch_at for d in plan.decisions if d.prefetch_at is not None}
+        self.prefetch_order = prefetch_order(
+            {t: given.get(t, default_prefetch_at(graph, t, bandwidth)) for t in offloaded})
+        self.tag_nodes = bool(offloaded)
+        self.last_real_op = max((op.id for op in graph.ops if op.name != "aten.detach.default"), default=-1)
+        on_cuda = graph.device == "cuda" and torch.cuda.is_available()
+        self.pool = HostPool(graph, offloaded, pin=on_cuda)  # allocated once, reused every step
+        self.copy_stream = torch.cuda.Stream() if on_cuda and offloaded else None
+        self.fixed_tensors = list(model.parameters()) + list(model.buffers())
+        self.step_state: _Step | None = None
+        self.last_step: _Step | None = None
+        self.busy = False
+        self.steps = 0
+        self._mode = _Mode(self)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._entered = False
+        self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
+                                     max_grad_norm=max_grad_norm) if fuse is not None else None)
+        self._handles = [model.register_forward_pre_hook(self._begin)]
+        if self.fused is not None and fuse == "forward":
+            for module in self.fused.module_buckets:
+                if module is not model:
+                    self._handles.append(module.register_forward_pre_hook(self._before_module))
+        if optimizer is not None:
+            real_step = optimizer.step
+
+            def step(closure=None):
+                self.end_step()
+                if self.fused is not None:
+                    return self.fused.user_step(closure)
+                return real_step(closure) if closure is not None else real_step()
+
+            optimizer.step = step  # type: ignore[method-assign]
+            self._step_shadow = step
+
+    # ---- the step's boundaries ---------------------------------------------------------------------
+    def _begin(self, module: nn.Module, _args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        prev = self.step_state
+        self.end_step()
+        if prev is not None and not prev.forward_done:
+            prev.end_forward()  # the model called twice in one step: the counts cannot match
+        if self.fused is not None:
+            self.fused.begin_forward()
+            with self.internal():
+                self.fused.before_module(module)
+        self.step_state = _Step(self)
+        self.steps += 1
+        self._mode.__enter__()
+        self._hooks.__enter__()
+        self._entered = True
+
+    def _before_module(self, module: nn.Module, _args) -> None:
+        with self.internal():
+            self.fused.before_module(module)
+
+    def end_step(self) -> None:
+        """Leave the op-counting mode and the saved-tensor hooks (the step's backward keeps working)."""
+        if not self._entered:
+            return
+        if _get_current_dispatch_mode() is not self._mode:
+            raise MemplanError("executor: another TorchDispatchMode was entered inside the step and is still "
+                               "active; leave it before optimizer.step() or the next forward")
+        self._entered = False
+        self._hooks.__exit__(None, None, None)
+        self._mode.__exit__(None, None, None)
+        self.last_step, self.step_state = self.step_state, None
+
+    @contextlib.contextmanager
+    def internal(self) -> Iterator[None]:
+        """The executor's own ops (copies, replays, optimizer updates) are not the model's."""
+        busy, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = busy
+
+    # ---- saved-tensor hooks -------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        step = self.step_state
+        if step is None or step.forward_done or self.busy:
+            return t
+        return step.pack(t)
+
+    @staticmethod
+    def _unpack(p):
+        if isinstance(p, _Packed):
+            return p.step.unpack(p)
+        return p
+
+    # ---- public -----------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Apply pending fused updates (forward fusion) now: before evaluating, saving or comparing."""
+        self.end_step()
+        if self.fused is not None:
+            self.fused.flush()
+
+    def remove(self) -> None:
+        """Flush, remove every hook and give the optimizer its own ``step`` back."""
+        self.flush()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.fused is not None:
+            self.fused.remove()
+        if self.optimizer is not None and self.optimizer.__dict__.get("step") is getattr(self, "_step_shadow", None):
+            del self.optimizer.step
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return self.pool.bytes
+
+
+def apply(model: nn.Module, plan: Plan | str | Path, *, graph: Graph | str | Path | None = None,
+          optimizer: torch.optim.Optimizer | None = None, fuse: str | None = None, accumulation_steps: int = 1,
+          max_grad_norm: float | None = None) -> Executor:
+    """Apply ``plan`` (a :class:`Plan` or a plan file) to ``model`` for the training loop that follows.
+
+    ``graph``: the graph the plan was made for (a :class:`Graph` or a file; default: ``graph.json`` beside
+    the plan file). ``optimizer``: needed for ``fuse`` ("backward" or "forward", see
+    :mod:`memplan.executor.optim`); ``accumulation_steps`` micro-batches per optimizer step (backward
+    fusion steps in the last one); ``max_grad_norm``: global-norm clipping, forward fusion only.
+
+    Returns the :class:`Executor` (``remove()`` undoes everything; usable as a context manager). Raises
+    :class:`PlanMismatch` if the plan was made for another graph or model (naming the first differing
+    parameter), and, during a step, if the model's forward ops diverge from the graph's (naming the op).
+    """
+    plan, graph = _load(plan, graph)
+    return Executor(model, plan, graph, optimizer=optimizer, fuse=fuse, accumulation_steps=accumulation_steps,
+                    max_grad_norm=max_grad_norm)

@@ -1,0 +1,162 @@
+"""Fused optimizer steps ("optimizer fusion", Jiang et al., arXiv 2104.00237).
+
+* **backward** fusion: the parameters of one module (a bucket) are stepped as soon as all their gradients
+  are final in the last micro-batch's backward (``register_post_accumulate_grad_hook``), and their
+  gradients are freed at once. The training loop's ``optimizer.step()`` then only steps what backward did
+  not reach (parameters without a gradient are skipped by every torch optimizer).
+* **forward** fusion: ``optimizer.step()`` only takes the gradients (so that ``zero_grad`` does not touch
+  them); each bucket's update is applied just before its module's next forward (a forward pre-hook), and
+  its gradients are freed then. Global information (the gradient norm) is available at ``step()``, so
+  ``max_grad_norm`` clipping works. ``flush()`` applies what is still pending (before evaluation, saving,
+  or comparing parameters).
+
+A bucket is stepped by the user's optimizer itself, its parameter groups narrowed to the bucket for the
+call: the same hyper-parameters, state, foreach/fused kernels per group, and per-parameter arithmetic, so
+the parameters are those of plain training. Supported: SGD (with or without momentum), Adam, AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from memplan.planner.errors import MemplanError
+
+
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+FUSE_MODES = ("backward", "forward")
+
+
+class FusedOptimizer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, *,
+                 accumulation_steps: int = 1, max_grad_norm: float | None = None):
+        if mode not in FUSE_MODES:
+            raise MemplanError(f"fuse={mode!r}: expected one of {', '.join(FUSE_MODES)} or None")
+        if not isinstance(optimizer, SUPPORTED):
+            raise MemplanError(f"optimizer fusion supports SGD, Adam and AdamW; got {type(optimizer).__name__}")
+        if accumulation_steps < 1:
+            raise MemplanError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if mode == "backward" and max_grad_norm is not None:
+            raise MemplanError("global-norm gradient clipping cannot run in backward fusion: each parameter is "
+                               "stepped before the other gradients exist; use fuse='forward' (it clips at "
+                               "optimizer.step()) or no fusion")
+        self.model = model
+        self.optimizer = optimizer
+        self.mode = mode
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.micro = -1                                   # micro-batch index of the running forward
+        in_opt = {p for g in optimizer.param_groups for p in g["params"]}
+        self.bucket_of: dict[nn.Parameter, int] = {}
+        self.buckets: list[list[nn.Parameter]] = []
+        self.module_buckets: dict[nn.Module, list[int]] = {}
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p in in_opt and p.requires_grad]
+            fresh = [p for p in own if p not in self.bucket_of]
+            if fresh:
+                for p in fresh:
+                    self.bucket_of[p] = len(self.buckets)
+                self.buckets.append(fresh)
+            # a tied parameter's bucket is applied before the forward of any module that owns it
+            if own:
+                self.module_buckets[module] = sorted({self.bucket_of[p] for p in own})
+        missing = [p for p in in_opt if p not in self.bucket_of and p.requires_grad]
+        if missing:
+            raise MemplanError(f"optimizer fusion: {len(missing)} optimizer parameter(s) belong to no module of "
+                               f"the model (first shape {list(missing[0].shape)}); fuse only the model's own")
+        self.ready = [0] * len(self.buckets)
+        self.pending: dict[nn.Parameter, torch.Tensor] = {}   # forward fusion: parameter -> its gradient
+        self.pending_keys: set[int] = set()
+        self.handles = []
+        self._step = optimizer.step  # the real step (the executor shadows optimizer.step with user_step)
+        if mode == "backward":
+            for p in self.bucket_of:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    # ---- the training loop's calls ------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self.micro += 1
+        self.ready = [0] * len(self.buckets)
+
+    def _last_micro_batch(self) -> bool:
+        return self.micro % self.accumulation_steps == self.accumulation_steps - 1
+
+    def user_step(self, closure=None):
+        """What the training loop's ``optimizer.step()`` does under fusion."""
+        if closure is not None:
+            raise MemplanError("optimizer fusion does not support step(closure)")
+        if self.mode == "backward":
+            return self._step()  # what backward did not step (parameters whose hook never fired)
+        self.flush()  # a step not followed by a forward yet: apply it before taking new gradients
+        params = [p for p in self.bucket_of if p.grad is not None]
+        if self.max_grad_norm is not None and params:
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        for p in params:  # keep the gradients away from zero_grad until the update is applied
+            self.pending[p] = p.grad
+            self.pending_keys.add(p.untyped_storage()._cdata)
+            p.grad = None
+        return None
+
+    # ---- backward fusion --------------------------------------------------------------------------
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self._last_micro_batch():
+            return
+        b = self.bucket_of[p]
+        self.ready[b] += 1
+        if self.ready[b] == len(self.buckets[b]):
+            self.step_params(self.buckets[b])
+
+    # ---- forward fusion ----------------------------------------------------------------------------
+    def before_module(self, module: nn.Module) -> None:
+        """Forward pre-hook work: apply the pending updates of the buckets ``module`` owns."""
+        for b in self.module_buckets.get(module, ()):
+            params = [p for p in self.buckets[b] if p in self.pending]
+            if params:
+                self._apply_pending(params)
+
+    def _apply_pending(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            p.grad = self.pending.pop(p)
+            self.pending_keys.discard(p.untyped_storage()._cdata)
+        self.step_params(params)
+
+    def flush(self) -> None:
+        """Apply every pending update now (forward fusion)."""
+        if self.pending:
+            self._apply_pending(list(self.pending))
+
+    def check_not_pending(self, inputs: Iterable[torch.Tensor], op) -> None:
+        for t in inputs:
+            try:
+                key = t.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError):
+                continue
+            if key in self.pending_keys:
+                raise MemplanError(f"forward fusion: op {op.id} ({op.name}, module {op.module or '?'}) reads a "
+                                   f"parameter whose update is still pending: it is used outside the module that "
+                                   f"owns it; use fuse='backward' or no fusion for this model")
+
+    # ---- stepping a subset ------------------------------------------------------------------------
+    def step_params(self, params: list[nn.Parameter]) -> None:
+        """Step only ``params`` with the user's optimizer, then free their gradients."""
+        chosen = set(params)
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = [p for p in g["params"] if p in chosen]
+            with torch.no_grad():
+                self._step()
+        finally:
+            for g, ps in zip(groups, saved, strict=True):
+                g["params"] = ps
+        for p in params:
+            p.grad = None
+
+    def remove(self) -> None:
+        self.flush()
+        for h in self.handles:
+            h.remove()
+        self.handles = []

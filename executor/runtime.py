@@ -1,0 +1,514 @@
+"""The run-time half of the executor: one training step's forward is watched op by op, every saved tensor
+is mapped to its graph tensor id, and backward gets what the plan says it should.
+
+How a step runs (see docs/model.md for the model it reproduces):
+
+* **Ops.** A ``TorchDispatchMode`` counts forward ATen ops with the profiler's rules (the same helpers:
+  a tensor is its storage; an output storage not seen before is a new tensor; ``lift_fresh`` reads
+  nothing). Op *k* must carry the name of the graph's op *k*, and create as many new storages, or the
+  step stops with :class:`PlanMismatch` naming the first divergent op. One difference is expected and
+  skipped: with ``saved_tensors_hooks`` installed, autograd no longer dispatches the ``aten.detach`` it
+  runs when it saves an op's output, and those detaches (no new storage, nothing saved) are in the graph.
+* **Saved tensors** go through ``saved_tensors_hooks``. A *kept* one (and every parameter, buffer, input,
+  or view of one: they are not activations) is returned as is. A *recomputed* one is packed as a handle
+  (tensor id and view geometry), and autograd no longer holds its storage, which dies at its last forward
+  use. An *offloaded* one is copied to its slot of the host pool as it is packed and packed as a handle.
+* **Recompute** is the simulator's lazy replay: when backward unpacks a missing tensor, its producer is
+  replayed from a recipe recorded in forward (the ATen op, its non-tensor arguments, and references to its
+  input storages by tensor id with their view geometry), recursively through missing inputs, in forward
+  order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack;
+  the others die after their last use in the replay. Random ops replay under the RNG state captured
+  before they ran, so dropout masks are identical. Arguments an op writes in place (batch norm's running
+  statistics) are cloned for the replay, so a replay changes nothing but what it returns.
+* **Offload** uses one pinned host pool, allocated once from the plan and reused every step. On CUDA the
+  device -> host copy runs on a dedicated copy stream after an event recorded on the compute stream;
+  the device storage is held until the copy's event has completed (polled at each op boundary) and then
+  released (no ``record_stream``). Prefetches start when backward reaches the op the plan names (a
+  pre-hook on each op's autograd node); the buffer is allocated on the compute stream, filled on the copy
+  stream, and compute waits on the copy's event before use. On CPU the same code copies synchronously.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Action
+from memplan.planner.profiler import _storage, _tensors
+
+
+if TYPE_CHECKING:
+    from memplan.executor.apply import Executor
+
+_DETACH = "aten.detach.default"
+_FRESH = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+_NODE_TAG = "memplan_executor_op"
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor argument of a recorded op that lives in an activation storage: its tensor id and view."""
+
+    tid: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass
+class _Recipe:
+    """How to replay forward op ``k``: the ATen op, arguments with activations as :class:`_Ref`, the
+    positions (in its flattened outputs) of its new storages and their tensor ids, and the RNG state."""
+
+    func: Any
+    args: Any
+    kwargs: Any
+    new: list[tuple[int, int]]
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+class _Packed:
+    """What autograd holds instead of a recomputed or offloaded tensor."""
+
+    __slots__ = ("step", "tid", "dtype", "size", "stride", "offset")
+
+    def __init__(self, step: _Step, tid: int, t: torch.Tensor):
+        self.step = step
+        self.tid = tid
+        self.dtype = t.dtype
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+        self.offset = t.storage_offset()
+
+
+def _view(storage: torch.UntypedStorage, dtype: torch.dtype, size, stride, offset: int) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return _view(storage, torch.uint8, (storage.nbytes(),), (1,), 0)
+
+
+class HostPool:
+    """One host buffer (pinned on CUDA) with a fixed slot per offloaded tensor id, allocated once."""
+
+    ALIGN = 512
+
+    def __init__(self, graph: Graph, tids: list[int], pin: bool):
+        self.slots: dict[int, tuple[int, int]] = {}
+        at = 0
+        for t in tids:
+            n = graph.tensors[t].bytes
+            self.slots[t] = (at, n)
+            at += -(-n // self.ALIGN) * self.ALIGN
+        self.bytes = at
+        self.buffer = torch.empty(at, dtype=torch.uint8, pin_memory=pin) if at else None
+
+    def slot(self, tid: int, nbytes: int) -> torch.Tensor:
+        start, n = self.slots[tid]
+        if nbytes > n:
+            raise PlanMismatch(f"offloaded tensor {tid} has {nbytes} bytes at run time, {n} in the graph")
+        return self.buffer[start:start + nbytes]
+
+
+class _Mode(TorchDispatchMode):
+    """Counts forward ops for the executor's current step; passes everything else through."""
+
+    def __init__(self, ex: Executor):
+        super().__init__()
+        self.ex = ex
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        step = self.ex.step_state
+        if (step is None or step.forward_done or self.ex.busy
+                or torch._C._current_autograd_node() is not None):
+            return func(*args, **kwargs)
+        return step.forward_op(func, args, kwargs)
+
+
+class _Step:
+    """One forward and its backward under the plan."""
+
+    def __init__(self, ex: Executor):
+        self.ex = ex
+        self.g = ex.graph
+        self.cursor = 0
+        self.forward_done = False
+        self.backward_started = False
+        self.by_key: dict[int, tuple[int, weakref.ref]] = {}   # live storage -> (tensor id or -1, its weakref)
+        self.storages: dict[int, weakref.ref] = {}              # tensor id -> weakref to its storage
+        self.recipes: dict[int, _Recipe] = {}
+        self.pending_unpacks: Counter[int] = Counter()          # tensor id -> handles not yet unpacked
+        self.cache: dict[int, torch.UntypedStorage] = {}        # rebuilt / fetched, awaiting unpacks
+        self.host: dict[int, tuple[torch.Tensor, torch.device, int]] = {}  # offloaded: slot, device, bytes
+        self.d2h_pending: list[tuple[Any, torch.Tensor]] = []   # (copy done event, device bytes held)
+        self.ready: dict[int, Any] = {}                         # prefetched tensor id -> copy done event
+        self.pending_outs: tuple[int, list[torch.Tensor]] | None = None
+        self.prefetch_queue = list(ex.prefetch_order)          # (-prefetch_at, tid), ascending
+        self.replays = 0
+        self.rng_device = None
+        for p in ex.fixed_tensors:
+            self._see(p, -1)
+
+    # ---- storages ----------------------------------------------------------------------------
+    def _see(self, t: torch.Tensor, tid: int) -> int | None:
+        """Register ``t``'s storage (as tensor ``tid``, -1 for a non-activation) unless known; return
+        its tensor id (-1 for non-activations), None for tensors without storage."""
+        s = _storage(t)
+        if s is None:
+            return None
+        key = s._cdata
+        known = self.by_key.get(key)
+        if known is not None:
+            return known[0]
+        by_key = self.by_key
+
+        def died(ref: weakref.ref, key: int = key) -> None:
+            entry = by_key.get(key)
+            if entry is not None and entry[1] is ref:
+                del by_key[key]
+
+        ref = weakref.ref(s, died)
+        by_key[key] = (tid, ref)
+        if tid >= 0:
+            self.storages[tid] = ref
+        return tid
+
+    def available(self, tid: int) -> torch.UntypedStorage | None:
+        s = self.cache.get(tid)
+        if s is not None:
+            return s
+        ref = self.storages.get(tid)
+        return ref() if ref is not None else None
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _exhausted(self) -> bool:
+        return self.cursor > self.ex.last_real_op
+
+    def _match(self, name: str) -> int:
+        ops = self.g.ops
+        while self.cursor < len(ops) and ops[self.cursor].name != name and ops[self.cursor].name == _DETACH:
+            self.cursor += 1  # the detach autograd runs when saving an output is gone under hooks
+        k = self.cursor
+        if k >= len(ops):
+            raise PlanMismatch(f"the model ran more forward ops than the profiled graph's {len(ops)}: "
+                               f"{name} has no counterpart; re-profile and re-solve for this model and batch")
+        if ops[k].name != name:
+            raise PlanMismatch(f"forward op {k} differs from the profiled graph: the plan expects "
+                               f"{ops[k].name} (module {ops[k].module or '?'}), the model ran {name}; "
+                               f"re-profile and re-solve for this model and batch")
+        self.cursor += 1
+        return k
+
+    def forward_op(self, func, args, kwargs):
+        self.resolve_pending()
+        self.poll_d2h()
+        if self._exhausted():
+            # every op of the graph has run: what follows (backward's seed ``ones_like``, metrics) is
+            # not the model's step
+            self.forward_done = True
+            return func(*args, **kwargs)
+        k = self._match(str(func))
+        op = self.g.ops[k]
+        ex = self.ex
+        inputs = [] if func in _FRESH else _tensors((args, kwargs))
+        for t in inputs:
+            self._see(t, -1)
+        if ex.fused is not None and ex.fused.pending_keys:
+            ex.fused.check_not_pending(inputs, op)
+        record = ex.records
+        rng = None
+        if record:
+            args_r, kwargs_r = tree_map(self._ref, (args, kwargs))
+            if op.random:
+                rng = self._capture_rng(inputs)
+        out = func(*args, **kwargs)
+        outs = _tensors(out)
+        new: list[tuple[int, int]] = []
+        for pos, t in enumerate(outs):
+            s = _storage(t)
+            if s is None or s._cdata in self.by_key:
+                continue
+            if len(new) >= len(op.outputs):
+                raise PlanMismatch(f"forward op {k} ({op.name}, module {op.module or '?'}) created more new "
+                                   f"tensors than the profiled graph's {len(op.outputs)}; re-profile")
+            tid = op.outputs[len(new)]
+            self._see(t, tid)
+            new.append((pos, tid))
+        if len(new) != len(op.outputs):
+            raise PlanMismatch(f"forward op {k} ({op.name}, module {op.module or '?'}) created {len(new)} new "
+                               f"tensors, the profiled graph {len(op.outputs)}; re-profile")
+        if record:
+            self.recipes[k] = _Recipe(func, args_r, kwargs_r, new, rng)
+        if ex.tag_nodes:
+            self.pending_outs = (k, outs)
+        return out
+
+    def _ref(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        s = _storage(x)
+        entry = self.by_key.get(s._cdata) if s is not None else None
+        if entry is None or entry[0] < 0:
+            return x  # a parameter, buffer, input or constant: alive anyway, held as is
+        return _Ref(entry[0], x.dtype, tuple(x.size()), tuple(x.stride()), x.storage_offset())
+
+    def _capture_rng(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = next((t.device for t in inputs if t.device.type == "cuda"), None)
+        self.rng_device = cuda
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+
+    def resolve_pending(self) -> None:
+        """Hook the autograd node of the previous op's outputs (set once its dispatch returned), so that
+        backward reaching it starts the prefetches scheduled there."""
+        if self.pending_outs is None:
+            return
+        k, outs = self.pending_outs
+        self.pending_outs = None
+        for t in outs:
+            node = t.grad_fn
+            if node is not None and _NODE_TAG not in node.metadata:
+                node.metadata[_NODE_TAG] = k
+                step = weakref.ref(self)
+                node.register_prehook(lambda _grads, k=k, step=step: _reached(step, k))
+
+    # ---- saved tensors -----------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        s = _storage(t)
+        entry = self.by_key.get(s._cdata) if s is not None else None
+        if entry is None or entry[0] < 0:
+            return t  # not an activation of this step: parameters and their views are never moved
+        tid = entry[0]
+        action = self.ex.actions.get(tid, Action.KEEP)
+        if action == Action.KEEP:
+            return t
+        if action == Action.OFFLOAD:
+            self._offload(tid, s)
+        self.pending_unpacks[tid] += 1
+        return _Packed(self, tid, t)
+
+    def unpack(self, p: _Packed) -> torch.Tensor:
+        self.begin_backward()
+        tid = p.tid
+        s = self.available(tid)
+        if s is None:
+            if tid in self.host:
+                s = self._prefetch(tid)
+            else:
+                self._replay(tid)
+                s = self.cache[tid]
+        ev = self.ready.pop(tid, None)
+        if ev is not None:  # compute waits for the prefetch's copy (exposed transfer time)
+            torch.cuda.current_stream(s.device).wait_event(ev)
+        view = _view(s, p.dtype, p.size, p.stride, p.offset)
+        self.pending_unpacks[tid] -= 1
+        if self.pending_unpacks[tid] <= 0:
+            self.cache.pop(tid, None)  # the last handle: autograd's use of `view` is the last reference
+        return view
+
+    def begin_backward(self) -> None:
+        if self.backward_started:
+            return
+        self.backward_started = True
+        self.end_forward()
+
+    def end_forward(self) -> None:
+        if self.forward_done:
+            return
+        self.resolve_pending()
+        self.forward_done = True
+        ops = self.g.ops
+        rest = [k for k in range(self.cursor, len(ops)) if ops[k].name != _DETACH]
+        if rest:
+            k = rest[0]
+            raise PlanMismatch(f"the forward ended after {self.cursor} ops, but the profiled graph has "
+                               f"{len(ops)}: op {k} ({ops[k].name}, module {ops[k].module or '?'}) never ran; "
+                               f"re-profile and re-solve for this model and batch")
+
+    # ---- offload -----------------------------------------------------------------------------
+    def _offload(self, tid: int, s: torch.UntypedStorage) -> None:
+        if tid in self.host:
+            return
+        ex = self.ex
+        with ex.internal():
+            src = _byte_view(s)
+            dst = ex.pool.slot(tid, s.nbytes())
+            if s.device.type == "cuda":
+                produced = torch.cuda.Event()
+                produced.record(torch.cuda.current_stream(s.device))
+                with torch.cuda.stream(ex.copy_stream):
+                    ex.copy_stream.wait_event(produced)  # the copy starts after the producing op
+                    dst.copy_(src, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(ex.copy_stream)
+                # hold the device storage until the copy has read it; released at an op boundary after
+                self.d2h_pending.append((done, src))
+            else:
+                dst.copy_(src)  # CPU fallback: synchronous, the device memory is free to go at once
+        self.host[tid] = (dst, s.device, s.nbytes())
+
+    def poll_d2h(self) -> None:
+        if self.d2h_pending:
+            self.d2h_pending = [(e, t) for e, t in self.d2h_pending if not e.query()]
+
+    def _prefetch(self, tid: int) -> torch.UntypedStorage:
+        """Start the copy back of an offloaded tensor (its device buffer counts from now)."""
+        s = self.available(tid)
+        if s is not None:
+            return s  # never released (its copy ran late, or the caller holds it): nothing moves
+        src, device, nbytes = self.host[tid]
+        ex = self.ex
+        with ex.internal():
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=device)  # allocated on the compute stream
+            if device.type == "cuda":
+                allocated = torch.cuda.Event()
+                allocated.record(torch.cuda.current_stream(device))
+                with torch.cuda.stream(ex.copy_stream):
+                    ex.copy_stream.wait_event(allocated)
+                    dst.copy_(src, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(ex.copy_stream)
+                self.ready[tid] = done
+            else:
+                dst.copy_(src)
+        s = dst.untyped_storage()
+        self.cache[tid] = s
+        return s
+
+    def reached(self, k: int) -> None:
+        """Backward is about to run op ``k``'s step: start the prefetches scheduled at or above it."""
+        self.begin_backward()
+        self.poll_d2h()
+        q = self.prefetch_queue
+        while q and -q[0][0] >= k:
+            _, tid = q.pop(0)
+            if tid in self.host and self.pending_unpacks[tid] > 0:
+                self._prefetch(tid)
+
+    # ---- recompute -----------------------------------------------------------------------------
+    def _replay(self, target: int) -> None:
+        """Rebuild ``target`` by replaying its producer and, recursively, producers of missing inputs,
+        in forward order (the simulator's ``_materialize``); leaves it in ``self.cache``."""
+        g = self.g
+        to_run: set[int] = set()
+        stack = [target]
+        seen: set[int] = set()
+        while stack:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            info = g.tensors[u]
+            if info.kind != "activation" or self.available(u) is not None:
+                continue
+            if u in self.host:
+                self._prefetch(u)
+                continue
+            if not info.recomputable or info.producer not in self.recipes:
+                raise PlanError(f"backward needs tensor {target}, whose recomputation needs tensor {u} "
+                                f"(output of op {info.producer} {g.ops[info.producer].name}), which is neither "
+                                f"kept nor recomputable")
+            to_run.add(info.producer)
+            stack.extend(g.ops[info.producer].inputs)
+        order = sorted(to_run)
+        last_use: dict[int, int] = {}
+        for p in order:
+            for u in g.ops[p].inputs:
+                last_use[u] = p
+        made: dict[int, torch.UntypedStorage] = {}
+        with self.ex.internal(), torch.no_grad():
+            for p in order:
+                for tid, s in self._run(p, made):
+                    if self.available(tid) is None and tid not in made:
+                        made[tid] = s
+                self.replays += 1
+                for u in list(made):
+                    if u == target or last_use.get(u, -1) > p:
+                        continue
+                    s = made.pop(u)
+                    if self.pending_unpacks[u] > 0:
+                        self.cache[u] = s  # a saved tensor whose backward is still to come stays
+        for u, s in made.items():
+            if u == target or self.pending_unpacks[u] > 0:
+                self.cache[u] = s
+
+    def _run(self, p: int, made: dict[int, torch.UntypedStorage]) -> list[tuple[int, torch.UntypedStorage]]:
+        rec = self.recipes[p]
+
+        def value(x: Any) -> Any:
+            if not isinstance(x, _Ref):
+                return x
+            s = made.get(x.tid)
+            if s is None:
+                s = self.available(x.tid)
+            if s is None:
+                raise MemplanError(f"executor: replaying op {p} needs tensor {x.tid}, which is gone (a bug)")
+            return _view(s, x.dtype, x.size, x.stride, x.offset)
+
+        args, kwargs = tree_map(value, (rec.args, rec.kwargs))
+        args, kwargs = _clone_written(rec.func, args, kwargs)
+        if rec.rng is None:
+            out = rec.func(*args, **kwargs)
+        else:
+            cpu_state, cuda_state = rec.rng
+            device = self.rng_device
+            keep_cpu = torch.get_rng_state()
+            keep_cuda = torch.cuda.get_rng_state(device) if cuda_state is not None else None
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, device)
+            try:
+                out = rec.func(*args, **kwargs)
+            finally:  # the replay must not shift the random stream of the training loop
+                torch.set_rng_state(keep_cpu)
+                if keep_cuda is not None:
+                    torch.cuda.set_rng_state(keep_cuda, device)
+        outs = _tensors(out)
+        return [(tid, outs[pos].untyped_storage()) for pos, tid in rec.new]
+
+
+def _reached(step_ref: weakref.ref, k: int) -> None:
+    step = step_ref()
+    if step is not None:
+        step.reached(k)
+
+
+_WRITES: dict[Any, list[tuple[int, str]]] = {}
+
+
+def _clone_written(func, args, kwargs):
+    """Replace the arguments ``func`` writes in place with clones: a replay must not mutate state."""
+    spec = _WRITES.get(func)
+    if spec is None:
+        spec = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write]
+        _WRITES[func] = spec
+    if not spec:
+        return args, kwargs
+    args = list(args)
+    kwargs = dict(kwargs)
+    for i, name in spec:
+        if i < len(args):
+            args[i] = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args[i])
+        elif name in kwargs:
+            kwargs[name] = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, kwargs[name])
+    return tuple(args), kwargs
+
+
+def prefetch_order(prefetch_at: dict[int, int]) -> list[tuple[int, int]]:
+    """(−prefetch op, tensor id) ascending: the order in which backward reaches the prefetch points."""
+    out: list[tuple[int, int]] = []
+    for tid, at in prefetch_at.items():
+        bisect.insort(out, (-at, tid))
+    return out
