@@ -243,6 +243,10 @@ def solve_frontier(graph: Graph, budgets: list[int], method: str = "auto", **kw:
     """(budget, predicted overhead) pairs: overhead is step time over keep-everything's, minus one;
     None where the budget is infeasible. Methods with a cheaper way (the DP's one table) override via
     ``frontier=`` in the registry options."""
+    if method == "dp" and not kw.get("offload") and set(kw) <= {"offload", "time_limit_s"}:
+        from memplan.solvers.dp import dp_frontier
+
+        return dp_frontier(graph, list(budgets))  # one DP table read at every budget
     base = keep_all_report(graph).time_s
     out: list[tuple[int, float | None]] = []
     for b in budgets:

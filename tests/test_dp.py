@@ -1,0 +1,310 @@
+"""The chain DP and the chain baselines (solvers/dp.py), proved against the exhaustive oracle.
+
+On linear chains the DP is exact under the simulator: its step time equals the oracle's on every small
+chain, and it is infeasible exactly when the oracle is. Offload is a DP plus a simulator-checked
+refinement: it must fit, never beat the oracle and never lose to the DP without offload.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memplan.planner.errors import Infeasible, MemplanError
+from memplan.planner.plan import Action
+from memplan.planner.simulator import simulate_actions
+from memplan.planner.synthetic import linear_chain, random_dag
+from memplan.solvers import keep_all_report, memory_lower_bound, solve, solve_frontier
+from memplan.solvers import dp as dp_mod
+from memplan.solvers.dp import dp_frontier, revolve_checkpoints
+from memplan.solvers.oracle import oracle_min_peak
+
+REL = 1e-9
+
+
+def _chain(seed: int, n: int, *, workspace: bool = False, fixed_share: float = 0.0, params: bool = False):
+    """A heterogeneous linear chain: sizes, forward and backward times varied per op; optionally
+    workspaces, parameters and activations that cannot be recomputed."""
+    rng = random.Random(seed)
+    g = linear_chain(n, time_s=[rng.uniform(0.1, 3.0) for _ in range(n)],
+                     backward_time_s=[rng.uniform(0.1, 4.0) for _ in range(n)],
+                     activation_bytes=[rng.choice([0, rng.randint(1, 300)]) if rng.random() < 0.1
+                                       else rng.randint(1, 300) for _ in range(n)],
+                     param_bytes=rng.randint(1, 64) if params else 0)
+    if workspace:
+        for op in g.ops:
+            op.workspace_bytes = rng.randint(0, 120)
+            op.backward_workspace_bytes = rng.randint(0, 120)
+    for t in g.saved_activations:
+        if rng.random() < fixed_share:
+            g.tensors[t].recomputable = False
+    return g.invalidate()
+
+
+def _solve_or_none(g, budget, method, **kw):
+    try:
+        return solve(g, budget, method, **kw)
+    except Infeasible:
+        return None
+
+
+chains = st.tuples(st.integers(0, 10**6), st.integers(1, 10), st.booleans(), st.sampled_from([0.0, 0.2]),
+                   st.booleans(), st.floats(-0.1, 1.05))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=chains)
+def test_dp_equals_the_oracle_on_chains(case):
+    seed, n, workspace, fixed_share, params, frac = case
+    g = _chain(seed, n, workspace=workspace, fixed_share=fixed_share, params=params)
+    lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
+    budget = max(0, lo + int(frac * (hi - lo)))
+    best = _solve_or_none(g, budget, "oracle")
+    got = _solve_or_none(g, budget, "dp")
+    assert (best is None) == (got is None), f"oracle {'infeasible' if best is None else 'feasible'}, dp not"
+    if best is None:
+        return
+    assert got.report.peak_bytes <= budget
+    assert got.report.time_s == pytest.approx(best.report.time_s, rel=REL)
+    assert got.status == "optimal" and got.plan.solver.name == "dp"
+    # the DP's own prediction is the simulator's: its bound is the plan's time
+    assert got.lower_bound_s == pytest.approx(got.report.time_s, rel=REL) and got.gap == pytest.approx(0.0, abs=1e-9)
+    assert not any(a == Action.RECOMPUTE and not g.tensors[t].recomputable for t, a in got.plan.actions().items())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=chains)
+def test_frontier_from_one_table_equals_solving_each_budget(case):
+    seed, n, workspace, fixed_share, params, _ = case
+    g = _chain(seed, n, workspace=workspace, fixed_share=fixed_share, params=params)
+    lo, hi = memory_lower_bound(g), keep_all_report(g).peak_bytes
+    budgets = sorted({lo - 1, *(lo + (hi - lo) * i // 6 for i in range(7)), hi + 50})
+    base = keep_all_report(g).time_s
+    expected = []
+    for b in budgets:
+        r = _solve_or_none(g, b, "dp")
+        expected.append((b, None if r is None else r.report.time_s / base - 1.0))
+    got = solve_frontier(g, budgets, "dp")
+    assert [b for b, _ in got] == budgets
+    for (b, want), (_, have) in zip(expected, got, strict=True):
+        assert (want is None) == (have is None), f"budget {b}: solve says {want}, the frontier {have}"
+        if want is not None:
+            assert have == pytest.approx(want, rel=1e-9, abs=1e-12)
+    overheads = [o for _, o in got if o is not None]
+    assert all(a >= b - 1e-12 for a, b in zip(overheads, overheads[1:], strict=False))
+
+
+def test_below_the_minimum_is_infeasible_and_names_the_minimum():
+    g = _chain(7, 9, workspace=True)
+    floor = oracle_min_peak(g)
+    assert solve(g, floor, "dp").report.peak_bytes <= floor  # the exact minimum is reachable
+    with pytest.raises(Infeasible) as info:
+        solve(g, floor - 1, "dp")
+    assert info.value.min_feasible_bytes == floor
+    assert f"{floor} B" in str(info.value)
+
+
+@pytest.mark.parametrize("frac", [0.1, 0.3, 0.5, 0.7])
+def test_a_thousand_op_chain_solves_within_budget(frac):
+    g = linear_chain(1000)
+    base = keep_all_report(g)
+    budget = g.fixed.resident_bytes + int(frac * (base.peak_bytes - g.fixed.resident_bytes))
+    r = solve(g, budget, "dp")
+    assert r.report.peak_bytes <= budget and r.status == "optimal"
+    assert r.report.time_s < base.time_s * 1.35
+    # fewer kept activations than a uniform segmentation needs at this budget cannot beat the DP
+    chen = _solve_or_none(g, budget, "chen")
+    assert chen is None or chen.report.time_s >= r.report.time_s * (1 - REL)
+
+
+def test_rounded_memory_stays_sound(monkeypatch):
+    """With a tiny table cap the DP rounds sizes up: the plan still fits, and the rounded-down pass is a
+    lower bound on the optimum (the oracle's time)."""
+    monkeypatch.setattr(dp_mod, "_MAX_CELLS", 1)
+    monkeypatch.setattr(dp_mod, "_MIN_UNITS", 4)
+    for seed in range(12):
+        g = _chain(seed, 8, workspace=True)
+        lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
+        budget = lo + (hi - lo) // 2
+        best = solve(g, budget, "oracle")
+        r = _solve_or_none(g, budget, "dp")
+        if r is None:
+            continue  # rounding up may lose the last plans near the minimum: allowed, never a wrong fit
+        assert r.report.peak_bytes <= budget
+        assert r.report.time_s >= best.report.time_s * (1 - REL)
+        assert r.lower_bound_s <= best.report.time_s * (1 + REL)
+        if r.status == "optimal":
+            assert r.report.time_s == pytest.approx(best.report.time_s, rel=REL)
+
+
+# ---- offload ------------------------------------------------------------------------------------------
+offload_chains = st.tuples(st.integers(0, 10**6), st.integers(1, 6), st.sampled_from([20.0, 100.0, 1e3, 1e6]),
+                           st.floats(0.0, 1.0), st.booleans())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=offload_chains)
+def test_offload_fits_never_beats_the_oracle_and_never_loses_to_recompute_only(case):
+    seed, n, bandwidth, frac, host_cap = case
+    g = _chain(seed, n)
+    g.host_bandwidth_bytes_per_s = bandwidth
+    lo, hi = oracle_min_peak(g, offload=True), keep_all_report(g).peak_bytes
+    budget = lo + int(frac * (hi - lo))
+    host = (sum(g.tensors[t].bytes for t in g.saved_activations) // 3) if host_cap else None
+    best = _solve_or_none(g, budget, "oracle", offload=True, host_budget_bytes=host)
+    got = _solve_or_none(g, budget, "dp", offload=True, host_budget_bytes=host)
+    if best is None:
+        assert got is None  # nothing fits: the dp cannot have found a plan the oracle missed
+        return
+    assert got is not None, "the dp starts from the oracle-exact keep/recompute plans and keep-everything"
+    assert got.report.peak_bytes <= budget
+    assert host is None or got.report.host_peak_bytes <= host
+    assert got.report.time_s >= best.report.time_s * (1 - REL)
+    assert got.status == "feasible"  # a refinement, not a proof
+    plain = _solve_or_none(g, budget, "dp")
+    if plain is not None:
+        assert got.report.time_s <= plain.report.time_s * (1 + REL)
+    for d in got.plan.decisions:
+        if d.action == Action.OFFLOAD:
+            assert d.prefetch_at is not None
+
+
+def test_offload_matches_the_oracle_on_these_chains():
+    """A regression record, not a proof: on these 40 chains the refined plan equals the oracle's."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        g = _chain(seed, rng.randint(2, 6))
+        g.host_bandwidth_bytes_per_s = rng.choice([10.0, 50.0, 200.0, 1e4])
+        lo, hi = oracle_min_peak(g, offload=True), keep_all_report(g).peak_bytes
+        budget = lo + int(rng.random() * (hi - lo))
+        best = solve(g, budget, "oracle", offload=True)
+        got = solve(g, budget, "dp", offload=True)
+        assert got.report.time_s == pytest.approx(best.report.time_s, rel=REL), f"seed {seed}"
+
+
+def test_offload_hides_transfers_when_bandwidth_allows():
+    g = linear_chain(12, activation_bytes=1000)
+    g.host_bandwidth_bytes_per_s = 1e9  # copies take microseconds against 1 s ops
+    base = keep_all_report(g)
+    budget = g.fixed.resident_bytes + (base.peak_bytes - g.fixed.resident_bytes) // 2
+    recompute_only = solve(g, budget, "dp")
+    with_offload = solve(g, budget, "dp", offload=True)
+    assert with_offload.report.time_s < recompute_only.report.time_s
+    assert with_offload.plan.count(Action.OFFLOAD) > 0 and with_offload.report.peak_bytes <= budget
+
+
+# ---- DAGs and the chain view ------------------------------------------------------------------------------
+def test_dags_go_through_the_coarsened_chain_and_are_never_called_optimal():
+    for seed in range(6):
+        g = random_dag(10, seed=seed)
+        lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
+        budget = lo + (hi - lo) // 2
+        r = _solve_or_none(g, budget, "dp")
+        if r is None:
+            continue
+        assert r.status == "feasible" and r.stats["model"] == "stages"
+        assert r.report.peak_bytes <= budget
+        assert r.report.time_s >= solve(g, budget, "oracle").report.time_s * (1 - REL)
+
+
+def test_a_chain_with_a_skip_is_not_treated_as_a_chain():
+    g = linear_chain(5)
+    g.ops[3].inputs.append(g.ops[0].outputs[0])  # op 3 also reads a_0: a long skip
+    g.invalidate()
+    assert dp_mod._op_chain(g) is None
+    assert dp_mod._op_chain(linear_chain(5)) is not None
+
+
+def test_unknown_options_are_refused():
+    with pytest.raises(MemplanError, match="dp: unknown option"):
+        solve(linear_chain(4), None, "dp", k=3)
+
+
+# ---- baselines ----------------------------------------------------------------------------------------
+def test_revolve_checkpoints_follow_the_binomial_bound():
+    from math import comb
+
+    for steps in range(1, 60):
+        for snaps in range(1, 7):
+            pos = revolve_checkpoints(steps, snaps)
+            assert pos[0] == 0 and pos == sorted(set(pos)) and len(pos) <= snaps and pos[-1] < steps
+            # the number of repetitions revolve needs for the whole chain bounds every segment's: an
+            # advance made with k slots left is at most C(k + r - 1, k); the last segment, covered with
+            # its k slots and no further checkpoint, at most C(k + r, k) (the binomial bound itself)
+            r = next(r for r in range(steps + 1) if comb(snaps + r, snaps) >= steps)
+            ends = pos[1:] + [steps]
+            for s, (a, b) in enumerate(zip(pos, ends, strict=True)):
+                k = snaps - s
+                bound = comb(k + r, k) if b == steps else comb(k + r - 1, k)
+                assert b - a <= bound or b - a == 1, (steps, snaps, pos)
+    assert revolve_checkpoints(10, 1) == [0]
+    assert revolve_checkpoints(0, 3) == []
+
+
+@pytest.mark.parametrize("method", ["rotor", "chen", "revolve"])
+def test_baselines_fit_and_never_beat_the_dp(method):
+    for seed in range(8):
+        g = _chain(seed, 12, workspace=True)
+        hi = keep_all_report(g).peak_bytes
+        lo = oracle_min_peak(g)
+        for budget in (lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3, hi):
+            r = _solve_or_none(g, budget, method)
+            best = solve(g, budget, "dp")
+            if r is None:
+                continue
+            assert r.report.peak_bytes <= budget
+            assert r.report.time_s >= best.report.time_s * (1 - REL)
+            assert r.status == "feasible"
+
+
+def test_chen_keeps_sqrt_n_segment_boundaries():
+    g = linear_chain(16)
+    base = keep_all_report(g)
+    r = solve(g, base.peak_bytes - 1, "chen")
+    kept = [t for t in g.saved_activations if r.plan.actions().get(t, Action.KEEP) == Action.KEEP]
+    # 16 stages, 4 segments of 4: the outputs of ops 3, 7, 11 (tensors 4, 8, 12) and the last segment
+    assert kept == [4, 8, 12, 13, 14, 15, 16]
+
+
+def test_rotor_on_a_homogeneous_chain_recovers_the_dp_optimum_at_ample_memory():
+    g = linear_chain(10)
+    r = solve(g, keep_all_report(g).peak_bytes, "rotor")
+    assert r.report.time_s == pytest.approx(keep_all_report(g).time_s)
+
+
+# ---- a profiled model ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mlp_graph():
+    torch = pytest.importorskip("torch")
+    from memplan.planner.profiler import profile
+    from memplan.planner.workloads import load_workload
+
+    torch.manual_seed(0)
+    w = load_workload("mlp", depth=4)
+    return profile(w.model, w.batch, w.loss_fn)
+
+
+def test_dp_on_a_profiled_model_fits_and_beats_the_uniform_baselines(mlp_graph):
+    from memplan.solvers import smallest_known_peak
+
+    g = mlp_graph
+    lo, hi = smallest_known_peak(g), keep_all_report(g).peak_bytes
+    solved = 0
+    for frac in (0.0, 0.3, 0.6, 1.0):
+        budget = lo + int(frac * (hi - lo))
+        r = _solve_or_none(g, budget, "dp")
+        for other in ("chen", "every-k"):
+            o = _solve_or_none(g, budget, other)
+            if o is not None:
+                assert r is not None, f"{other} fits {budget} B, dp found nothing"
+                assert r.report.time_s <= o.report.time_s * (1 + REL)
+        if r is not None:
+            solved += 1
+            assert r.report.peak_bytes <= budget
+            assert simulate_actions(g, r.plan.actions()).peak_bytes == r.report.peak_bytes
+    assert solved >= 3
+    pts = dp_frontier(g, [lo, hi])
+    assert pts[-1] == (hi, pytest.approx(0.0, abs=1e-12))

@@ -1,0 +1,230 @@
+"""The ILP against the exhaustive oracle on random DAGs and chains, for CP-SAT and a PuLP backend, with
+and without offload; its time limit, warm start, bound, host budget, and a small profiled GPT-2.
+
+The oracle scores every plan with the simulator's default prefetch points, so the offload comparison
+that must be *equal* runs the ILP with ``prefetch="default"``; with chosen prefetch points the ILP may
+only be better (or find a plan where the oracle finds none), never worse.
+"""
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memplan.planner.errors import Infeasible, MemplanError
+from memplan.planner.plan import Action
+from memplan.planner.simulator import simulate_actions
+from memplan.planner.synthetic import linear_chain, random_dag
+from memplan.solvers.base import activation_bytes, solve, solvers
+
+BACKENDS = ["cpsat", "cbc"]
+REL = 1e-6
+
+
+def _budget(g, frac):
+    return int(g.fixed.resident_bytes + frac * activation_bytes(g))
+
+
+def _time_or_none(g, budget, method, **kw):
+    try:
+        r = solve(g, budget, method, **kw)
+    except Infeasible:
+        return None, None
+    return r.report.time_s, r
+
+
+def _agree(g, budget, backend, offload=False, **kw):
+    want, _ = _time_or_none(g, budget, "oracle", offload=offload)
+    got, r = _time_or_none(g, budget, "ilp", offload=offload, backend=backend, time_limit_s=30, **kw)
+    assert (want is None) == (got is None), f"oracle {want}, ilp {got}"
+    if want is not None:
+        assert got == pytest.approx(want, rel=REL)
+        assert r.report.peak_bytes <= budget
+        assert r.status == "optimal"
+        assert r.lower_bound_s is not None and r.lower_bound_s <= got * (1 + REL)
+    return r
+
+
+def test_registered_with_offload_and_exact():
+    spec = solvers()["ilp"]
+    assert spec.exact and spec.offload and spec.max_ops is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 10), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0))
+def test_equals_oracle_on_random_dags(backend, n, seed, frac):
+    g = random_dag(n, seed=seed)
+    _agree(g, _budget(g, frac), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 10), frac=st.floats(0.0, 1.0),
+       times=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=10, max_size=10),
+       sizes=st.lists(st.integers(1, 200), min_size=10, max_size=10))
+def test_equals_oracle_on_chains(backend, n, frac, times, sizes):
+    g = linear_chain(n, time_s=times[:n], activation_bytes=sizes[:n])
+    _agree(g, _budget(g, frac), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 6), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0),
+       bandwidth=st.sampled_from([20.0, 40.0, 100.0, 1e9]))
+def test_equals_oracle_with_offload_at_default_prefetch(backend, n, seed, frac, bandwidth):
+    g = random_dag(n, seed=seed)
+    g.host_bandwidth_bytes_per_s = bandwidth  # copies as long as ops, so overlap and waits matter
+    _agree(g, _budget(g, frac), backend, offload=True, prefetch="default")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 6), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0),
+       bandwidth=st.sampled_from([20.0, 40.0, 100.0]))
+def test_chosen_prefetch_is_never_worse_than_the_oracle(n, seed, frac, bandwidth):
+    g = random_dag(n, seed=seed)
+    g.host_bandwidth_bytes_per_s = bandwidth
+    b = _budget(g, frac)
+    want, _ = _time_or_none(g, b, "oracle", offload=True)
+    got, r = _time_or_none(g, b, "ilp", offload=True, time_limit_s=30)
+    if want is not None:
+        assert got is not None and got <= want * (1 + REL)
+    if r is not None:
+        # every prefetch point it chose is legal and the plan replays as predicted
+        for d in r.plan.decisions:
+            if d.prefetch_at is not None:
+                assert d.action == Action.OFFLOAD and d.prefetch_at >= max(g.savers[d.tensor])
+        assert r.report.peak_bytes <= b
+
+
+def _brute_force_with_prefetch(g, budget):
+    """Every action and every legal prefetch point: the oracle of the chosen-prefetch ILP."""
+    saved = g.saved_activations
+    n = len(g.ops)
+    best = None
+    for combo in itertools.product([Action.KEEP, Action.RECOMPUTE, Action.OFFLOAD], repeat=len(saved)):
+        acts = {t: a for t, a in zip(saved, combo) if a != Action.KEEP}
+        points = [range(max(g.savers[t]), n) if acts.get(t) == Action.OFFLOAD else [None] for t in saved]
+        for pf in itertools.product(*points):
+            pre = {t: q for t, q in zip(saved, pf) if q is not None}
+            r = simulate_actions(g, acts, prefetch_at=pre)
+            if r.peak_bytes <= budget and (best is None or r.time_s < best):
+                best = r.time_s
+    return best
+
+
+def test_chosen_prefetch_equals_brute_force_where_the_default_cannot_fit():
+    # Offloading at a slow bandwidth: with the default prefetch points nothing fits; choosing earlier
+    # points does, and the ILP finds the best such plan.
+    g = linear_chain(6, activation_bytes=100, time_s=1.0, backward_time_s=1.0)
+    g.host_bandwidth_bytes_per_s = 100.0  # 1 s per copy, the length of one op
+    b = _budget(g, 0.0) + 300
+    with pytest.raises(Infeasible):
+        solve(g, b, "ilp", offload=True, prefetch="default")
+    r = solve(g, b, "ilp", offload=True)
+    assert r.status == "optimal" and r.report.peak_bytes <= b
+    assert r.report.time_s == pytest.approx(_brute_force_with_prefetch(g, b), rel=REL)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 4), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0),
+       bandwidth=st.sampled_from([20.0, 50.0]))
+def test_chosen_prefetch_equals_brute_force_on_random_dags(n, seed, frac, bandwidth):
+    g = random_dag(n, seed=seed)
+    g.host_bandwidth_bytes_per_s = bandwidth
+    b = _budget(g, frac)
+    want = _brute_force_with_prefetch(g, b)
+    got, _ = _time_or_none(g, b, "ilp", offload=True, time_limit_s=30)
+    assert (want is None) == (got is None), f"brute force {want}, ilp {got}"
+    if want is not None:
+        assert got == pytest.approx(want, rel=REL)
+
+
+def test_host_budget_is_honoured():
+    g = linear_chain(6, activation_bytes=100)
+    g.host_bandwidth_bytes_per_s = 1e6
+    b = _budget(g, 0.0) + 150
+    free = solve(g, b, "ilp", offload=True)
+    assert free.report.host_peak_bytes > 100  # offloading several is the fastest way
+    capped = solve(g, b, "ilp", offload=True, host_budget_bytes=100)
+    assert capped.report.host_peak_bytes <= 100
+    assert capped.report.time_s >= free.report.time_s
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infeasible_budget_is_refused(backend):
+    g = random_dag(8, seed=5)
+    with pytest.raises(Infeasible):
+        solve(g, g.fixed.resident_bytes, "ilp", backend=backend)
+
+
+def test_tiny_time_limit_returns_a_plan_quickly():
+    import time
+
+    g = random_dag(40, seed=1, max_bytes=1000)
+    b = _budget(g, 0.5)
+    t0 = time.perf_counter()
+    r = solve(g, b, "ilp", time_limit_s=0.3)
+    assert time.perf_counter() - t0 < 15
+    assert r.status in ("optimal", "timeout", "feasible")
+    assert r.report.peak_bytes <= b
+    if r.status != "optimal":
+        assert r.gap is None or r.gap >= 0
+
+
+def test_warm_start_and_bound_reported():
+    g = random_dag(30, seed=7, max_bytes=500)
+    b = _budget(g, 0.5)
+    greedy = solve(g, b, "greedy")
+    r = solve(g, b, "ilp", time_limit_s=20)
+    assert r.report.time_s <= greedy.report.time_s * (1 + REL)
+    assert r.stats["warm_start_s"] == pytest.approx(greedy.report.time_s)
+    assert r.lower_bound_s is not None and r.lower_bound_s <= r.report.time_s * (1 + REL)
+    assert r.gap is not None and 0 <= r.gap <= 1
+
+
+def test_unknown_option_and_backend_are_named():
+    g = random_dag(4, seed=0)
+    with pytest.raises(MemplanError, match="backend"):
+        solve(g, None, "ilp", backend="gurobi")
+    with pytest.raises(MemplanError, match="unknown option"):
+        solve(g, None, "ilp", colour="red")
+
+
+def test_highs_backend_in_a_child_process_agrees():
+    # highspy and OR-Tools cannot share a process: the highs backend runs in a child and must still
+    # agree with CP-SAT in this one.
+    pytest.importorskip("highspy")
+    g = random_dag(7, seed=11)
+    b = _budget(g, 0.4)
+    a = solve(g, b, "ilp", backend="cpsat")
+    h = solve(g, b, "ilp", backend="highs")
+    assert h.report.time_s == pytest.approx(a.report.time_s, rel=REL)
+
+
+def test_decoded_plan_replays_as_the_model_predicts():
+    g = random_dag(9, seed=3)
+    b = _budget(g, 0.3)
+    r = solve(g, b, "ilp")
+    rep = simulate_actions(g, r.plan.actions())
+    assert rep.time_s == pytest.approx(r.report.time_s) and rep.peak_bytes <= b
+    assert r.stats["model_mismatches"] == 0 and r.stats["cuts"] == 0
+
+
+@pytest.mark.slow
+def test_small_gpt2_fits_and_is_no_slower_than_greedy():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from memplan.planner.profiler import profile
+    from memplan.planner.workloads import load_workload
+    from memplan.solvers.base import keep_all_report, smallest_known_peak
+
+    w = load_workload("gpt2", n_layer=2, n_embd=64, n_head=2, vocab_size=512, seq_len=32, batch_size=1)
+    g = profile(w.model, w.batch, w.loss_fn, progress=False, measure=False)
+    low, high = smallest_known_peak(g), keep_all_report(g).peak_bytes
+    for b in (low + (high - low) // 4, low + (high - low) // 2):
+        greedy = solve(g, b, "greedy")
+        r = solve(g, b, "ilp", time_limit_s=30)
+        assert r.report.peak_bytes <= b
+        assert r.report.time_s <= greedy.report.time_s * (1 + REL)
