@@ -20,6 +20,9 @@ How a step runs (see docs/model.md for the model it reproduces):
   the others die after their last use in the replay. Random ops replay under the RNG state captured
   before they ran, so dropout masks are identical. Arguments an op writes in place (batch norm's running
   statistics) are cloned for the replay, so a replay changes nothing but what it returns.
+* **Pinning**: an activation that cannot be rebuilt (mutated in place later) but that a replay reads
+  is held from its production until backward has passed the lowest step whose replay reads it, as the
+  simulator charges it (its first pass finds these tensors; node pre-hooks tell how far backward is).
 * **Offload** uses one pinned host pool, allocated once from the plan and reused every step. On CUDA the
   device -> host copy runs on a dedicated copy stream after an event recorded on the compute stream;
   the device storage is held until the copy's event has completed (polled at each op boundary) and then
@@ -128,6 +131,10 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.ex = ex
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # runs eagerly only; the dynamo-disable wrapper costs more than the handler itself
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         step = self.ex.step_state
@@ -155,8 +162,10 @@ class _Step:
         self.d2h_pending: list[tuple[Any, torch.Tensor]] = []   # (copy done event, device bytes held)
         self.ready: dict[int, Any] = {}                         # prefetched tensor id -> copy done event
         self.pending_outs: tuple[int, list[torch.Tensor]] | None = None
+        self.pinned: dict[int, torch.UntypedStorage] = {}        # held for a replay that reads them
         self.prefetch_queue = list(ex.prefetch_order)          # (-prefetch_at, tid), ascending
         self.replays = 0
+        self.events: list[tuple[str, int, int | None]] = []    # ("prefetch" | "late" | "replay", id, op)
         self.rng_device = None
         for p in ex.fixed_tensors:
             self._see(p, -1)
@@ -246,6 +255,8 @@ class _Step:
             tid = op.outputs[len(new)]
             self._see(t, tid)
             new.append((pos, tid))
+            if tid in ex.pins:  # cannot be rebuilt, and a replay reads it: hold it (docs/model.md, pinning)
+                self.pinned[tid] = s
         if len(new) != len(op.outputs):
             raise PlanMismatch(f"forward op {k} ({op.name}, module {op.module or '?'}) created {len(new)} new "
                                f"tensors, the profiled graph {len(op.outputs)}; re-profile")
@@ -304,6 +315,7 @@ class _Step:
         s = self.available(tid)
         if s is None:
             if tid in self.host:
+                self.events.append(("late", tid, None))
                 s = self._prefetch(tid)
             else:
                 self._replay(tid)
@@ -390,10 +402,15 @@ class _Step:
         """Backward is about to run op ``k``'s step: start the prefetches scheduled at or above it."""
         self.begin_backward()
         self.poll_d2h()
+        if self.pinned:  # steps above k are done: release what only their replays read
+            pins = self.ex.pins
+            for tid in [t for t in self.pinned if pins[t] > k]:
+                del self.pinned[tid]
         q = self.prefetch_queue
         while q and -q[0][0] >= k:
             _, tid = q.pop(0)
             if tid in self.host and self.pending_unpacks[tid] > 0:
+                self.events.append(("prefetch", tid, k))
                 self._prefetch(tid)
 
     # ---- recompute -----------------------------------------------------------------------------
@@ -433,6 +450,7 @@ class _Step:
                     if self.available(tid) is None and tid not in made:
                         made[tid] = s
                 self.replays += 1
+                self.events.append(("replay", p, None))
                 for u in list(made):
                     if u == target or last_use.get(u, -1) > p:
                         continue
