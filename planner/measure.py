@@ -117,8 +117,6 @@ def allocator_events() -> Iterator[Any]:
 
 
 def _cpu_step_peak(model, batch, loss_fn, optimizer) -> tuple[int, int]:
-    from torch._C._profiler import _EventType
-
     optimizer.zero_grad(set_to_none=True)
     baseline = live_storage_bytes(model, batch, optimizer)
     with allocator_events() as prof:
@@ -126,6 +124,19 @@ def _cpu_step_peak(model, batch, loss_fn, optimizer) -> tuple[int, int]:
         loss.backward()
         optimizer.step()
         del loss
+    running = high = 0
+    for _, size in cpu_allocations(prof):
+        running += size
+        high = max(high, running)
+    return baseline + high, baseline
+
+
+def cpu_allocations(prof: Any) -> list[tuple[int, int]]:
+    """``(time_ns, bytes)`` of every report the CPU allocator made inside an :func:`allocator_events`
+    block, in time order: positive for an allocation, negative for a free. Their running sum on top of
+    the bytes live before the block is the memory in use over time."""
+    from torch._C._profiler import _EventType
+
     allocations: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -136,11 +147,7 @@ def _cpu_step_peak(model, batch, loss_fn, optimizer) -> tuple[int, int]:
                 allocations.append((e.start_time_ns, e.extra_fields.alloc_size))
         stack.extend(e.children)
     allocations.sort(key=lambda a: a[0])
-    running = high = 0
-    for _, size in allocations:
-        running += size
-        high = max(high, running)
-    return baseline + high, baseline
+    return allocations
 
 
 def _cuda_step_peak(model, batch, loss_fn, optimizer, device) -> tuple[int, int]:
