@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
-from memplan.planner.errors import Infeasible, MemplanError
+from memplan.planner.errors import Infeasible, MemplanError, PlanMismatch
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
 from memplan.planner.units import format_bytes, parse_budget
@@ -35,6 +35,9 @@ EXIT_USER = 2
 EXIT_INTERNAL = 1
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable JSON on stdout")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", metavar="KEY=VALUE", help="a workload option, repeatable: --set n_layer=2 --set size=base "
+                                       "(built-ins take their config's field names; see planner/workloads.py)")]
 
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,6 +82,28 @@ def _working(what: str, *, quiet: bool) -> contextlib.AbstractContextManager[Any
     return contextlib.nullcontext() if quiet or not err.is_terminal else err.status(what, spinner="dots")
 
 
+def _workload_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["n_layer=2", "hidden_sizes=32,64", "layer_type=basic"]`` -> keyword arguments: JSON scalars
+    (ints, floats, true/false) as such, comma-separated lists as tuples, anything else as a string."""
+
+    def value(text: str) -> Any:
+        try:
+            v = json.loads(text)
+        except ValueError:
+            return text
+        return v if isinstance(v, (int, float, bool, str)) else text
+
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise MemplanError(f"--set {pair!r}: expected KEY=VALUE, for example --set n_layer=2")
+        text = text.strip()
+        options[key.strip()] = tuple(value(p.strip()) for p in text.split(",") if p.strip()) if "," in text \
+            else value(text)
+    return options
+
+
 def _budget(text: str, graph: Graph) -> int:
     from memplan.solvers import activation_bytes
 
@@ -95,13 +120,14 @@ def profile(
     output: Annotated[Path, typer.Option("-o", "--output", help="graph file to write")] = Path("graph.json"),
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     repeats: Annotated[int, typer.Option(min=1, max=100, help="timed repeats (median)")] = 3,
+    options: SetOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Profile a real training step of WORKLOAD and write its graph."""
     from memplan.planner.profiler import profile as run_profile
     from memplan.planner.workloads import load_workload
 
-    w = load_workload(workload)
+    w = load_workload(workload, **_workload_options(options))
     graph = run_profile(w.model, w.batch, w.loss_fn, device=device, repeats=repeats, name=w.name,
                         progress=not json_out)
     graph.save(str(output))
@@ -284,7 +310,7 @@ def list_solvers(json_out: JsonOpt = False) -> None:
     out.print(t)
 
 
-# ---- plan: profile + solve in one go (the main job until `run` lands) --------------------------
+# ---- plan: profile + solve in one go ----------------------------------------------------------
 @app.command(name="plan")
 @_guard
 def plan_workload(
@@ -295,6 +321,7 @@ def plan_workload(
     graph_output: Annotated[Path, typer.Option("--graph", help="graph file to write")] = Path("graph.json"),
     time_limit: Annotated[float, typer.Option("--time-limit")] = 60.0,
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
+    options: SetOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Profile WORKLOAD, solve under BUDGET and write the graph and the plan."""
@@ -303,7 +330,7 @@ def plan_workload(
     from memplan.solvers import keep_all_report
     from memplan.solvers import solve as run_solve
 
-    w = load_workload(workload)
+    w = load_workload(workload, **_workload_options(options))
     graph = run_profile(w.model, w.batch, w.loss_fn, name=w.name, progress=not json_out)
     graph.save(str(graph_output))
     b = _budget(budget, graph)
@@ -324,6 +351,110 @@ def plan_workload(
               + (f" (measured {format_bytes(measured)})" if measured else "")
               + f", {base.time_s * 1e3:.1f} ms; plan: {format_bytes(result.report.peak_bytes)}, "
               f"{result.report.time_s * 1e3:.1f} ms; wrote {graph_output} and {output}")
+
+
+# ---- run: profile, solve, train under the plan, predicted against measured ------------------------
+@app.command(name="run")
+@_guard
+def run_workload(
+    workload: Annotated[str, typer.Argument(help="built-in (mlp, resnet, gpt2, unet, bert) or path/to/file.py:function")],
+    budget: Annotated[str, typer.Option("--budget", "-b", help="e.g. 6GiB, 512MB or 50% (ignored with --plan)")] = "50%",
+    solver: Annotated[str, typer.Option("--solver", "-s", help="auto, dp, ilp, greedy, ... (memplan solvers)")] = "auto",
+    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="allow offloading to host memory")] = False,
+    fuse: Annotated[str | None, typer.Option(help="fuse optimizer steps into backward or forward")] = None,
+    steps: Annotated[int, typer.Option(min=1, max=1000, help="timed steps (median)")] = 5,
+    warmup: Annotated[int, typer.Option(min=0, max=100, help="untimed steps first")] = 1,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="solver seconds")] = 60.0,
+    plan_file: Annotated[Path | None, typer.Option("--plan", help="run this plan instead of solving")] = None,
+    graph_file: Annotated[Path | None, typer.Option("--graph", help="the graph --plan was made for "
+                                                                     "(default: graph.json beside it)")] = None,
+    save_plan: Annotated[Path | None, typer.Option(help="write the solved plan here")] = None,
+    save_graph: Annotated[Path | None, typer.Option(help="write the profiled graph here")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="run report (JSON) to write; "
+                                                                       "memplan show --run reads it")] = None,
+    keep_all: Annotated[bool, typer.Option("--keep-all/--no-keep-all",
+                                           help="also measure the step without the plan")] = True,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
+    options: SetOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Profile WORKLOAD, solve under BUDGET, train STEPS steps under the plan, and print predicted
+    against measured peak memory and step time."""
+    from memplan.executor.session import run_plan
+    from memplan.planner.errors import PlanError
+    from memplan.planner.profiler import profile as run_profile
+    from memplan.planner.workloads import load_workload
+    from memplan.solvers import solve as run_solve
+
+    if fuse not in (None, "backward", "forward"):
+        raise MemplanError(f"--fuse {fuse!r}: choose backward or forward")
+    if graph_file is not None and plan_file is None:
+        raise MemplanError("--graph is the graph of a --plan: give --plan too (without --plan, run profiles)")
+    w = load_workload(workload, **_workload_options(options))
+    if plan_file is not None:
+        graph_file = graph_file or plan_file.with_name("graph.json")
+        if not graph_file.is_file():
+            raise PlanError(f"--plan {plan_file} needs the graph it was made for: --graph graph.json "
+                            f"({graph_file} does not exist)")
+        graph = Graph.load(str(graph_file))
+        plan = Plan.load(str(plan_file))
+        plan.check_against(graph)
+    else:
+        graph = run_profile(w.model, w.batch, w.loss_fn, name=w.name, device=device, progress=not json_out)
+        b = _budget(budget, graph)
+        with _working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
+            plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload).plan
+    if save_graph is not None:
+        graph.save(str(save_graph))
+    if save_plan is not None:
+        plan.save(str(save_plan))
+    with _working(f"training {warmup + 1 + steps} steps under the plan"
+                  + (" and as many keeping everything" if keep_all else ""), quiet=json_out):
+        report = run_plan(w.model, w.batch, w.loss_fn, None, plan, graph, steps=steps, warmup=warmup, fuse=fuse,
+                          keep_all=keep_all, name=w.name)
+    doc = report.as_dict()
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(doc, indent=1) + "\n")
+    if json_out:
+        _emit_json({k: v for k, v in doc.items() if k != "timeline"} | ({"report": str(output)} if output else {}))
+        return
+    _print_run(report)
+    written = [str(p) for p in (output, save_plan, save_graph) if p is not None]
+    if written:
+        out.print(f"wrote [bold]{', '.join(written)}[/bold]")
+
+
+def _print_run(r: Any) -> None:
+    def pct(predicted: float, measured: float | None) -> str:
+        return f"{(predicted / measured - 1) * 100:+.1f}%" if measured else "-"
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+    t = Table(title=f"{r.workload} on {r.device}: {r.solver} plan ({r.status}), {r.decisions['recompute']} "
+                    f"recomputed, {r.decisions['offload']} offloaded"
+                    + (f", fused {r.fuse}" if r.fuse else "") + f"; median of {r.steps} steps")
+    for c in ("", "predicted", "measured", "predicted vs measured"):
+        t.add_column(c, justify="left" if not c else "right")
+    t.add_row("peak under the plan", format_bytes(r.predicted_peak_bytes), format_bytes(r.measured_peak_bytes),
+              pct(r.predicted_peak_bytes, r.measured_peak_bytes))
+    t.add_row("step time under the plan", ms(r.predicted_step_s), ms(r.measured_step_s),
+              pct(r.predicted_step_s, r.measured_step_s))
+    kp = r.keep_all_measured_peak_bytes
+    t.add_row("peak keeping everything", format_bytes(r.keep_all_predicted_peak_bytes),
+              format_bytes(kp) if kp is not None else "-", pct(r.keep_all_predicted_peak_bytes, kp))
+    t.add_row("step time keeping everything", ms(r.keep_all_predicted_step_s), ms(r.keep_all_measured_step_s),
+              pct(r.keep_all_predicted_step_s, r.keep_all_measured_step_s))
+    out.print(t)
+    if r.budget_bytes is not None:
+        within = r.within_budget()
+        out.print(f"budget {format_bytes(r.budget_bytes)}: measured peak is "
+                  f"{r.measured_peak_bytes / r.budget_bytes * 100:.1f}% of it "
+                  + ("[green](within budget + 5%)[/green]" if within else "[red](over budget + 5%)[/red]"))
+    if kp and r.keep_all_measured_step_s:
+        out.print(f"measured: {(1 - r.measured_peak_bytes / kp) * 100:.1f}% less peak memory than keeping "
+                  f"everything, at {(r.measured_step_s / r.keep_all_measured_step_s - 1) * 100:+.1f}% step time")
 
 
 # ---- show: a plan, readable, and its memory timeline ---------------------------------------------
@@ -348,6 +479,9 @@ def show(
     report = run_sim(graph, plan)  # checks the plan against the graph (fingerprint, tensor ids)
     base = keep_all_report(graph)
     measured = load_run_report(run_file) if run_file else None
+    if measured and measured.graph_fingerprint and measured.graph_fingerprint != graph.fingerprint:
+        raise PlanMismatch(f"run report {run_file} is of graph {measured.graph_fingerprint}, not of "
+                           f"{graph_file} ({graph.fingerprint}); give the run of this graph")
     timeline_png(output, report.timeline, budget_bytes=plan.budget_bytes, measured=measured,
                  title=f"{graph.name}: {plan.solver.name} plan ({plan.solver.status})")
     tensors = graph.tensors
@@ -368,6 +502,7 @@ def show(
         "actions": by_action,
         "stale_prediction": plan.predicted is not None and plan.predicted.peak_bytes != report.peak_bytes,
         "measured_peak_bytes": measured.peak_bytes if measured else None,
+        "measured_step_s": measured.step_time_s if measured else None,
         "timeline_png": str(output),
         "largest_moved": [{"tensor": d.tensor, "action": d.action.value, "bytes": tensors[d.tensor].bytes,
                            "producer": graph.ops[tensors[d.tensor].producer].name,
@@ -375,6 +510,8 @@ def show(
     }
     if measured and measured.peak_bytes:
         summary["peak_error"] = report.peak_bytes / measured.peak_bytes - 1.0
+    if measured and measured.step_time_s:
+        summary["step_error"] = report.time_s / measured.step_time_s - 1.0
     if json_out:
         _emit_json(summary)
         return
@@ -391,6 +528,9 @@ def show(
     if measured and measured.peak_bytes:
         out.print(f"measured peak {format_bytes(measured.peak_bytes)}: predicted is "
                   f"{summary['peak_error'] * 100:+.1f}% off")
+    if measured and measured.step_time_s:
+        out.print(f"measured step time {measured.step_time_s * 1e3:.1f} ms: predicted is "
+                  f"{summary['step_error'] * 100:+.1f}% off")
     if moved:
         t = Table(title=f"largest activations not kept (of {len(moved)})")
         for c in ("tensor", "action", "bytes", "producer", "module"):

@@ -23,10 +23,13 @@ _PHASE_COLOURS = {"forward": "tab:blue", "backward": "tab:green", "recompute": "
 
 @dataclass(frozen=True)
 class MeasuredRun:
-    """What a real run measured: its peak and, where recorded, memory over time ``(time_s, bytes)``."""
+    """What a real run measured: its peak and, where recorded, memory over time ``(time_s, bytes)``, the
+    step time, and the fingerprint of the graph it ran (``memplan run -o`` writes all four)."""
 
     peak_bytes: int | None
     timeline: list[tuple[float, int]] = field(default_factory=list)
+    step_time_s: float | None = None
+    graph_fingerprint: str | None = None
 
 
 def read_run_report(data: Mapping[str, Any], *, source: str = "run report") -> MeasuredRun:
@@ -34,7 +37,9 @@ def read_run_report(data: Mapping[str, Any], *, source: str = "run report") -> M
 
     Accepted keys: the peak as ``measured_peak_bytes``, ``peak_bytes`` or ``measured.peak_bytes``; the
     timeline as ``timeline`` (or ``measured.timeline``), a list of objects with a time (``time_s``,
-    ``start_s`` or ``t_s``) and a size (``bytes``, ``allocated_bytes`` or ``live_bytes``).
+    ``start_s`` or ``t_s``) and a size (``bytes``, ``allocated_bytes`` or ``live_bytes``); optionally
+    ``measured_step_s`` and ``graph_fingerprint``. The ``memplan.run/1`` report of ``memplan run -o`` is
+    such an object.
     """
     if not isinstance(data, Mapping):
         raise MemplanError(f"{source}: expected a JSON object")
@@ -54,7 +59,13 @@ def read_run_report(data: Mapping[str, Any], *, source: str = "run report") -> M
         points.append((float(t), int(b)))
     if peak is None and not points:
         raise MemplanError(f"{source}: no measured peak (measured_peak_bytes) or timeline in it")
-    return MeasuredRun(peak, points)
+    step = data.get("measured_step_s", measured.get("step_time_s"))
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float)) or not step >= 0):
+        raise MemplanError(f"{source}: measured_step_s must be a non-negative number, got {step!r}")
+    fingerprint = data.get("graph_fingerprint")
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise MemplanError(f"{source}: graph_fingerprint must be a string, got {fingerprint!r}")
+    return MeasuredRun(peak, points, None if step is None else float(step), fingerprint)
 
 
 def load_run_report(path: str | Path) -> MeasuredRun:
@@ -103,7 +114,10 @@ def timeline_png(path: str | Path, timeline: Sequence[Event], *, budget_bytes: i
 
     Live memory after each step is drawn as a step line, each step's peak as a dot coloured by phase
     (forward, backward, recompute, ...); the budget and the predicted peak as horizontal lines; a
-    measured run's timeline and peak, when given, in black. Returns ``path``.
+    measured run's timeline and peak, when given, in black. The measured timeline is in wall time (a
+    real step is slower or faster than predicted, and slower still under the allocator profiler that
+    records it), so it is stretched to the predicted step's span, and the legend says by how much.
+    Returns ``path``.
     """
     if not timeline:
         raise MemplanError("timeline is empty: simulate with timeline=True")
@@ -122,7 +136,10 @@ def timeline_png(path: str | Path, timeline: Sequence[Event], *, budget_bytes: i
     if measured is not None:
         if measured.timeline:
             mt, mb = zip(*measured.timeline, strict=True)
-            ax.plot(mt, mb, color="black", lw=1, label="measured")
+            span_s, predicted_span_s = max(mt) - min(mt), max(times) - min(times)
+            scale = predicted_span_s / span_s if span_s > 0 and predicted_span_s > 0 else 1.0
+            ax.plot([min(times) + (t - min(mt)) * scale for t in mt], mb, color="black", lw=1,
+                    label="measured" if scale == 1.0 else f"measured (time x{scale:.2g} to the predicted span)")
         if measured.peak_bytes is not None:
             ax.axhline(measured.peak_bytes, color="black", ls="-.", lw=1,
                        label=f"measured peak {format_bytes(measured.peak_bytes)}")
@@ -132,7 +149,7 @@ def timeline_png(path: str | Path, timeline: Sequence[Event], *, budget_bytes: i
     _bytes_axis(ax)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize="small", ncols=2)
+    ax.legend(loc="lower right", fontsize="small", ncols=2)  # memory below the fixed bytes stays empty
     fig.tight_layout()
     return _save(fig, path, dpi)
 

@@ -1,0 +1,217 @@
+"""Train a few steps under a plan and measure them: what ``memplan run`` reports.
+
+    report = run_plan(model, batch, loss_fn, optimizer, plan, graph, steps=5)
+    report.predicted_peak_bytes, report.measured_peak_bytes    # the simulator against the allocator
+    report.predicted_step_s, report.measured_step_s            # median of the timed steps
+
+The steps are the unchanged training step of :mod:`memplan.planner.workloads` with the plan applied by
+:func:`memplan.executor.apply`. Memory is measured as :mod:`memplan.planner.measure` measures it (CPU: the
+allocator's own reports under ``torch.profiler`` on top of the storages live when the step starts; CUDA:
+``torch.cuda.max_memory_allocated`` after a reset), on one step after the warm-up; that step is not timed
+(the profiler slows it). Then the same measurement without the plan (keep everything), on the same model.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.executor.apply import apply
+from memplan.planner.errors import MemplanError
+from memplan.planner.graph import Graph
+from memplan.planner.measure import allocator_events, cpu_allocations, live_storage_bytes, measure_step
+from memplan.planner.plan import Plan
+from memplan.planner.simulator import simulate
+from memplan.planner.workloads import LossFn, compute_loss, default_optimizer
+
+RUN_FORMAT = "memplan.run/1"
+MAX_TIMELINE_POINTS = 2000
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """Predicted against measured for one plan on one machine.
+
+    Bytes include the fixed memory (parameters, optimizer state, batch), as the simulator's peak does.
+    ``measured_step_s`` is the median of ``steps`` timed steps after ``warmup`` steps and the (untimed)
+    memory step; ``losses`` has every step's loss in order (warm-up, memory step, timed steps).
+    ``timeline`` is memory in use over the memory step, ``(seconds since it began, bytes)``, from the CPU
+    allocator's reports (empty on CUDA). ``keep_all_measured_*`` are None when not measured.
+    """
+
+    workload: str
+    graph_fingerprint: str
+    device: str
+    solver: str
+    status: str
+    fuse: str | None
+    steps: int
+    warmup: int
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    predicted_step_s: float
+    measured_step_s: float
+    step_times_s: tuple[float, ...]
+    losses: tuple[float, ...]
+    baseline_bytes: int
+    keep_all_predicted_peak_bytes: int
+    keep_all_predicted_step_s: float
+    keep_all_measured_peak_bytes: int | None
+    keep_all_measured_step_s: float | None
+    decisions: dict[str, int]
+    replays_per_step: int
+    late_fetches_per_step: int
+    host_pool_bytes: int
+    timeline: tuple[tuple[float, int], ...] = ()
+
+    @property
+    def peak_error(self) -> float:
+        """predicted / measured - 1: positive when the simulator over-estimates."""
+        return self.predicted_peak_bytes / self.measured_peak_bytes - 1.0 if self.measured_peak_bytes else 0.0
+
+    @property
+    def step_error(self) -> float:
+        return self.predicted_step_s / self.measured_step_s - 1.0 if self.measured_step_s else 0.0
+
+    def within_budget(self, tolerance: float = 0.05) -> bool | None:
+        """Measured peak at most ``budget * (1 + tolerance)``; None without a budget."""
+        if self.budget_bytes is None:
+            return None
+        return self.measured_peak_bytes <= self.budget_bytes * (1.0 + tolerance)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The run report file (``memplan.run/1``); ``memplan show --run`` reads it."""
+        d = asdict(self)
+        d["timeline"] = [{"time_s": t, "bytes": b} for t, b in self.timeline]
+        d["step_times_s"] = list(self.step_times_s)
+        d["losses"] = list(self.losses)
+        within = self.within_budget()
+        return {"format": RUN_FORMAT, **d, "peak_error": self.peak_error, "step_error": self.step_error,
+                "within_budget_5pct": within}
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return type(batch)({k: _move(v, device) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        moved = [_move(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def _thin(points: list[tuple[float, int]], limit: int) -> list[tuple[float, int]]:
+    """At most about ``limit`` points, keeping each bucket's highest (so the peak survives)."""
+    if len(points) <= limit:
+        return points
+    size = -(-len(points) // limit)
+    return [max(points[i:i + size], key=lambda p: p[1]) for i in range(0, len(points), size)]
+
+
+def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
+             plan: Plan, graph: Graph, *, steps: int = 5, warmup: int = 1, fuse: str | None = None,
+             max_grad_norm: float | None = None, keep_all: bool = True, name: str | None = None) -> RunReport:
+    """Train ``warmup + 1 + steps`` steps of ``model`` under ``plan`` and return predicted against measured.
+
+    ``model``, ``batch`` and ``loss_fn`` as for the profiler; they are moved to the graph's device (a graph
+    profiled on CUDA needs a GPU here). ``optimizer`` defaults to AdamW (foreach), as profiled; it must be
+    built over ``model``'s parameters. ``fuse`` (None, "backward", "forward") and ``max_grad_norm`` go to
+    :func:`memplan.executor.apply`. With ``keep_all``, ``warmup + 1 + steps`` more steps are then run
+    without the plan (:func:`memplan.planner.measure.measure_step`) for the keep-everything figures.
+    The model is trained by all of these steps.
+
+    Raises :class:`PlanMismatch` if the plan is for another graph or model (before any step runs), and
+    :class:`MemplanError` for ``steps < 1``, ``warmup < 0`` or a CUDA graph without a GPU.
+    """
+    if steps < 1 or warmup < 0:
+        raise MemplanError(f"run_plan needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    device = torch.device(graph.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MemplanError(f"graph {graph.name} was profiled on CUDA and no GPU is available here; "
+                           f"profile on this machine")
+    predicted = simulate(graph, plan, timeline=False)  # checks the plan against the graph first
+    keep_all_predicted = simulate(graph, None, timeline=False)
+    model.to(device)
+    model.train()
+    batch = _move(batch, device)
+    optimizer = optimizer or default_optimizer(model)
+    on_cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if on_cuda:  # kernels are asynchronous: wait for them before reading the clock or the allocator
+            torch.cuda.synchronize(device)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = compute_loss(model, batch, loss_fn)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    losses: list[torch.Tensor] = []
+    times: list[float] = []
+    timeline: list[tuple[float, int]] = []
+    ex = apply(model, plan, graph=graph, optimizer=optimizer, fuse=fuse, max_grad_norm=max_grad_norm)
+    try:
+        for _ in range(warmup):
+            losses.append(step())
+        # the memory step: the allocator's view, as planner/measure.py takes it
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        if on_cuda:
+            baseline = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            losses.append(step())
+            sync()
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            baseline = live_storage_bytes(model, batch, optimizer)
+            with allocator_events() as prof:
+                losses.append(step())
+            reports = cpu_allocations(prof)
+            running = high = 0
+            start_ns = reports[0][0] if reports else 0
+            timeline.append((0.0, baseline))
+            for t_ns, size in reports:
+                running += size
+                high = max(high, running)
+                timeline.append(((t_ns - start_ns) * 1e-9, baseline + running))
+            peak = baseline + high
+        replays = ex.last_step.replays if ex.last_step is not None else 0
+        events = Counter(kind for kind, *_ in ex.last_step.events) if ex.last_step is not None else Counter()
+        for _ in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            losses.append(step())
+            sync()
+            times.append(time.perf_counter() - t0)
+        host_pool_bytes = ex.host_pool_bytes
+    finally:
+        ex.remove()  # flushes pending fused updates and gives the optimizer its step back
+    base = measure_step(model, batch, loss_fn, optimizer, steps=steps, warmup=warmup) if keep_all else None
+    counts = Counter(a.value for a in plan.actions().values())
+    moved = counts.get("recompute", 0) + counts.get("offload", 0)
+    return RunReport(
+        workload=name or graph.name, graph_fingerprint=graph.fingerprint, device=str(device),
+        solver=plan.solver.name, status=plan.solver.status,
+        fuse=fuse, steps=steps, warmup=warmup, budget_bytes=plan.budget_bytes,
+        predicted_peak_bytes=predicted.peak_bytes, measured_peak_bytes=peak,
+        predicted_step_s=predicted.time_s, measured_step_s=statistics.median(times),
+        step_times_s=tuple(times), losses=tuple(float(x) for x in losses), baseline_bytes=baseline,
+        keep_all_predicted_peak_bytes=keep_all_predicted.peak_bytes,
+        keep_all_predicted_step_s=keep_all_predicted.time_s,
+        keep_all_measured_peak_bytes=base.peak_bytes if base else None,
+        keep_all_measured_step_s=base.step_time_s if base else None,
+        decisions={"keep": len(graph.saved_activations) - moved, "recompute": counts.get("recompute", 0),
+                   "offload": counts.get("offload", 0)},
+        replays_per_step=replays, late_fetches_per_step=events.get("late", 0), host_pool_bytes=host_pool_bytes,
+        timeline=tuple(_thin(timeline, MAX_TIMELINE_POINTS)),
+    )
