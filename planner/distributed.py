@@ -1,0 +1,290 @@
+"""One rank's memory under DDP and FSDP2, as adjustments of a graph profiled on the bare module.
+
+The graph of a distributed step is the bare module's with one rank's batch: the ops, activations and
+their lifetimes are the same on every rank. What differs is what the engine keeps per rank; these
+functions return a copy of the graph whose figures say so (docs/model.md, "Distributed"), so that the
+unchanged simulator predicts a rank's peak:
+
+* :func:`for_ddp`: DDP keeps its gradient buckets (flat buffers, one copy of every gradient) for the
+  whole of training: ``fixed.other_bytes`` grows by the bytes of the parameters that require grad.
+* :func:`for_fsdp`: ``fully_shard`` keeps 1/N of each parameter (dim 0 padded to a multiple of N) and of
+  the optimizer state; the root unit's parameters stay unsharded from forward to the end of backward; a
+  unit's unsharded parameters exist while its ops run (forward; backward with the next unit's prefetched);
+  a unit's full gradients are reduce-scattered and freed when its backward ends, leaving 1/N.
+
+:func:`cross_unit_recomputes` and :func:`keep_within_units` keep a plan's replays inside FSDP units (a
+replay in one unit's backward cannot read another unit's resharded parameters). :func:`measure_rank_step`
+measures a rank's peak from the allocator, as :mod:`memplan.planner.measure` does for one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from memplan.planner.errors import MemplanError
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Action, Plan
+
+ENGINES = ("ddp", "fsdp")
+
+
+class DistributedPlanError(MemplanError):
+    """A plan or a distributed set-up that a rank cannot run as stated (named in the message)."""
+
+
+# ---- FSDP units ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One ``fully_shard`` unit: module path (``""`` is the root), its parameters' bytes unsharded and
+    per rank (sharded along dim 0, padded to a multiple of the world size)."""
+
+    prefix: str
+    unsharded_bytes: int
+    shard_bytes: int
+
+
+def unit_of(module: str, prefixes: Iterable[str]) -> str:
+    """The innermost unit prefix that ``module`` (a module path) lies in; ``""`` (the root) if none."""
+    best = ""
+    for p in prefixes:
+        if p and (module == p or module.startswith(p + ".")) and len(p) > len(best):
+            best = p
+    return best
+
+
+def shard_bytes(shape: list[int] | tuple[int, ...], element_bytes: int, world_size: int) -> int:
+    """Bytes of one rank's shard of a parameter: dim 0 split into ``world_size`` padded chunks."""
+    if not shape:
+        return element_bytes  # a scalar is replicated
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / world_size) * rest * element_bytes
+
+
+def fsdp_units(model: Any, prefixes: list[str], world_size: int) -> list[FSDPUnit]:
+    """The units that ``fully_shard`` on each of ``prefixes`` (then on the root) makes of the bare
+    ``model``, with their bytes. A parameter belongs to the innermost unit its module lies in; a tied
+    parameter is counted once (where it first appears)."""
+    if world_size < 1:
+        raise DistributedPlanError(f"world_size must be >= 1, got {world_size}")
+    names = dict(model.named_modules())
+    missing = [p for p in prefixes if p not in names]
+    if missing:
+        raise DistributedPlanError(f"FSDP unit {missing[0]!r} is not a module of {type(model).__name__}")
+    full = {p: 0 for p in ["", *prefixes]}
+    shard = dict(full)
+    for name, p in model.named_parameters():  # deduplicated: tied parameters appear once
+        u = unit_of(name.rpartition(".")[0], prefixes)
+        full[u] += p.numel() * p.element_size()
+        shard[u] += shard_bytes(list(p.shape), p.element_size(), world_size)
+    return [FSDPUnit(u, full[u], shard[u]) for u in ["", *prefixes]]
+
+
+# ---- adjusted graphs --------------------------------------------------------------------------------------
+
+
+def _copy(graph: Graph) -> Graph:
+    return Graph.model_validate(graph.model_dump())
+
+
+def for_ddp(graph: Graph, world_size: int) -> Graph:
+    """A copy of ``graph`` (the bare module, one rank's batch) as one DDP rank holds it: DDP's gradient
+    buckets (``gradient_as_bucket_view=False``, the default: one flat copy of every gradient, allocated at
+    construction and kept) join the fixed memory. ``meta["distributed"]`` records the adjustment."""
+    if world_size < 1:
+        raise DistributedPlanError(f"world_size must be >= 1, got {world_size}")
+    g = _copy(graph)
+    bucket_bytes = sum(t.bytes for t in g.tensors if t.kind == "param" and t.requires_grad)
+    g.fixed.other_bytes += bucket_bytes
+    g.meta["distributed"] = {"engine": "ddp", "world_size": world_size, "bucket_bytes": bucket_bytes}
+    return g.invalidate()
+
+
+def for_fsdp(graph: Graph, units: list[FSDPUnit], world_size: int) -> Graph:
+    """A copy of ``graph`` as one FSDP2 rank holds it (``reshard_after_forward=True`` for every unit but
+    the root, one unit prefetched in backward), ``units`` from :func:`fsdp_units`; see the module doc and
+    docs/model.md. Raises :class:`DistributedPlanError` if the units' bytes do not add up to the graph's
+    parameters (another model) or the root unit is missing."""
+    by_prefix = {u.prefix: u for u in units}
+    if "" not in by_prefix:
+        raise DistributedPlanError("for_fsdp needs the root unit (prefix '') among the units")
+    full_bytes = sum(u.unsharded_bytes for u in units)
+    if full_bytes != graph.fixed.params_bytes:
+        raise DistributedPlanError(f"the FSDP units hold {full_bytes} parameter bytes, the graph "
+                                   f"{graph.fixed.params_bytes}: units of another model")
+    g = _copy(graph)
+    shard_total = sum(u.shard_bytes for u in units)
+    ratio = shard_total / full_bytes if full_bytes else 1.0
+    root = by_prefix[""]
+    g.fixed.params_bytes = shard_total
+    g.fixed.optimizer_state_bytes = round(graph.fixed.optimizer_state_bytes * ratio)
+    g.fixed.optimizer_step_bytes = round(graph.fixed.optimizer_step_bytes * ratio)
+    g.fixed.other_bytes += root.unsharded_bytes  # the root is not resharded after forward
+    prefixes = [u.prefix for u in units if u.prefix]
+    op_unit = [unit_of(op.module, prefixes) for op in g.ops]
+    order = list(dict.fromkeys(u for u in op_unit if u))  # non-root units in forward order
+    before = {u: (order[i - 1] if i > 0 else None) for i, u in enumerate(order)}
+    first_op: dict[str, int] = {}
+    for op, u in zip(g.ops, op_unit, strict=True):
+        first_op.setdefault(u, op.id)
+        if not u:
+            continue
+        here = by_prefix[u].unsharded_bytes
+        ahead = by_prefix[before[u]].unsharded_bytes if before[u] else 0  # backward prefetches it
+        op.workspace_bytes += here
+        op.backward_workspace_bytes += here + ahead
+    for u, k in first_op.items():  # a unit's backward ends at its first op: full gradients -> shards
+        unit = by_prefix[u]
+        g.ops[k].backward_grad_free_bytes += unit.unsharded_bytes - unit.shard_bytes
+    g.meta["distributed"] = {"engine": "fsdp", "world_size": world_size,
+                             "units": [asdict(u) for u in units]}
+    return g.invalidate()
+
+
+# ---- plans that stay inside FSDP units -----------------------------------------------------------------------
+
+
+def _replay_ops(graph: Graph, actions: dict[int, Action], target: int) -> set[int]:
+    """Ops a replay of ``target`` may run: its producer and, recursively, the producers of inputs that are
+    not kept for backward (an over-approximation of the simulator's replay: a tensor rebuilt earlier and
+    still cached is counted as missing)."""
+    savers = graph.savers
+    ops: set[int] = set()
+    stack, seen = [target], set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        info = graph.tensors[u]
+        if info.kind != "activation":
+            continue
+        kept = u in savers and actions.get(u, Action.KEEP) == Action.KEEP
+        if u != target and (kept or info.held_by_caller or actions.get(u) == Action.OFFLOAD):
+            continue
+        ops.add(info.producer)
+        stack.extend(graph.ops[info.producer].inputs)
+    return ops
+
+
+def cross_unit_recomputes(graph: Graph, plan: Plan, prefixes: list[str]) -> list[tuple[int, str, str]]:
+    """(tensor, unit whose backward first reads it, other unit) for every recomputed tensor whose replay
+    may run an op that reads parameters of another non-root unit: under FSDP2 those parameters are
+    resharded then. Empty when the plan is safe."""
+    actions = plan.actions()
+    op_unit = [unit_of(op.module, prefixes) for op in graph.ops]
+    params = {t.id for t in graph.tensors if t.kind == "param"}
+    bad = []
+    for t, a in actions.items():
+        if a != Action.RECOMPUTE:
+            continue
+        home = op_unit[max(graph.savers[t])]  # backward reaches the highest saver first
+        for k in sorted(_replay_ops(graph, actions, t)):
+            u = op_unit[k]
+            if u and u != home and params.intersection(graph.ops[k].inputs):
+                bad.append((t, home, u))
+                break
+    return bad
+
+
+def keep_within_units(graph: Graph, plan: Plan, prefixes: list[str]) -> tuple[Plan, list[int]]:
+    """``plan`` with every recompute that crosses FSDP units (:func:`cross_unit_recomputes`) turned into
+    keep (its prediction dropped: simulate it again), and the tensors changed."""
+    changed: list[int] = []
+    while True:
+        bad = cross_unit_recomputes(graph, plan, prefixes)
+        if not bad:
+            return plan, changed
+        demote = {t for t, _, _ in bad}
+        changed += sorted(demote)
+        decisions = [d.model_copy(update={"action": Action.KEEP, "prefetch_at": None}) if d.tensor in demote else d
+                     for d in plan.decisions]
+        plan = plan.model_copy(update={"decisions": decisions, "predicted": None})
+
+
+# ---- measuring a rank ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """One rank's training step as the allocator saw it: ``peak_bytes`` (everything live included),
+    ``start_bytes`` (live when the step began: parameters, buckets or shards, optimizer state, batch)."""
+
+    rank: int
+    peak_bytes: int
+    start_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_rank_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any],
+                      wrap: Callable[[Any], tuple[Any, Any]], *, warmup: int = 1, rank: int = 0) -> RankMeasurement:
+    """Measure one training step of this rank on CPU from the allocator's events.
+
+    ``model`` is the bare module (no gradients, nothing else holding memory for it); ``wrap(model)``
+    returns ``(train_model, optimizer)`` (DDP or fully_shard, optionally a plan applied) and runs inside
+    the measured window, so that what the engine allocates (buckets, shards) is counted, and what it frees
+    (the full parameters fully_shard replaces) too. ``warmup`` steps create the optimizer state; the next
+    step is measured. Memory that the allocator does not report (gloo's own buffers, allocations on
+    threads the profiler does not follow) is not counted.
+    """
+    import torch
+    from memplan.planner.measure import _leaves, allocator_events
+    from memplan.planner.workloads import compute_loss
+    from torch._C._profiler import _EventType
+
+    if warmup < 1:
+        raise ValueError(f"measure_rank_step needs warmup >= 1 (to create the optimizer state), got {warmup}")
+    seen: set[int] = set()
+    baseline = 0
+    for t in [*model.parameters(), *model.buffers(), *_leaves(batch)]:
+        s = t.untyped_storage()
+        if s._cdata not in seen:
+            seen.add(s._cdata)
+            baseline += s.nbytes()
+
+    def step(train_model, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = compute_loss(train_model, batch, loss_fn)
+        loss.backward()
+        optimizer.step()
+        del loss
+
+    with allocator_events() as prof:
+        train_model, optimizer = wrap(model)
+        for _ in range(warmup):
+            step(train_model, optimizer)
+        with torch.profiler.record_function("memplan:rank_step"):
+            step(train_model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    window = None
+    allocations: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.name == "memplan:rank_step" and window is None:
+            window = (e.start_time_ns, e.end_time_ns)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            allocations.append((e.start_time_ns, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    if window is None:
+        raise MemplanError("measure_rank_step: the profiler recorded no step range (a bug)")
+    allocations.sort(key=lambda a: a[0])
+    running = 0
+    start = high = None
+    for at, size in allocations:
+        if at >= window[0] and start is None:
+            start = high = running
+        if at > window[1]:
+            break
+        running += size
+        if start is not None:
+            high = max(high, running)
+    if start is None:
+        start = high = running
+    return RankMeasurement(rank=rank, peak_bytes=baseline + high, start_bytes=baseline + start)
