@@ -222,16 +222,18 @@ class RankMeasurement:
         return asdict(self)
 
 
-def measure_rank_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any],
-                      wrap: Callable[[Any], tuple[Any, Any]], *, warmup: int = 1, rank: int = 0) -> RankMeasurement:
+def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn: Callable[[Any, Any], Any], *,
+                      warmup: int = 1, rank: int = 0) -> RankMeasurement:
     """Measure one training step of this rank on CPU from the allocator's events.
 
-    ``model`` is the bare module (no gradients, nothing else holding memory for it); ``wrap(model)``
-    returns ``(train_model, optimizer)`` (DDP or fully_shard, optionally a plan applied) and runs inside
-    the measured window, so that what the engine allocates (buckets, shards) is counted, and what it frees
-    (the full parameters fully_shard replaces) too. ``warmup`` steps create the optimizer state; the next
-    step is measured. Memory that the allocator does not report (gloo's own buffers, allocations on
-    threads the profiler does not follow) is not counted.
+    ``build()`` returns ``(train_model, optimizer)``: it creates the rank's model (a copy of the bare
+    module), wraps it (DDP or fully_shard, optionally with a plan applied) and makes the optimizer. It runs
+    inside the measured window, so that every allocation the rank's training holds is seen, and every free
+    too (the CPU allocator reports no free of a block allocated before the window: the full parameters
+    that fully_shard replaces must be allocated inside it). ``batch`` is allocated before and counted.
+    ``warmup`` steps create the optimizer state (and let DDP rebuild its buckets); the next step is
+    measured. Memory that the allocator does not report (gloo's own buffers, allocations on threads the
+    profiler does not follow) is not counted.
     """
     import torch
     from memplan.planner.measure import _leaves, allocator_events
@@ -242,7 +244,7 @@ def measure_rank_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]
         raise ValueError(f"measure_rank_step needs warmup >= 1 (to create the optimizer state), got {warmup}")
     seen: set[int] = set()
     baseline = 0
-    for t in [*model.parameters(), *model.buffers(), *_leaves(batch)]:
+    for t in _leaves(batch):
         s = t.untyped_storage()
         if s._cdata not in seen:
             seen.add(s._cdata)
@@ -256,7 +258,7 @@ def measure_rank_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]
         del loss
 
     with allocator_events() as prof:
-        train_model, optimizer = wrap(model)
+        train_model, optimizer = build()
         for _ in range(warmup):
             step(train_model, optimizer)
         with torch.profiler.record_function("memplan:rank_step"):

@@ -1,0 +1,222 @@
+"""Train with a plan on N processes (DDP or FSDP2), one rank's predicted against measured peak.
+
+    torchrun --nproc-per-node 2 -m memplan.api.distributed gpt2 --budget 50% --ddp --steps 3
+    torchrun --nproc-per-node 2 -m memplan.api.distributed gpt2 --budget 50% --fsdp --steps 3
+
+Rank 0 profiles the bare module with one rank's batch, adjusts the graph for what a rank holds
+(:mod:`memplan.planner.distributed`) and solves on it; every rank receives the same graph and plan, wraps
+the model (``DistributedDataParallel``, or ``fully_shard`` on each block and the root), applies the plan
+(:mod:`memplan.executor.distributed`) and trains. Each rank's peak is measured from the allocator
+(CPU) or ``max_memory_allocated`` (CUDA) for a step without the plan and one with it, and rank 0 prints
+one row per rank and plan. CPU runs use gloo; CUDA runs nccl, one device per local rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from memplan.executor.distributed import apply_distributed
+from memplan.planner import simulate
+from memplan.planner.distributed import (
+    ENGINES,
+    for_ddp,
+    for_fsdp,
+    fsdp_units,
+    keep_within_units,
+    measure_rank_step,
+)
+from memplan.planner.errors import MemplanError
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Plan
+from memplan.planner.profiler import profile
+from memplan.planner.units import format_bytes, parse_budget
+from memplan.planner.workloads import default_optimizer, load_workload
+from memplan.solvers import activation_bytes, solve
+from torch import nn
+
+
+def block_prefixes(model: nn.Module) -> list[str]:
+    """The FSDP units: the children of the model's largest ``nn.ModuleList`` (a transformer's blocks)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, blocks = max(lists, key=lambda nm: len(nm[1]))
+    return [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
+
+
+def _wrap(engine: str, prefixes: list[str], plan: Plan | None, graph: Graph | None, fuse: str | None):
+    """``wrap(model) -> (train_model, optimizer)`` for :func:`measure_rank_step`: DDP or fully_shard,
+    AdamW (foreach), and the plan applied if any."""
+
+    def wrap(model: nn.Module):
+        if engine == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            train_model = DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for p in prefixes:
+                fully_shard(model.get_submodule(p))
+            train_model = fully_shard(model)
+        optimizer = default_optimizer(model)
+        if plan is not None:
+            apply_distributed(train_model, plan, graph=graph, optimizer=optimizer, fuse=fuse)
+        return train_model, optimizer
+
+    return wrap
+
+
+def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, solver: str = "auto",
+                    fuse: str | None = None, time_limit_s: float = 30.0,
+                    workload_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Profile, solve and train ``workload`` under ``engine`` ("ddp" or "fsdp") on every rank of the
+    process group (initialised here from torchrun's environment if it is not yet: gloo on CPU, nccl on
+    CUDA). ``budget``: bytes or a percentage of the *rank's* activation memory. ``steps`` planned steps
+    after the measured ones. Returns, on every rank, the rows of all ranks: rank, plan ("keep all" or the
+    solver), predicted and measured peak bytes, error, and the planned steps' losses.
+
+    This is what ``memplan run WORKLOAD --nproc N`` calls in each process it starts under torchrun.
+    Raises :class:`MemplanError` for a bad engine or budget, what the solver and the executor raise.
+    """
+    if engine not in ENGINES:
+        raise MemplanError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if steps < 1:
+        raise MemplanError(f"steps must be >= 1, got {steps}")
+    on_cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+    wl = load_workload(workload, **(workload_options or {}))
+    model0 = wl.model.to(device)
+    prefixes = block_prefixes(model0) if engine == "fsdp" else []
+
+    box: list[Any] = [None]
+    if rank == 0:
+        graph = profile(copy.deepcopy(model0), wl.batch, wl.loss_fn, device=device, progress=False, measure=False,
+                        name=workload)
+        if engine == "ddp":
+            rank_graph = for_ddp(graph, world)
+        else:
+            rank_graph = for_fsdp(graph, fsdp_units(model0, prefixes, world), world)
+        budget_bytes = parse_budget(budget, activation_bytes=activation_bytes(rank_graph),
+                                    fixed_bytes=rank_graph.fixed.resident_bytes)
+        plan = solve(rank_graph, budget_bytes, solver, time_limit_s=time_limit_s).plan
+        if engine == "fsdp":
+            plan, _ = keep_within_units(rank_graph, plan, prefixes)
+        box = [(graph.model_dump_json(), rank_graph.model_dump_json(), plan.model_dump_json())]
+    dist.broadcast_object_list(box, src=0)
+    graph = Graph.from_json(box[0][0])
+    rank_graph = Graph.from_json(box[0][1])
+    plan = Plan.from_json(box[0][2])
+
+    rows = []
+    batch = wl.batch if not on_cuda else _to(wl.batch, device)
+    for label, p in (("keep all", None), (plan.solver.name, plan)):
+        wrap = _wrap(engine, prefixes, p, graph, fuse)
+
+        def build(wrap=wrap):
+            return wrap(copy.deepcopy(model0))  # the rank's model is made inside the measured window
+
+        if on_cuda:
+            peak, start = _cuda_rank_peak(build, batch, wl.loss_fn, device)
+        else:
+            m = measure_rank_step(build, batch, wl.loss_fn, warmup=2, rank=rank)  # 2: DDP rebuilds buckets
+            peak, start = m.peak_bytes, m.start_bytes
+        predicted = simulate(rank_graph, p or Plan.keep_all(rank_graph), timeline=False).peak_bytes
+        rows.append({"rank": rank, "engine": engine, "world_size": world, "plan": label,
+                     "recomputed": sum(a == "recompute" for a in (p.actions() if p else {}).values()),
+                     "predicted_peak_bytes": predicted, "measured_peak_bytes": peak,
+                     "measured_start_bytes": start, "error": predicted / peak - 1 if peak else None})
+    model = copy.deepcopy(model0)
+    train_model, optimizer = _wrap(engine, prefixes, plan, graph, fuse)(model)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = wl.loss_fn(train_model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    rows[-1]["losses"] = losses
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, rows)
+    return [r for ranks in everyone for r in ranks]
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _cuda_rank_peak(build, batch, loss_fn, device) -> tuple[int, int]:
+    train_model, optimizer = build()
+    for _ in range(2):  # warm-up: optimizer state, DDP's bucket rebuild
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(train_model, batch).backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss_fn(train_model, batch).backward()
+    optimizer.step()
+    torch.cuda.synchronize(device)  # wait for the step's kernels before reading the allocator
+    return torch.cuda.max_memory_allocated(device), start
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """A markdown table of :func:`run_distributed`'s rows."""
+    out = ["| engine | rank | plan | recomputed | measured start | measured peak | predicted peak | error |",
+           "|---|--:|---|--:|--:|--:|--:|--:|"]
+    for r in sorted(rows, key=lambda r: (r["plan"] != "keep all", r["rank"])):
+        out.append(f"| {r['engine']} ({r['world_size']} ranks) | {r['rank']} | {r['plan']} | {r['recomputed']} | "
+                   f"{format_bytes(r['measured_start_bytes'])} | {format_bytes(r['measured_peak_bytes'])} | "
+                   f"{format_bytes(r['predicted_peak_bytes'])} | {r['error']:+.2%} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memplan.api.distributed",
+                                 description="run under torchrun: train WORKLOAD with a plan on every rank")
+    ap.add_argument("workload")
+    ap.add_argument("--budget", default="50%", help="bytes (6GiB) or a percentage of a rank's activation memory")
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--ddp", action="store_const", const="ddp", dest="engine")
+    group.add_argument("--fsdp", action="store_const", const="fsdp", dest="engine")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--solver", default="auto")
+    ap.add_argument("--fuse", choices=("backward", "forward"), default=None)
+    ap.add_argument("--json", action="store_true", help="rows as JSON on stdout (rank 0)")
+    args = ap.parse_args(argv)
+    try:
+        rows = run_distributed(args.workload, budget=args.budget, engine=args.engine, steps=args.steps,
+                               solver=args.solver, fuse=args.fuse)
+    except MemplanError as e:
+        print(f"error (rank {os.environ.get('RANK', '?')}): {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(rows, indent=1) if args.json else format_rows(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
