@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 WORLD = 2
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 512, "seq_len": 32, "batch_size": 2}
-STEPS = 3
+STEPS = 2
 SPAWN_TIMEOUT_S = 120
 
 
@@ -270,3 +270,45 @@ def test_fsdp2_refuses_replays_across_units_and_keep_within_units_fixes_them(fsd
         assert results["cross_unit_refused"].startswith("DistributedError: under FSDP2, recomputing tensor")
         assert "keep_within_units" in results["cross_unit_refused"]
         assert results["demoted"] > 0
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+def test_per_rank_graph_adjustments_are_exact_on_a_toy():
+    from memplan.planner.distributed import for_ddp, for_fsdp, fsdp_units
+    from memplan.planner.profiler import profile
+    from memplan.planner.simulator import simulate
+
+    torch.manual_seed(0)
+    model = _Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)  # no optimizer state
+    graph = profile(model, torch.randn(8, 4), lambda m, x: m(x).sum(), optimizer=opt, device="cpu",
+                    progress=False, measure=False, repeats=1)
+    params = (6 * 4 + 6 + 4 * 6 + 4) * 4
+    assert graph.fixed.params_bytes == params
+    ddp = for_ddp(graph, 2)
+    assert ddp.fixed.other_bytes - graph.fixed.other_bytes == params  # one bucket copy of the gradients
+    assert simulate(ddp).peak_bytes == simulate(graph).peak_bytes + params
+    # dim 0 split in 2: Linear(4, 6) -> weight 3x4, bias 3; Linear(6, 4) -> weight 2x6, bias 2
+    units = fsdp_units(model, ["blocks.0", "blocks.1"], 2)
+    assert [(u.prefix, u.unsharded_bytes, u.shard_bytes) for u in units] == [
+        ("", 0, 0), ("blocks.0", 120, 60), ("blocks.1", 112, 56)]
+    fsdp = for_fsdp(graph, units, 2)
+    assert fsdp.fixed.params_bytes == 116
+    first = {u: min(op.id for op in graph.ops if op.module.startswith(u)) for u in ("blocks.0", "blocks.1")}
+    for op, before in zip(fsdp.ops, graph.ops, strict=True):
+        here = 120 if op.module.startswith("blocks.0") else 112 if op.module.startswith("blocks.1") else 0
+        ahead = 120 if op.module.startswith("blocks.1") else 0  # backward prefetches blocks.0
+        assert op.workspace_bytes - before.workspace_bytes == here
+        assert op.backward_workspace_bytes - before.backward_workspace_bytes == here + ahead
+        freed = {first["blocks.0"]: 60, first["blocks.1"]: 56}.get(op.id, 0)
+        assert op.backward_grad_free_bytes - before.backward_grad_free_bytes == freed
