@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.executor.apply import apply
+from memplan.executor.apply import Executor, apply
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.measure import allocator_events, cpu_allocations, live_storage_bytes, measure_step
@@ -116,6 +116,63 @@ def _thin(points: list[tuple[float, int]], limit: int) -> list[tuple[float, int]
     return [max(points[i:i + size], key=lambda p: p[1]) for i in range(0, len(points), size)]
 
 
+def peak_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+              executor: Executor | None = None) -> tuple[int, int, list[tuple[float, int]], torch.Tensor]:
+    """One training step measured as :mod:`memplan.planner.measure` measures it, on the device of the
+    model's parameters, with whatever plan or checkpointing the model has applied.
+
+    Returns ``(peak_bytes, baseline_bytes, timeline, loss)``: the peak includes what was live when the step
+    began (``baseline_bytes``); ``timeline`` is memory in use over the step as ``(seconds since its
+    first allocation, bytes)`` from the CPU allocator's reports (empty on CUDA); ``loss`` is detached.
+    ``executor``: the plan applied to ``model``. On CPU the allocator reports no free of a block allocated
+    before the profiler started, so the gradients that forward fusion holds from the previous step (applied
+    and freed during this step's forward) are re-allocated inside the window: their frees are then seen.
+    """
+    device = next(model.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # earlier kernels' memory is settled before the reset
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = compute_loss(model, batch, loss_fn)
+        loss.backward()
+        optimizer.step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device), baseline, [], loss.detach()
+    baseline = live_storage_bytes(model, batch, optimizer)
+    with allocator_events() as prof:
+        originals = _reallocate_held(executor)
+        loss = compute_loss(model, batch, loss_fn)
+        loss.backward()
+        optimizer.step()
+        loss = loss.detach()
+    del originals  # freed outside the window: neither in the baseline nor in the reports
+    reports = cpu_allocations(prof)
+    start_ns = reports[0][0] if reports else 0
+    timeline = [(0.0, baseline)]
+    running = high = 0
+    for t_ns, size in reports:
+        running += size
+        high = max(high, running)
+        timeline.append(((t_ns - start_ns) * 1e-9, baseline + running))
+    return baseline + high, baseline, _thin(timeline, MAX_TIMELINE_POINTS), loss
+
+
+def _reallocate_held(executor: Executor | None) -> list[torch.Tensor]:
+    """Swap each gradient forward fusion holds between steps for a copy made now (same values), and return
+    the originals: the copy's allocation and, when its update is applied, its free are reported; the
+    originals (not in the baseline) are freed after the window. Measurement only: the step computes the
+    same numbers."""
+    pending = getattr(getattr(executor, "fused", None), "pending", None)
+    originals: list[torch.Tensor] = []
+    if pending:
+        with torch.no_grad():
+            for p, g in list(pending.items()):
+                originals.append(g)
+                pending[p] = g.clone()
+    return originals
+
+
 def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
              plan: Plan, graph: Graph, *, steps: int = 5, warmup: int = 1, fuse: str | None = None,
              max_grad_norm: float | None = None, keep_all: bool = True, name: str | None = None) -> RunReport:
@@ -158,33 +215,13 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
 
     losses: list[torch.Tensor] = []
     times: list[float] = []
-    timeline: list[tuple[float, int]] = []
     ex = apply(model, plan, graph=graph, optimizer=optimizer, fuse=fuse, max_grad_norm=max_grad_norm)
     try:
         for _ in range(warmup):
             losses.append(step())
         # the memory step: the allocator's view, as planner/measure.py takes it
-        optimizer.zero_grad(set_to_none=True)
-        sync()
-        if on_cuda:
-            baseline = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            losses.append(step())
-            sync()
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            baseline = live_storage_bytes(model, batch, optimizer)
-            with allocator_events() as prof:
-                losses.append(step())
-            reports = cpu_allocations(prof)
-            running = high = 0
-            start_ns = reports[0][0] if reports else 0
-            timeline.append((0.0, baseline))
-            for t_ns, size in reports:
-                running += size
-                high = max(high, running)
-                timeline.append(((t_ns - start_ns) * 1e-9, baseline + running))
-            peak = baseline + high
+        peak, baseline, timeline, loss = peak_step(model, batch, loss_fn, optimizer, ex)
+        losses.append(loss)
         replays = ex.last_step.replays if ex.last_step is not None else 0
         events = Counter(kind for kind, *_ in ex.last_step.events) if ex.last_step is not None else Counter()
         for _ in range(steps):
@@ -213,5 +250,5 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
         decisions={"keep": len(graph.saved_activations) - moved, "recompute": counts.get("recompute", 0),
                    "offload": counts.get("offload", 0)},
         replays_per_step=replays, late_fetches_per_step=events.get("late", 0), host_pool_bytes=host_pool_bytes,
-        timeline=tuple(_thin(timeline, MAX_TIMELINE_POINTS)),
+        timeline=tuple(timeline),
     )
