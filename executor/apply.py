@@ -16,6 +16,7 @@ next forward, or at ``remove()``. Only training forwards with grad enabled are p
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,9 @@ from memplan.planner.simulator import _Replay, _static, default_prefetch_at
 
 
 def _fingerprint_diff(model: nn.Module, graph: Graph | None) -> str:
-    """Name the first parameter that differs from the profiled model's (shapes/dtypes from the graph)."""
+    """Name the first parameter that differs from the profiled model's. The graph keeps the parameters'
+    shapes and dtypes in registration order (one per storage), not their names, so the two sequences are
+    aligned (difflib) and the first parameter of this model outside the alignment is named."""
     if graph is None:
         return ""
     ours: list[tuple[str, torch.Tensor]] = []
@@ -44,15 +47,24 @@ def _fingerprint_diff(model: nn.Module, graph: Graph | None) -> str:
             seen.add(key)
             ours.append((name, p))
     theirs = [t for t in graph.tensors if t.kind == "param"]
-    for (name, p), t in zip(ours, theirs, strict=False):
-        dtype = str(p.dtype).removeprefix("torch.")
-        if list(p.shape) != t.shape or dtype != t.dtype:
-            return (f": parameter {name} is {dtype}{list(p.shape)} here, {t.dtype}{t.shape} in the profiled "
-                    f"model")
-    if len(ours) != len(theirs):
-        extra = ours[len(theirs)][0] if len(ours) > len(theirs) else None
-        return (f": this model has {len(ours)} parameter tensors, the profiled one {len(theirs)}"
-                + (f" (first extra: {extra})" if extra else ""))
+
+    def sig(shape, dtype) -> str:
+        return f"{dtype}{list(shape)}"
+
+    a = [sig(p.shape, str(p.dtype).removeprefix("torch.")) for _, p in ours]
+    b = [sig(t.shape, t.dtype) for t in theirs]
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        if tag == "replace":
+            return f": parameter {ours[i1][0]} is {a[i1]} here, {b[j1]} in the profiled model"
+        if tag == "delete":  # only in this model
+            more = f" and {i2 - i1 - 1} more after it" if i2 - i1 > 1 else ""
+            return (f": parameter {ours[i1][0]} ({a[i1]}){more} is not in the profiled model "
+                    f"({len(a)} parameter tensors here, {len(b)} there)")
+        after = f" after {ours[i1 - 1][0]}" if i1 > 0 else " at the start"
+        return (f": the profiled model has {j2 - j1} more parameter tensor(s){after} (first {b[j1]}) "
+                f"({len(a)} here, {len(b)} there)")
     return ": parameter names differ (shapes and dtypes agree)"
 
 
@@ -104,6 +116,11 @@ class Executor:
         self.optimizer = optimizer
         self.actions = {t: a for t, a in plan.actions().items() if a != Action.KEEP}
         self.records = any(a == Action.RECOMPUTE for a in self.actions.values())
+        # RNG state is captured only before random ops a replay can run: those that create a storage that
+        # can be rebuilt. In-place random ops (CPU dropout's ``bernoulli_`` into an ``empty_like``) make
+        # nothing new and are never replayed, and a CPU generator state is 5 KiB per capture, held all step.
+        self.rng_ops = {op.id for op in graph.ops
+                        if op.random and any(graph.tensors[t].recomputable for t in op.outputs)}
         offloaded = sorted(t for t, a in self.actions.items() if a == Action.OFFLOAD)
         bandwidth = plan.bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
         given = {d.tensor: d.prefetch_at for d in plan.decisions if d.prefetch_at is not None}
@@ -145,6 +162,11 @@ class Executor:
     # ---- the step's boundaries ---------------------------------------------------------------------
     def _begin(self, module: nn.Module, _args) -> None:
         if not (module.training and torch.is_grad_enabled()):
+            if self.fused is not None:
+                # an evaluation forward reads the parameters too: apply the root's pending updates, as
+                # the pre-hooks of the other modules do for theirs
+                with self.internal():
+                    self.fused.before_module(module)
             return
         prev = self.step_state
         self.end_step()

@@ -37,7 +37,7 @@ import bisect
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -160,7 +160,7 @@ class _Step:
         self.cache: dict[int, torch.UntypedStorage] = {}        # rebuilt / fetched, awaiting unpacks
         self.host: dict[int, tuple[torch.Tensor, torch.device, int]] = {}  # offloaded: slot, device, bytes
         self.d2h_pending: list[tuple[Any, torch.Tensor]] = []   # (copy done event, device bytes held)
-        self.ready: dict[int, Any] = {}                         # prefetched tensor id -> copy done event
+        self.ready: dict[int, tuple[Any, torch.device]] = {}    # prefetched tensor id -> (copy done event, device)
         self.pending_outs: tuple[int, list[torch.Tensor]] | None = None
         self.pinned: dict[int, torch.UntypedStorage] = {}        # held for a replay that reads them
         self.prefetch_queue = list(ex.prefetch_order)          # (-prefetch_at, tid), ascending
@@ -211,12 +211,12 @@ class _Step:
             self.cursor += 1  # the detach autograd runs when saving an output is gone under hooks
         k = self.cursor
         if k >= len(ops):
-            raise PlanMismatch(f"the model ran more forward ops than the profiled graph's {len(ops)}: "
-                               f"{name} has no counterpart; re-profile and re-solve for this model and batch")
+            self._fail(f"the model ran more forward ops than the profiled graph's {len(ops)}: "
+                       f"{name} has no counterpart; re-profile and re-solve for this model and batch")
         if ops[k].name != name:
-            raise PlanMismatch(f"forward op {k} differs from the profiled graph: the plan expects "
-                               f"{ops[k].name} (module {ops[k].module or '?'}), the model ran {name}; "
-                               f"re-profile and re-solve for this model and batch")
+            self._fail(f"forward op {k} differs from the profiled graph: the plan expects "
+                       f"{ops[k].name} (module {ops[k].module or '?'}), the model ran {name}; "
+                       f"re-profile and re-solve for this model and batch")
         self.cursor += 1
         return k
 
@@ -240,7 +240,7 @@ class _Step:
         rng = None
         if record:
             args_r, kwargs_r = tree_map(self._ref, (args, kwargs))
-            if op.random:
+            if k in ex.rng_ops:
                 rng = self._capture_rng(inputs)
         out = func(*args, **kwargs)
         outs = _tensors(out)
@@ -250,21 +250,41 @@ class _Step:
             if s is None or s._cdata in self.by_key:
                 continue
             if len(new) >= len(op.outputs):
-                raise PlanMismatch(f"forward op {k} ({op.name}, module {op.module or '?'}) created more new "
-                                   f"tensors than the profiled graph's {len(op.outputs)}; re-profile")
+                self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) created more new "
+                           f"tensors than the profiled graph's {len(op.outputs)}; re-profile")
             tid = op.outputs[len(new)]
+            self._check_output(k, op, t, s, tid)
             self._see(t, tid)
             new.append((pos, tid))
             if tid in ex.pins:  # cannot be rebuilt, and a replay reads it: hold it (docs/model.md, pinning)
                 self.pinned[tid] = s
         if len(new) != len(op.outputs):
-            raise PlanMismatch(f"forward op {k} ({op.name}, module {op.module or '?'}) created {len(new)} new "
-                               f"tensors, the profiled graph {len(op.outputs)}; re-profile")
+            self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) created {len(new)} new "
+                       f"tensors, the profiled graph {len(op.outputs)}; re-profile")
         if record:
             self.recipes[k] = _Recipe(func, args_r, kwargs_r, new, rng)
         if ex.tag_nodes:
             self.pending_outs = (k, outs)
         return out
+
+    def _check_output(self, k: int, op, t: torch.Tensor, s: torch.UntypedStorage, tid: int) -> None:
+        """Same op names are not the same step: a different batch or width runs the same ops on other
+        shapes, and the plan's bytes (and the host pool's slots) would be wrong. Compare what the graph
+        recorded for the storage: its bytes, and the shape and dtype of the tensor that created it."""
+        info = self.g.tensors[tid]
+        dtype = str(t.dtype).removeprefix("torch.")
+        if s.nbytes() != info.bytes or list(t.shape) != info.shape or dtype != info.dtype:
+            self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) made tensor {tid} as "
+                       f"{dtype}{list(t.shape)} ({s.nbytes()} B); the profiled graph has "
+                       f"{info.dtype}{info.shape} ({info.bytes} B): the batch or the model differs from the "
+                       f"profiled one; re-profile and re-solve for this model and batch")
+
+    def _fail(self, message: str) -> NoReturn:
+        """Abandon the step, then raise: the dispatch mode and the saved-tensor hooks stay entered until
+        the next forward, ``optimizer.step()`` or ``remove()`` (they cannot be left from inside a dispatch),
+        and an abandoned step lets every op through instead of raising again."""
+        self.forward_done = True
+        raise PlanMismatch(message)
 
     def _ref(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -320,9 +340,7 @@ class _Step:
             else:
                 self._replay(tid)
                 s = self.cache[tid]
-        ev = self.ready.pop(tid, None)
-        if ev is not None:  # compute waits for the prefetch's copy (exposed transfer time)
-            torch.cuda.current_stream(s.device).wait_event(ev)
+        self._wait_ready(tid)  # compute waits for the prefetch's copy (exposed transfer time)
         view = _view(s, p.dtype, p.size, p.stride, p.offset)
         self.pending_unpacks[tid] -= 1
         if self.pending_unpacks[tid] <= 0:
@@ -333,7 +351,31 @@ class _Step:
         if self.backward_started:
             return
         self.backward_started = True
+        # Called from inside the engine (an unpack or a node pre-hook), so the callback runs when this
+        # backward pass ends: what the step still holds is released there, not when the next step
+        # replaces it (``Executor.last_step`` keeps the step for inspection).
+        if torch._C._current_graph_task_id() != -1:  # not when a saved tensor is read outside backward
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         self.end_forward()
+
+    def end_backward(self) -> None:
+        """Backward is over: drop pinned tensors, rebuilt or fetched tensors no handle asked for, and the
+        device sources of finished copies (docs/model.md releases every activation by the end of
+        backward; only the caller's own references, the loss and outputs, outlive it)."""
+        self.pinned.clear()
+        self.cache.clear()
+        for tid in list(self.ready):  # fetched, never read: its copy must end before the buffer is freed
+            self._wait_ready(tid)
+        for ev, src in self.d2h_pending:  # never free a source its copy may still read
+            torch.cuda.current_stream(src.device).wait_event(ev)
+        self.d2h_pending = []
+
+    def _wait_ready(self, tid: int) -> None:
+        """Make the compute stream wait for tensor ``tid``'s prefetch copy (exposed transfer time), once."""
+        entry = self.ready.pop(tid, None)
+        if entry is not None:
+            ev, device = entry
+            torch.cuda.current_stream(device).wait_event(ev)
 
     def end_forward(self) -> None:
         if self.forward_done:
@@ -391,11 +433,12 @@ class _Step:
                     dst.copy_(src, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(ex.copy_stream)
-                self.ready[tid] = done
+                self.ready[tid] = (done, device)
             else:
                 dst.copy_(src)
         s = dst.untyped_storage()
         self.cache[tid] = s
+        self.storages[tid] = weakref.ref(s)  # found while anyone holds it (see _replay)
         return s
 
     def reached(self, k: int) -> None:
@@ -449,6 +492,11 @@ class _Step:
                 for tid, s in self._run(p, made):
                     if self.available(tid) is None and tid not in made:
                         made[tid] = s
+                        # Remember the rebuilt storage itself: after its last unpack autograd still holds
+                        # it while the node runs, and a replay for another saved tensor of the same node
+                        # (layer norm's mean after its input) must find it, not rebuild it a second time;
+                        # the simulator keeps it resident through that backward step.
+                        self.storages[tid] = weakref.ref(s)
                 self.replays += 1
                 self.events.append(("replay", p, None))
                 for u in list(made):
@@ -470,6 +518,7 @@ class _Step:
             s = made.get(x.tid)
             if s is None:
                 s = self.available(x.tid)
+                self._wait_ready(x.tid)  # an offloaded input fetched for this replay: its copy must be in
             if s is None:
                 raise MemplanError(f"executor: replaying op {p} needs tensor {x.tid}, which is gone (a bug)")
             return _view(s, x.dtype, x.size, x.stride, x.offset)
