@@ -21,6 +21,8 @@ from memplan.planner.simulator import Report, simulate, simulate_actions
 from memplan.planner.units import format_bytes
 
 STATUSES = ("optimal", "feasible", "timeout", "infeasible")
+MAX_EXACT_SAVED = 10      # smallest_known_peak enumerates every plan of graphs this small ...
+MAX_EXACT_PLANS = 20_000  # ... when there are at most this many
 
 
 @dataclass
@@ -157,10 +159,13 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
     else:
         plans.append(min_memory_actions(graph, offload=offload))
     best = min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in plans)
-    if len(saved) <= 10:  # small enough to know the exact minimum
-        from memplan.solvers.oracle import oracle_min_peak
+    if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (or, with offload, the
+        from memplan.solvers.oracle import oracle_min_peak, plan_count  # minimum at default prefetch)
 
-        best = min(best, oracle_min_peak(graph, offload=offload))
+        for prefetch in ("choose", "default"):
+            if plan_count(graph, offload=offload, prefetch=prefetch) <= MAX_EXACT_PLANS:
+                best = min(best, oracle_min_peak(graph, offload=offload, prefetch=prefetch))
+                break
     return best
 
 

@@ -1,60 +1,94 @@
-"""The exhaustive oracle: every keep / recompute (/ offload) assignment of every saved activation,
-each scored by the simulator. Exact by construction, exponential in size: for graphs of up to about 12
-saved activations, as the reference the other solvers are proved against."""
+"""The exhaustive oracle: every keep / recompute (/ offload, at every legal prefetch point) assignment of
+every saved activation, each scored by the simulator. Exact by construction, exponential in size: for
+graphs of up to about 12 saved activations, as the reference the other solvers are proved against.
+
+With offload the plan space includes the prefetch point of each offloaded tensor (``prefetch_at``, any
+op from its first backward reader up to the last op): a later prefetch holds less device memory, an
+earlier one hides more of the copy, and a solver that chooses them (the ILP) can only be checked against
+an oracle that chooses them too. ``prefetch="default"`` restricts the oracle to the simulator's default
+points (smaller, for the methods that only use those).
+"""
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
+from collections.abc import Iterator
 
+from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
-from memplan.planner.simulator import simulate_actions
+from memplan.planner.simulator import _static, simulate_actions
 from memplan.solvers.base import Proposal, register
 
 MAX_SAVED = 14
+PREFETCH_MODES = ("choose", "default")
+
+Choice = tuple[Action, int | None]  # an action and, for offload, its prefetch point (None: the default)
 
 
-@register("oracle", description="exhaustive search over every plan (tiny graphs only; the reference)",
-          exact=True, offload=True, max_ops=MAX_SAVED)
-def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
-                 host_budget_bytes: int | None = None, **_: object) -> Proposal:
-    """Minimise simulated step time subject to simulated peak <= budget (ties: lower peak, then fewer
-    non-keep actions). Prefetch points are the simulator's defaults. ``status`` is ``optimal`` when the
-    enumeration finished, ``timeout`` otherwise."""
-    saved = graph.saved_activations
-    choices = []
-    for t in saved:
-        opts = [Action.KEEP]
+def _choices(graph: Graph, offload: bool, prefetch: str) -> list[list[Choice]]:
+    """Per saved activation, every (action, prefetch point) the plan space allows."""
+    if prefetch not in PREFETCH_MODES:
+        raise MemplanError(f"oracle: prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
+    st = _static(graph)
+    n = len(graph.ops)
+    out = []
+    for t in graph.saved_activations:
+        opts: list[Choice] = [(Action.KEEP, None)]
         if graph.tensors[t].recomputable:
-            opts.append(Action.RECOMPUTE)
+            opts.append((Action.RECOMPUTE, None))
         if offload:
-            opts.append(Action.OFFLOAD)
-        choices.append(opts)
-    best: tuple[float, int, int] | None = None
-    best_actions: dict[int, Action] = {}
+            if prefetch == "default":
+                opts.append((Action.OFFLOAD, None))
+            else:
+                opts += [(Action.OFFLOAD, q) for q in range(st.first_bwd_use[t], n)]
+        out.append(opts)
+    return out
+
+
+def plan_count(graph: Graph, *, offload: bool = False, prefetch: str = "choose") -> int:
+    """How many plans the oracle enumerates for ``graph`` (to decide whether it is affordable)."""
+    return math.prod(len(c) for c in _choices(graph, offload, prefetch))
+
+
+def _plans(graph: Graph, offload: bool, prefetch: str) -> Iterator[tuple[dict[int, Action], dict[int, int]]]:
+    saved = graph.saved_activations
+    for combo in itertools.product(*_choices(graph, offload, prefetch)):
+        actions = {t: a for t, (a, _) in zip(saved, combo, strict=True) if a != Action.KEEP}
+        points = {t: q for t, (_, q) in zip(saved, combo, strict=True) if q is not None}
+        yield actions, points
+
+
+@register("oracle", description="exhaustive search over every plan, prefetch points included (tiny graphs "
+                                "only; the reference)", exact=True, offload=True, max_ops=MAX_SAVED)
+def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
+                 host_budget_bytes: int | None = None, prefetch: str = "choose", **_: object) -> Proposal:
+    """Minimise simulated step time subject to simulated peak <= budget (and host peak <= host budget);
+    ties: lower peak, then fewer non-keep actions, then fewer explicit prefetch points. ``prefetch``:
+    ``choose`` enumerates every legal prefetch point of each offloaded tensor, ``default`` only the
+    simulator's default. ``status`` is ``optimal`` when the enumeration finished, ``timeout`` otherwise."""
+    best: tuple[float, int, int, int] | None = None
+    best_plan: tuple[dict[int, Action], dict[int, int]] = ({}, {})
     deadline = time.perf_counter() + time_limit_s
     tried = 0
-    for combo in itertools.product(*choices):
-        actions = {t: a for t, a in zip(saved, combo, strict=True) if a != Action.KEEP}
-        r = simulate_actions(graph, actions)
+    for actions, points in _plans(graph, offload, prefetch):
+        r = simulate_actions(graph, actions, prefetch_at=points)
         tried += 1
         if r.peak_bytes <= budget_bytes and (host_budget_bytes is None or r.host_peak_bytes <= host_budget_bytes):
-            key = (r.time_s, r.peak_bytes, len(actions))
+            key = (r.time_s, r.peak_bytes, len(actions), len(points))
             if best is None or key < best:
-                best, best_actions = key, actions
+                best, best_plan = key, (actions, points)
         if time.perf_counter() > deadline:
             status = "timeout" if best else "infeasible"
-            return Proposal(best_actions, status=status, stats={"plans_tried": tried})
+            return Proposal(*best_plan, status=status, stats={"plans_tried": tried})
     if best is None:
         return Proposal(status="infeasible", stats={"plans_tried": tried})
-    return Proposal(best_actions, status="optimal", lower_bound_s=best[0], stats={"plans_tried": tried})
+    return Proposal(*best_plan, status="optimal", lower_bound_s=best[0], stats={"plans_tried": tried})
 
 
-def oracle_min_peak(graph: Graph, *, offload: bool = False) -> int:
-    """The exact smallest simulated peak over all plans (tiny graphs only)."""
-    saved = graph.saved_activations
-    choices = [[Action.KEEP] + ([Action.RECOMPUTE] if graph.tensors[t].recomputable else [])
-               + ([Action.OFFLOAD] if offload else []) for t in saved]
-    return min(simulate_actions(graph, {t: a for t, a in zip(saved, combo, strict=True) if a != Action.KEEP}).peak_bytes
-               for combo in itertools.product(*choices))
+def oracle_min_peak(graph: Graph, *, offload: bool = False, prefetch: str = "choose") -> int:
+    """The exact smallest simulated peak over all plans (tiny graphs only; with offload, over every
+    prefetch point unless ``prefetch="default"``)."""
+    return min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in _plans(graph, offload, prefetch))

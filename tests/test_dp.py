@@ -141,6 +141,9 @@ def test_rounded_memory_stays_sound(monkeypatch):
 
 
 # ---- offload ------------------------------------------------------------------------------------------
+# The DP's offload refinement prefetches at the simulator's default points, so these tests compare it with
+# the oracle restricted to those points (the full oracle, choosing prefetch points, is the reference in
+# tests/test_solvers_common.py).
 offload_chains = st.tuples(st.integers(0, 10**6), st.integers(1, 6), st.sampled_from([20.0, 100.0, 1e3, 1e6]),
                            st.floats(0.0, 1.0), st.booleans())
 
@@ -151,10 +154,10 @@ def test_offload_fits_never_beats_the_oracle_and_never_loses_to_recompute_only(c
     seed, n, bandwidth, frac, host_cap = case
     g = _chain(seed, n)
     g.host_bandwidth_bytes_per_s = bandwidth
-    lo, hi = oracle_min_peak(g, offload=True), keep_all_report(g).peak_bytes
+    lo, hi = oracle_min_peak(g, offload=True, prefetch="default"), keep_all_report(g).peak_bytes
     budget = lo + int(frac * (hi - lo))
     host = (sum(g.tensors[t].bytes for t in g.saved_activations) // 3) if host_cap else None
-    best = _solve_or_none(g, budget, "oracle", offload=True, host_budget_bytes=host)
+    best = _solve_or_none(g, budget, "oracle", offload=True, prefetch="default", host_budget_bytes=host)
     got = _solve_or_none(g, budget, "dp", offload=True, host_budget_bytes=host)
     if best is None:
         assert got is None  # nothing fits: the dp cannot have found a plan the oracle missed
@@ -178,9 +181,9 @@ def test_offload_matches_the_oracle_on_these_chains():
         rng = random.Random(seed)
         g = _chain(seed, rng.randint(2, 6))
         g.host_bandwidth_bytes_per_s = rng.choice([10.0, 50.0, 200.0, 1e4])
-        lo, hi = oracle_min_peak(g, offload=True), keep_all_report(g).peak_bytes
+        lo, hi = oracle_min_peak(g, offload=True, prefetch="default"), keep_all_report(g).peak_bytes
         budget = lo + int(rng.random() * (hi - lo))
-        best = solve(g, budget, "oracle", offload=True)
+        best = solve(g, budget, "oracle", offload=True, prefetch="default")
         got = solve(g, budget, "dp", offload=True)
         assert got.report.time_s == pytest.approx(best.report.time_s, rel=REL), f"seed {seed}"
 

@@ -72,24 +72,37 @@ def test_fits_and_never_beats_the_oracle(method, case):
         assert r.report.time_s == pytest.approx(best.report.time_s, rel=1e-6), f"{method} claims optimal"
 
 
+def _offload_optimum(graph, frac):
+    """A budget ``frac`` of the way from the exact minimum peak (offload and prefetch points included) to
+    keep-all's, and the oracle's optimal time there, from one enumeration of the plans."""
+    from memplan.solvers.oracle import _plans
+
+    scored = [simulate_actions(graph, a, prefetch_at=p) for a, p in _plans(graph, True, "choose")]
+    lo, hi = min(r.peak_bytes for r in scored), keep_all_report(graph).peak_bytes
+    budget = lo + int(frac * (hi - lo))
+    return budget, min(r.time_s for r in scored if r.peak_bytes <= budget)
+
+
 @pytest.mark.parametrize("method", [m for m in METHODS if REGISTRY[m].offload])
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases)
 def test_offload_plans_fit_and_never_beat_the_oracle(method, case):
     kind, n, seed, frac = case
-    g = _graph(kind, min(n, 6), seed)  # 3^saved plans for the oracle
-    budget = _budget(g, frac, offload=True)
-    best = _oracle(g, budget, offload=True)
+    g = _graph(kind, min(n, 5), seed)  # the oracle enumerates actions x prefetch points
+    budget, best_s = _offload_optimum(g, frac)
     try:
         r = solve(g, budget, method, offload=True, time_limit_s=10)
     except Infeasible:
         assert not REGISTRY[method].exact or REGISTRY[method].graphs != "dag"
         return
     assert r.report.peak_bytes <= budget
-    # the oracle uses the default prefetch points; a solver that chooses its own may only do better by
-    # hiding transfers, never by less compute
-    floor = best.report.time_s - best.report.exposed_transfer_s
-    assert r.report.time_s >= floor * (1 - REL)
+    # The oracle enumerates every prefetch point too. (This used to compare against the oracle's time
+    # minus its exposed transfers, on the belief that a chosen prefetch point could only hide transfers;
+    # a late prefetch point also holds less memory, which can spare a recomputation, so the ILP beat that
+    # "floor" with a plan the oracle could not express. The oracle was incomplete, not the ILP.)
+    assert r.report.time_s >= best_s * (1 - REL), f"{method} beat the oracle: model inconsistent"
+    if r.status == "optimal":
+        assert r.report.time_s == pytest.approx(best_s, rel=1e-6), f"{method} claims optimal"
 
 
 @pytest.mark.parametrize("method", METHODS + ["oracle"])
