@@ -29,17 +29,22 @@ the simulator's boolean logic exactly, as linear constraints:
 The model is formulated once (:class:`_Model`: variables, linear rows, objective, with integer
 coefficients: time in integer ticks, memory in units of the gcd of all sizes, so the budget row is
 exact) and handed to OR-Tools CP-SAT (``backend="cpsat"``, default) or to PuLP's CBC (``"cbc"``) or
-HiGHS (``"highs"``; run in a child process, because highspy and OR-Tools cannot be loaded in one process).
+HiGHS (``"highs"``; in a child process when the installed highspy cannot load beside OR-Tools' own HiGHS
+library, see :func:`_solve_highs`).
 
 Where the model is not exact it is conservative (it never under-estimates memory or time), and
 ``solve_ilp`` re-simulates every proposal; a proposal over budget gets a no-good cut and the model is
-re-solved (a small lazy-constraint loop). The conservative parts:
+re-solved (a small lazy-constraint loop), and so does a proposal the model priced below its simulated
+time (a tie that integer ticks round the other way), after it is kept as the incumbent. The
+conservative parts:
 
 * copy durations are rounded up to ticks and forward op starts down, so a copy is never modelled as
   ending earlier than it does;
-* an offloaded tensor's D2H copy must end within ``copy_window_ops`` ops after its last forward use and
-  before backward starts (plans whose copy lingers into backward, where the simulator's treatment
-  depends on the clock, are excluded);
+* on large graphs (or with ``copy_window_ops`` set) an offloaded tensor's D2H copy must end within
+  ``copy_window_ops`` ops after its last forward use and before backward starts; on small graphs a copy
+  may run into backward, modelled exactly: the forward copy chain is an exact max, and per backward step
+  a binary says whether the copy is still running (the tensor still on device, a prefetch then moving
+  nothing);
 * a replayed multi-output op may not re-create an offloaded output that is not yet back on device;
 * on large graphs (see :class:`IlpConfig`) replays are limited to ``max_replay_depth`` producers deep
   and prefetch points to a window after the first backward use; plans needing more are excluded, not
@@ -79,7 +84,8 @@ class IlpConfig:
     backend: str = "cpsat"              # cpsat | cbc | highs
     prefetch: str = "choose"            # choose: the ILP picks prefetch points; default: the simulator's
     max_replay_depth: int | None = None  # producers a replay may go back; None: unlimited on small graphs
-    copy_window_ops: int | None = None   # ops after last forward use within which a D2H copy must end
+    copy_window_ops: int | None = None   # ops after last forward use within which a D2H copy must end;
+                                         # None: unlimited on small graphs (a copy may then run into backward)
     prefetch_window_ops: int | None = None  # candidate prefetch points after the first backward use
     workers: int = 2                     # CP-SAT search workers
     max_rounds: int = 20                 # lazy-constraint rounds (re-solves after a cut)
@@ -181,6 +187,7 @@ class _Slot:
     step: int
     start: bool            # a scheduled prefetch (prefetch_at = step) rather than one a replay triggers
     cf: int | None = None  # copy-stream variable after this copy
+    active: int | None = None  # 1 when the slot fired and a copy really runs
 
 
 @dataclass
@@ -195,6 +202,7 @@ class _Built:
     unit_bytes: int
     obj_offset: int
     default_prefetch: bool
+    exact: bool  # no window or depth limit: every plan of the simulator's space is in the model
 
     def time_s(self, objective_ticks: float) -> float:
         return self.const_time_s + (objective_ticks + self.obj_offset) * self.tick_s
@@ -213,6 +221,10 @@ class _Builder:
         self.depth = cfg.max_replay_depth if cfg.max_replay_depth is not None else (None if small else 4)
         self.copy_window = cfg.copy_window_ops if cfg.copy_window_ops is not None else (n if small else 3)
         self.pf_window = cfg.prefetch_window_ops if cfg.prefetch_window_ops is not None else (n if small else 6)
+        # Without a copy window a D2H copy may still run when backward starts: the device copy is then
+        # released at the first backward boundary after the copy ends, and a prefetch due before that
+        # finds it on device (nothing moves back). Modelled exactly (see _linger), small graphs only.
+        self.linger = cfg.copy_window_ops is None and small and offload
 
         # Units: memory in the gcd of every size (exact), time in ticks of ~1e-9 of the step.
         sizes = [t.bytes for t in tensors] + [budget, graph.fixed.resident_bytes]
@@ -258,6 +270,12 @@ class _Builder:
         self.slots: dict[int, list[_Slot]] = {u: [] for u in self.o}
         self.made: dict[int, list[tuple[tuple[int, int], int]]] = {u: [] for u in saved}  # (key, var)
         self.big_t = 0  # big-M for time, set in _backward's pre-pass
+        self.cf_last: int | None = None  # the last D2H copy's end (forward ticks)
+        self.cf_of: dict[int, int] = {}  # the copy stream's free time after u's place in the FIFO
+        self.big_f = 0  # big-M for forward ticks
+        self.d2h_ub: dict[int, int] = {}  # latest possible D2H end of each offload candidate
+        self.linger_var: dict[tuple[int, int], int] = {}  # (u, s): u's D2H copy not over when step s starts
+        self.linger_res: dict[tuple[int, int], int] = {}  # (u, s): ... and u not yet fetched back
 
     # -- residency --------------------------------------------------------------------------------
     def keep(self, u: int) -> _Expr:
@@ -282,7 +300,8 @@ class _Builder:
         if not self.st.saved[u]:
             return _Expr()
         e = self.prefetched(u, key, inclusive)  # an offloaded tensor, once fetched, is usable after its
-        if self.st.release_at[u] <= s:          # release too (the simulator does not fetch it again)
+        e.add(self.linger_res.get((u, s)))      # release too (the simulator does not fetch it again)
+        if self.st.release_at[u] <= s:
             e.plus(self.keep(u))
             for k, v in self.made[u]:
                 if k < key:
@@ -306,31 +325,51 @@ class _Builder:
             self.m.row(_lin(0, *((v, self.b[u]) for u, v in self.o.items())), hi=self.host_budget)
         decision = list(self.r.values()) + list(self.o.values())
         decision += [sl.var for u in self.o for sl in self.slots[u] if sl.start]
+        exact = self.depth is None and (not self.o or (self.linger and self.pf_window >= self.n))
         return _Built(self.m, self.r, self.o, self.slots, decision, self.tick, self.const_time_s, self.unit,
-                      self.obj_offset, self.cfg.prefetch == "default")
+                      self.obj_offset, self.cfg.prefetch == "default", exact)
 
     def _forward(self) -> None:
         g, st, m = self.g, self.st, self.m
         tensors = g.tensors
         order = sorted(self.o, key=lambda u: (tensors[u].producer, g.ops[tensors[u].producer].outputs.index(u)))
         big = self.fwd_total + sum(self.d.values()) + 1
+        self.big_f = big
         z: dict[int, dict[int, int]] = {u: {} for u in self.o}
         prev: int | None = None
+        latest = 0
         for u in order:
             ou, d = self.o[u], self.d[u]
+            fe = self.fwd_end[tensors[u].producer]
+            latest = max(latest, fe) + d
+            self.d2h_ub[u] = latest
             cf = m.var(f"d2h_end[{u}]", 0, big, binary=False)
+            self.cf_of[u] = cf
             # the copy stream is FIFO: it starts when the producer ends and the previous copy is done
             if prev is not None:
                 m.row(_lin(0, (cf, 1), (prev, -1)), lo=0)
                 m.row(_lin(0, (cf, 1), (prev, -1), (ou, -d)), lo=0)
-            m.row(_lin(0, (cf, 1), (ou, -(self.fwd_end[tensors[u].producer] + d))), lo=0)
+            m.row(_lin(0, (cf, 1), (ou, -(fe + d))), lo=0)
+            if self.linger:
+                # exact, not just a lower bound: whether a copy is over in backward changes what a prefetch
+                # costs, so cf = o ? max(prev, fe) + d : prev (one binary picks which term is the max)
+                if prev is None:
+                    m.row(_lin(0, (cf, 1), (ou, -(fe + d))), hi=0)
+                else:
+                    m.row(_lin(0, (cf, 1), (prev, -1), (ou, -big)), hi=0)
+                    after_prev = m.var(f"d2h_after_prev[{u}]")
+                    m.row(_lin(0, (cf, 1), (prev, -1), (after_prev, big)), hi=d + big)
+                    m.row(_lin(0, (cf, 1), (after_prev, -big)), hi=fe + d)
             prev = cf
             f = st.fwd_free_at[u]
-            lim = f + self.copy_window + 1
-            end = self.fwd_start[lim] if lim < self.n else self.fwd_total
-            end = min(end, self.fwd_total)
-            # the copy must be over by op `lim` (and before backward starts)
-            m.row(_lin(0, (cf, 1), (ou, big)), hi=end + big)
+            lim = self.n if self.linger else f + self.copy_window + 1
+            if not self.linger:
+                end = self.fwd_start[lim] if lim < self.n else self.fwd_total
+                end = min(end, self.fwd_total)
+                # the copy must be over by op `lim` (and before backward starts)
+                m.row(_lin(0, (cf, 1), (ou, big)), hi=end + big)
+            else:
+                end = big
             for i in range(f + 1, min(lim, self.n)):
                 if self.fwd_start[i] >= end:
                     break
@@ -339,6 +378,7 @@ class _Builder:
                 m.row(_lin(0, (zi, 1), (ou, -1)), hi=0)
                 # on device at op i unless its copy ended by the time op i starts
                 m.row(_lin(0, (cf, 1), (zi, -big), (ou, big)), hi=self.fwd_start[i] + big)
+        self.cf_last = prev
         produced = self._produced()
         for op in g.ops:
             i = op.id
@@ -442,17 +482,29 @@ class _Builder:
         timing = bool(self.o)
         objective = _Expr()
         tau = m.var("tau[start]", 0, 0, binary=False) if timing else None
-        cf = tau  # copy stream free (relative to the start of backward; forward copies are done by then)
+        cf = tau  # copy stream free (relative to the start of backward)
+        if timing and self.linger and self.cf_last is not None:
+            # D2H copies still running when backward starts delay the first prefetch (one FIFO stream)
+            cf = m.var("cf[start]", 0, big_t, binary=False)
+            m.row(_lin(0, (cf, 1), (self.cf_last, -1)), lo=-self.fwd_total)
+        above = 0  # backward ticks of the steps above s: the clock at step s is at least this
         pass_iter = iter(passes)
         nxt = next(pass_iter, None)
         for s in range(n - 1, -1, -1):
             op = ops[s]
+            if timing and self.linger:
+                self._linger(s, tau, above)
+            above += self.bwd_ticks[s]
             # scheduled prefetches at the start of step s, FIFO in tensor order
             if timing:
                 for u in sorted(self.o):
                     for sl in self.slots[u]:
                         if sl.start and sl.step == s:
-                            cf = self._copy(sl, u, cf, tau, big_t)
+                            active = sl.var
+                            lv = self.linger_var.get((u, s))
+                            if lv is not None:  # still on device: the prefetch moves nothing
+                                active = self._and_not(f"pf_copy[{u},{s}]", _Expr.of(sl.var), _Expr.of(lv))
+                            cf = self._copy(sl, u, cf, tau, big_t, active)
             for k, t in enumerate(dict.fromkeys(op.saved)):
                 if not st.is_activation[t]:
                     continue
@@ -467,7 +519,7 @@ class _Builder:
                         for u in sorted(self.o):
                             for sl in self.slots[u]:
                                 if not sl.start and sl.key == (-s, k):
-                                    cf = self._copy(sl, u, cf, tau, big_t)
+                                    cf = self._copy(sl, u, cf, tau, big_t, sl.var)
                                     m.row(_lin(0, (tau_b, 1), (cf, -1), (sl.var, -big_t)), lo=-big_t)
                         tau_c = m.var(f"tau[{s},{k}]c", 0, big_t, binary=False)
                         m.row(_Expr({tau_c: 1, tau_b: -1}).plus(replay, -1), lo=0, hi=0)
@@ -477,7 +529,7 @@ class _Builder:
                     tau_d = m.var(f"tau[{s},{k}]d", 0, big_t, binary=False)
                     m.row(_lin(0, (tau_d, 1), (tau, -1)), lo=0)
                     for sl in self.slots[t]:
-                        m.row(_lin(0, (tau_d, 1), (sl.cf, -1), (sl.var, -big_t)), lo=-big_t)
+                        m.row(_lin(0, (tau_d, 1), (sl.cf, -1), (sl.active, -big_t)), lo=-big_t)
                     tau = tau_d
             # the backward step itself
             e = _lin(self.fixed + self.held_bytes + self._ceil(grads[s]) + self._ceil(
@@ -503,15 +555,37 @@ class _Builder:
     def _ceil(self, nbytes: int) -> int:
         return -(-nbytes // self.unit)
 
-    def _copy(self, sl: _Slot, u: int, cf: int, tau: int, big_t: int) -> int:
-        """One potential copy on the FIFO copy stream, active when ``sl.var`` is 1."""
+    def _copy(self, sl: _Slot, u: int, cf: int, tau: int, big_t: int, active: int) -> int:
+        """One potential copy on the FIFO copy stream, run when ``active`` is 1 (the slot fired and the
+        tensor is not still on device)."""
         m, d = self.m, self.d[u]
         new = m.var(f"cf[{u},{sl.key}]", 0, big_t, binary=False)
         m.row(_lin(0, (new, 1), (cf, -1)), lo=0)
-        m.row(_lin(0, (new, 1), (cf, -1), (sl.var, -d)), lo=0)
-        m.row(_lin(0, (new, 1), (tau, -1), (sl.var, -(d + big_t))), lo=-big_t)
-        sl.cf = new
+        m.row(_lin(0, (new, 1), (cf, -1), (active, -d)), lo=0)
+        m.row(_lin(0, (new, 1), (tau, -1), (active, -(d + big_t))), lo=-big_t)
+        sl.cf, sl.active = new, active
         return new
+
+    def _linger(self, s: int, tau: int, above: int) -> None:
+        """Variables for offloaded tensors whose D2H copy may still run when backward step ``s`` starts
+        (clock ``fwd_total + tau``): ``linger_var`` is 1 exactly when the copy has not ended then (the
+        simulator releases at a boundary when end <= now), ``linger_res`` when, in addition, the tensor
+        has not been fetched back by then (it is on device without a fetch)."""
+        m, st = self.m, self.st
+        big = self.big_f + self.big_t + 1
+        for u in sorted(self.o):
+            if s < st.release_at[u] or self.d2h_ub[u] <= self.fwd_total + above:
+                continue  # released by its own backward, or its copy certainly over
+            ou, cf_u = self.o[u], self.cf_of[u]
+            v = m.var(f"linger[{u},{s}]")
+            m.row(_lin(0, (v, 1), (ou, -1)), hi=0)
+            # copy not over (cf - T >= 1 tick) -> v = 1 (when offloaded) ...
+            m.row(_lin(0, (cf_u, 1), (tau, -1), (v, -big), (ou, big)), hi=self.fwd_total + big)
+            # ... and v = 1 -> copy not over
+            m.row(_lin(0, (cf_u, 1), (tau, -1), (v, -big)), lo=self.fwd_total + 1 - big)
+            self.linger_var[(u, s)] = v
+            fetched = self.prefetched(u, (-s, -1), True)
+            self.linger_res[(u, s)] = self._and_not(f"linger_res[{u},{s}]", _Expr.of(v), fetched)
 
     def _and_not(self, name: str, a: _Expr, b: _Expr) -> int:
         """A binary equal to ``a and not b`` (a, b 0/1 expressions)."""
@@ -574,10 +648,12 @@ class _Builder:
                     continue
                 # the slot fires exactly when u is reached, offloaded and not yet fetched
                 y = slot.var
+                lv = self.linger_var.get((u, s))  # still on device: read as it is, nothing fetched
                 m.row(_Expr({y: 1}).plus(vis[u], -1), hi=0)
                 m.row(_lin(0, (y, 1), (ou, -1)), hi=0)
-                m.row(_Expr({y: 1}).plus(self.prefetched(u, key, False), 1), hi=1)
-                m.row(_Expr({y: 1}).plus(vis[u], -1).plus(self.prefetched(u, key, False), 1).add(ou, -1), lo=-1)
+                m.row(_Expr({y: 1}).plus(self.prefetched(u, key, False), 1).add(lv, 1), hi=1)
+                m.row(_Expr({y: 1}).plus(vis[u], -1).plus(self.prefetched(u, key, False), 1).add(ou, -1)
+                      .add(lv, 1), lo=-1)
                 wr[u] = _Expr.of(self._and_not(f"wr[{u},{s},{k}]", w[u], _Expr.of(ou)))
             else:
                 wr[u] = w[u]
@@ -743,6 +819,27 @@ def _cbc_bound(log: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+HIGHSPY_PIN = "highspy==1.12.0"  # the HiGHS that OR-Tools 9.15 bundles (libhighs.so.1): both load together
+
+
+def _solve_highs(model: _Model, time_limit_s: float) -> _Answer:
+    """HiGHS through PuLP, in this process when highspy loads here, else in a child process.
+
+    OR-Tools ships its own ``libhighs.so.1``. Once OR-Tools is loaded, a highspy built against another
+    HiGHS release finds that library already loaded under the same soname and fails with an undefined
+    symbol; a highspy of the bundled release (pyproject pins it) loads beside it."""
+    try:
+        import highspy  # noqa: F401
+    except ModuleNotFoundError:
+        raise SolverUnavailable(f"ilp backend 'highs' needs highspy: pip install '{HIGHSPY_PIN}'") from None
+    except ImportError as e:  # another HiGHS library is loaded in this process (OR-Tools')
+        if "undefined symbol" not in str(e):
+            raise SolverUnavailable(f"ilp backend 'highs': highspy does not load ({e}); "
+                                    f"pip install '{HIGHSPY_PIN}'") from None
+        return _solve_child(model, {}, time_limit_s, "highs", 1)
+    return _solve_highs_here(model, time_limit_s)
+
+
 def _solve_highs_here(model: _Model, time_limit_s: float) -> _Answer:
     import pulp
 
@@ -782,8 +879,9 @@ def _solve_child(model: _Model, hint: dict[int, int], time_limit_s: float, backe
         if proc.returncode != 0 or not os.path.exists(dst):
             tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
             if "No module named" in tail[0] or "undefined symbol" in tail[0] or "not available" in tail[0]:
-                raise SolverUnavailable(f"ilp backend {backend!r} is unavailable ({tail[0]}); install "
-                                        f"{'highspy' if backend == 'highs' else 'ortools'}")
+                what = HIGHSPY_PIN if backend == "highs" else "ortools"
+                raise SolverUnavailable(f"ilp backend {backend!r} is unavailable ({tail[0]}); "
+                                        f"pip install '{what}'")
             raise MemplanError(f"ilp backend {backend!r} failed in its child process: {tail[0]}")
         with open(dst) as f:
             a = json.load(f)
@@ -812,7 +910,7 @@ def _run_backend(cfg: IlpConfig, model: _Model, hint: dict[int, int], time_limit
         return _solve_cpsat(model, hint, time_limit_s, cfg.workers)
     if cfg.backend == "cbc":
         return _solve_cbc(model, hint, time_limit_s)
-    return _solve_child(model, hint, time_limit_s, "highs", 1)
+    return _solve_highs(model, time_limit_s)
 
 
 # ---- the solver method --------------------------------------------------------------------------------
@@ -913,7 +1011,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
     hint = _hint_for(built, graph, *warm, bw) if warm else {}
     bound_s: float | None = None
     status = "timeout"
-    cuts = mismatches = 0
+    cuts = mismatches = time_cuts = 0
     for rnd in range(cfg.max_rounds):
         left = deadline - time.perf_counter()
         if left <= 0.05:
@@ -923,8 +1021,11 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
             # cuts only remove plans the simulator refused, so the bound stays valid across rounds
             bound_s = built.time_s(ans.bound)
         if ans.status == "infeasible":
-            # nothing the model admits fits: the warm start (if any) lies outside the model
+            # nothing the model admits fits: the warm start (if any) lies outside the model -- unless
+            # only time cuts removed plans, from an exact model: then the best of them is the optimum
             status = "infeasible" if best is None else "feasible"
+            if best is not None and time_cuts and cuts == time_cuts and built.exact:
+                status = "optimal"
             break
         if ans.values is None:
             break  # no solution within the time left
@@ -935,16 +1036,24 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
             cuts += 1
             _cut(model, built.decision_vars, ans.values)
             continue
-        if abs(rep.time_s - model_s) > 1e-6 * max(1.0, rep.time_s) + 2 * built.tick_s * (len(graph.ops) + 1):
+        tol = 1e-6 * max(1.0, rep.time_s) + 2 * built.tick_s * (len(graph.ops) + 1)
+        if abs(rep.time_s - model_s) > tol:
             mismatches += 1
         if best is None or rep.time_s < best[0]:
             best = (rep.time_s, actions, prefetch)
+        if ans.status == "optimal" and best[0] <= model_s + tol:
+            status = "optimal"  # nothing the model admits is faster than a plan the simulator confirmed
+            break
+        if ans.status == "optimal" and rep.time_s > model_s + tol:
+            # the model under-estimated this plan (a tie the integer ticks round the other way): it is
+            # recorded in `best` at its simulated time; cut it and ask again for the next best
+            cuts += 1
+            _cut(model, built.decision_vars, ans.values)
+            time_cuts += 1
+            continue
         hint = {v: ans.values[v] for v in built.decision_vars}
-        if ans.status == "optimal":
-            status = "optimal" if rep.time_s <= model_s + 1e-6 * max(1.0, rep.time_s) + 2 * built.tick_s * (
-                len(graph.ops) + 1) else "timeout"
         break
-    stats.update(cuts=cuts, rounds=rnd + 1 if cfg.max_rounds else 0, model_mismatches=mismatches,
+    stats.update(cuts=cuts, time_cuts=time_cuts, rounds=rnd + 1 if cfg.max_rounds else 0, model_mismatches=mismatches,
                  solve_s=time.perf_counter() - t0)
     if best is None:
         stats["stopped"] = "model infeasible" if status == "infeasible" else "time limit"

@@ -1,9 +1,9 @@
 """The ILP against the exhaustive oracle on random DAGs and chains, for CP-SAT and a PuLP backend, with
 and without offload; its time limit, warm start, bound, host budget, and a small profiled GPT-2.
 
-The oracle scores every plan with the simulator's default prefetch points, so the offload comparison
-that must be *equal* runs the ILP with ``prefetch="default"``; with chosen prefetch points the ILP may
-only be better (or find a plan where the oracle finds none), never worse.
+With offload the oracle enumerates every legal prefetch point too, so the ILP choosing its own points
+must equal it; with ``prefetch="default"`` both are restricted to the simulator's default points and
+must still agree.
 """
 
 import itertools
@@ -16,7 +16,8 @@ from memplan.planner.errors import Infeasible, MemplanError
 from memplan.planner.plan import Action
 from memplan.planner.simulator import simulate_actions
 from memplan.planner.synthetic import linear_chain, random_dag
-from memplan.solvers.base import activation_bytes, solve, solvers
+from memplan.solvers.base import activation_bytes, keep_all_report, solve, solvers
+from memplan.solvers.oracle import oracle_min_peak
 
 BACKENDS = ["cpsat", "cbc"]
 REL = 1e-6
@@ -24,6 +25,12 @@ REL = 1e-6
 
 def _budget(g, frac):
     return int(g.fixed.resident_bytes + frac * activation_bytes(g))
+
+
+def _feasible_budget(g, frac, offload=False):
+    """``frac`` of the way from the exact minimum peak to keep-all's: always feasible."""
+    lo, hi = oracle_min_peak(g, offload=offload), keep_all_report(g).peak_bytes
+    return lo + int(frac * (hi - lo))
 
 
 def _time_or_none(g, budget, method, **kw):
@@ -35,7 +42,7 @@ def _time_or_none(g, budget, method, **kw):
 
 
 def _agree(g, budget, backend, offload=False, **kw):
-    want, _ = _time_or_none(g, budget, "oracle", offload=offload)
+    want, _ = _time_or_none(g, budget, "oracle", offload=offload, prefetch=kw.get("prefetch", "choose"))
     got, r = _time_or_none(g, budget, "ilp", offload=offload, backend=backend, time_limit_s=30, **kw)
     assert (want is None) == (got is None), f"oracle {want}, ilp {got}"
     if want is not None:
@@ -79,17 +86,14 @@ def test_equals_oracle_with_offload_at_default_prefetch(backend, n, seed, frac, 
     _agree(g, _budget(g, frac), backend, offload=True, prefetch="default")
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(2, 6), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0),
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 5), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0),
        bandwidth=st.sampled_from([20.0, 40.0, 100.0]))
-def test_chosen_prefetch_is_never_worse_than_the_oracle(n, seed, frac, bandwidth):
+def test_chosen_prefetch_equals_the_oracle_over_every_prefetch_point(n, seed, frac, bandwidth):
     g = random_dag(n, seed=seed)
     g.host_bandwidth_bytes_per_s = bandwidth
     b = _budget(g, frac)
-    want, _ = _time_or_none(g, b, "oracle", offload=True)
-    got, r = _time_or_none(g, b, "ilp", offload=True, time_limit_s=30)
-    if want is not None:
-        assert got is not None and got <= want * (1 + REL)
+    r = _agree(g, b, "cpsat", offload=True)
     if r is not None:
         # every prefetch point it chose is legal and the plan replays as predicted
         for d in r.plan.decisions:
@@ -99,7 +103,7 @@ def test_chosen_prefetch_is_never_worse_than_the_oracle(n, seed, frac, bandwidth
 
 
 def _brute_force_with_prefetch(g, budget):
-    """Every action and every legal prefetch point: the oracle of the chosen-prefetch ILP."""
+    """Every action and every legal prefetch point, written out independently of the oracle."""
     saved = g.saved_activations
     n = len(g.ops)
     best = None
@@ -125,6 +129,7 @@ def test_chosen_prefetch_equals_brute_force_where_the_default_cannot_fit():
     r = solve(g, b, "ilp", offload=True)
     assert r.status == "optimal" and r.report.peak_bytes <= b
     assert r.report.time_s == pytest.approx(_brute_force_with_prefetch(g, b), rel=REL)
+    assert solve(g, b, "oracle", offload=True).report.time_s == pytest.approx(r.report.time_s, rel=REL)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -142,14 +147,18 @@ def test_chosen_prefetch_equals_brute_force_on_random_dags(n, seed, frac, bandwi
 
 
 def test_host_budget_is_honoured():
+    # (the budget used to be fixed + 150 B, below what any plan reaches: every forward op of this chain
+    # holds its 100 B input and 100 B output, so that test could only raise Infeasible)
     g = linear_chain(6, activation_bytes=100)
-    g.host_bandwidth_bytes_per_s = 1e6
-    b = _budget(g, 0.0) + 150
+    g.host_bandwidth_bytes_per_s = 1e6  # copies hide under compute
+    b = oracle_min_peak(g, offload=True) + 100
     free = solve(g, b, "ilp", offload=True)
     assert free.report.host_peak_bytes > 100  # offloading several is the fastest way
     capped = solve(g, b, "ilp", offload=True, host_budget_bytes=100)
-    assert capped.report.host_peak_bytes <= 100
-    assert capped.report.time_s >= free.report.time_s
+    assert capped.report.host_peak_bytes <= 100 and capped.report.peak_bytes <= b
+    assert capped.report.time_s > free.report.time_s  # the rest must be recomputed
+    want = solve(g, b, "oracle", offload=True, host_budget_bytes=100)
+    assert capped.report.time_s == pytest.approx(want.report.time_s, rel=REL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -192,20 +201,27 @@ def test_unknown_option_and_backend_are_named():
         solve(g, None, "ilp", colour="red")
 
 
-def test_highs_backend_in_a_child_process_agrees():
-    # highspy and OR-Tools cannot share a process: the highs backend runs in a child and must still
-    # agree with CP-SAT in this one.
-    pytest.importorskip("highspy")
+def test_highs_backend_agrees_with_cpsat_in_one_process():
+    # Users run the backends side by side: CP-SAT first loads OR-Tools (and the HiGHS library it bundles),
+    # then the highs backend must still work -- in this process when highspy matches that library, in a
+    # child process otherwise. (Checking importability here with importorskip was the old test's bug: it
+    # raised the very ImportError the backend works around.)
+    import importlib.util
+
+    if importlib.util.find_spec("highspy") is None:
+        pytest.skip("highspy is not installed")
     g = random_dag(7, seed=11)
-    b = _budget(g, 0.4)
+    b = _feasible_budget(g, 0.4)
     a = solve(g, b, "ilp", backend="cpsat")
     h = solve(g, b, "ilp", backend="highs")
+    assert h.status == "optimal" and h.report.peak_bytes <= b
     assert h.report.time_s == pytest.approx(a.report.time_s, rel=REL)
 
 
 def test_decoded_plan_replays_as_the_model_predicts():
+    # (its budget used to be 30% of the activation memory, below this graph's minimum peak)
     g = random_dag(9, seed=3)
-    b = _budget(g, 0.3)
+    b = _feasible_budget(g, 0.3)
     r = solve(g, b, "ilp")
     rep = simulate_actions(g, r.plan.actions())
     assert rep.time_s == pytest.approx(r.report.time_s) and rep.peak_bytes <= b
