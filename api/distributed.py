@@ -109,7 +109,7 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
         if engine == "ddp":
             rank_graph = for_ddp(graph, world)
         else:
-            rank_graph = for_fsdp(graph, fsdp_units(model0, prefixes, world), world)
+            rank_graph = for_fsdp(graph, fsdp_units(model0, prefixes, world), world, backend=dist.get_backend())
         budget_bytes = parse_budget(budget, activation_bytes=activation_bytes(rank_graph),
                                     fixed_bytes=rank_graph.fixed.resident_bytes)
         plan = solve(rank_graph, budget_bytes, solver, time_limit_s=time_limit_s).plan

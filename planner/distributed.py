@@ -9,12 +9,15 @@ unchanged simulator predicts a rank's peak:
   whole of training: ``fixed.other_bytes`` grows by the bytes of the parameters that require grad.
 * :func:`for_fsdp`: ``fully_shard`` keeps 1/N of each parameter (dim 0 padded to a multiple of N) and of
   the optimizer state; the root unit's parameters stay unsharded from forward to the end of backward; a
-  unit's unsharded parameters exist while its ops run (forward; backward with the next unit's prefetched);
-  a unit's full gradients are reduce-scattered and freed when its backward ends, leaving 1/N.
+  unit's unsharded parameters and its flat all-gather output exist while its ops run (forward; backward
+  with the previous unit prefetched and the next unit's reduce-scatter input still kept); a unit's full
+  gradients are copied into its reduce-scatter input and freed when its backward ends, leaving 1/N; gloo
+  copies each collective's full flat buffer once.
 
 :func:`cross_unit_recomputes` and :func:`keep_within_units` keep a plan's replays inside FSDP units (a
 replay in one unit's backward cannot read another unit's resharded parameters). :func:`measure_rank_step`
-measures a rank's peak from the allocator, as :mod:`memplan.planner.measure` does for one process.
+measures a rank's peak from the allocator, as :mod:`memplan.planner.measure` does for one process,
+restoring the frees the profiler misses under gloo (:func:`restore_missed_frees`).
 """
 
 from __future__ import annotations
@@ -104,14 +107,19 @@ def for_ddp(graph: Graph, world_size: int) -> Graph:
     return g.invalidate()
 
 
-def for_fsdp(graph: Graph, units: list[FSDPUnit], world_size: int) -> Graph:
+def for_fsdp(graph: Graph, units: list[FSDPUnit], world_size: int, *, backend: str = "gloo") -> Graph:
     """A copy of ``graph`` as one FSDP2 rank holds it (``reshard_after_forward=True`` for every unit but
-    the root, one unit prefetched in backward), ``units`` from :func:`fsdp_units`; see the module doc and
-    docs/model.md. Raises :class:`DistributedPlanError` if the units' bytes do not add up to the graph's
-    parameters (another model) or the root unit is missing."""
+    the root, one unit prefetched in backward, one reduce-scatter input kept), ``units`` from
+    :func:`fsdp_units`; docs/model.md ("Distributed") states every term. ``backend``: the process group's;
+    under ``"nccl"`` the collectives allocate nothing through the allocator, under any other (gloo) each
+    all-gather and reduce-scatter allocates one temporary copy of its full flat buffer. Raises
+    :class:`DistributedPlanError` if the units' bytes do not add up to the graph's parameters (another
+    model) or the root unit is missing."""
     by_prefix = {u.prefix: u for u in units}
     if "" not in by_prefix:
         raise DistributedPlanError("for_fsdp needs the root unit (prefix '') among the units")
+    if world_size < 1:
+        raise DistributedPlanError(f"world_size must be >= 1, got {world_size}")
     full_bytes = sum(u.unsharded_bytes for u in units)
     if full_bytes != graph.fixed.params_bytes:
         raise DistributedPlanError(f"the FSDP units hold {full_bytes} parameter bytes, the graph "
@@ -119,28 +127,69 @@ def for_fsdp(graph: Graph, units: list[FSDPUnit], world_size: int) -> Graph:
     g = _copy(graph)
     shard_total = sum(u.shard_bytes for u in units)
     ratio = shard_total / full_bytes if full_bytes else 1.0
-    root = by_prefix[""]
+    # F: one unit's flat all-gather output = its unsharded parameters (padded) = its reduce-scatter input
+    flat = {u.prefix: world_size * u.shard_bytes for u in units}
+    temp = {u: (0 if backend == "nccl" else b) for u, b in flat.items()}  # gloo's copy inside a collective
+    grads = {u.prefix: u.unsharded_bytes for u in units}  # the full gradients autograd makes
+    shard = {u.prefix: u.shard_bytes for u in units}
     g.fixed.params_bytes = shard_total
     g.fixed.optimizer_state_bytes = round(graph.fixed.optimizer_state_bytes * ratio)
     g.fixed.optimizer_step_bytes = round(graph.fixed.optimizer_step_bytes * ratio)
-    g.fixed.other_bytes += root.unsharded_bytes  # the root is not resharded after forward
+    g.fixed.other_bytes += flat[""]  # the root's unsharded parameters: gathered once, freed after backward
     prefixes = [u.prefix for u in units if u.prefix]
-    op_unit = [unit_of(op.module, prefixes) for op in g.ops]
+    n = len(g.ops)
+    model_end = max((op.id for op in g.ops if op.module != "loss"), default=-1)  # later ops: the loss's
+    op_unit = [unit_of(op.module, prefixes) if op.id <= model_end else None for op in g.ops]
     order = list(dict.fromkeys(u for u in op_unit if u))  # non-root units in forward order
-    before = {u: (order[i - 1] if i > 0 else None) for i, u in enumerate(order)}
-    first_op: dict[str, int] = {}
-    for op, u in zip(g.ops, op_unit, strict=True):
-        first_op.setdefault(u, op.id)
-        if not u:
-            continue
-        here = by_prefix[u].unsharded_bytes
-        ahead = by_prefix[before[u]].unsharded_bytes if before[u] else 0  # backward prefetches it
-        op.workspace_bytes += here
-        op.backward_workspace_bytes += here + ahead
-    for u, k in first_op.items():  # a unit's backward ends at its first op: full gradients -> shards
-        unit = by_prefix[u]
-        g.ops[k].backward_grad_free_bytes += unit.unsharded_bytes - unit.shard_bytes
-    g.meta["distributed"] = {"engine": "fsdp", "world_size": world_size,
+    first = {u: op_unit.index(u) for u in order}
+    last = {u: n - 1 - op_unit[::-1].index(u) for u in order}
+    pos = {u: j for j, u in enumerate(order)}
+
+    def F(j: int) -> int:  # noqa: N802 - the doc's name; 0 outside the units
+        return flat[order[j]] if 0 <= j < len(order) else 0
+
+    fwd = [0] * n
+    bwd = [0] * n
+    gathered = ""  # the unit whose flat all-gather output FSDP2 holds in forward (all_gather_state)
+    for k, u in enumerate(op_unit):
+        if u is None:
+            continue  # the loss: FSDP2's forward is over, its backward not begun
+        if u:
+            j = pos[u]
+            # forward: unsharded parameters + their flat all-gather output; backward: unsharded parameters
+            # + the previous unit prefetched + the next unit's reduce-scatter input, still kept
+            compute = flat[u] + F(j - 1) + F(j + 1)
+            fwd[k] = max(2 * flat[u], compute)  # a replay in backward runs with the forward figure
+            bwd[k] = compute
+            if k == first[u]:  # its all-gather: the held output of the one before + its own + gloo's copy
+                fwd[k] = max(fwd[k], flat[gathered] + flat[u] + temp[u])
+                gathered = u
+                # post-backward: reshard, drop the next unit's reduce-scatter input, copy the full gradients
+                # into this unit's (padded) reduce-scatter input, free them, the shards + gloo's copy
+                bwd[k] = max(bwd[k], F(j - 1) + flat[u] + max(0, shard[u] + temp[u] - grads[u]))
+            if k == last[u]:  # pre-backward: copy-out beside the prefetched flat output, then prefetch
+                prev = order[j - 1] if j > 0 else None
+                ahead = flat[prev] + temp[prev] if prev is not None else 0
+                bwd[k] = max(bwd[k], F(j + 1) + flat[u] + max(flat[u], ahead))
+        else:
+            # a root op between non-root units: forward holds the last all-gather's output; backward the
+            # next unit's reduce-scatter input and the previous unit prefetched
+            after = next((j for j, v in enumerate(order) if first[v] > k), len(order))
+            bwd[k] = F(after) + F(after - 1)
+            fwd[k] = max(flat[gathered], bwd[k])
+    if 0 <= model_end and order and op_unit[model_end] == "":
+        # the root's pre-backward, at the model's output: prefetch of the last unit (+ gloo's copy)
+        bwd[model_end] = max(bwd[model_end], flat[order[-1]] + temp[order[-1]])
+    # the root's post-backward, after every backward step: its full gradients -> reduce-scatter input (its
+    # unsharded parameters, charged in other_bytes, are freed first) -> shards + gloo's copy
+    bwd[0] = max(bwd[0], max(0, shard[""] + temp[""] - grads[""]))
+    for op in g.ops:
+        op.workspace_bytes += fwd[op.id]
+        op.backward_workspace_bytes += bwd[op.id]
+    for u in ["", *order]:  # a unit's backward ends at its first op: full gradients -> shards
+        k = first[u] if u else 0
+        g.ops[k].backward_grad_free_bytes += grads[u] - shard[u]
+    g.meta["distributed"] = {"engine": "fsdp", "world_size": world_size, "backend": backend,
                              "units": [asdict(u) for u in units]}
     return g.invalidate()
 
@@ -212,7 +261,8 @@ def keep_within_units(graph: Graph, plan: Plan, prefixes: list[str]) -> tuple[Pl
 @dataclass(frozen=True)
 class RankMeasurement:
     """One rank's training step as the allocator saw it: ``peak_bytes`` (everything live included),
-    ``start_bytes`` (live when the step began: parameters, buckets or shards, optimizer state, batch)."""
+    ``start_bytes`` (live when the step began, gradients already released: parameters, buckets or shards,
+    optimizer state, batch)."""
 
     rank: int
     peak_bytes: int
@@ -233,12 +283,12 @@ def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn:
     that fully_shard replaces must be allocated inside it). ``batch`` is allocated before and counted.
     ``warmup`` steps create the optimizer state (and let DDP rebuild its buckets); the next step is
     measured. Memory that the allocator does not report (gloo's own buffers, allocations on threads the
-    profiler does not follow) is not counted.
+    profiler does not follow) is not counted; a free the profiler misses is restored
+    (:func:`_cpu_allocations`).
     """
     import torch
     from memplan.planner.measure import _leaves, allocator_events
     from memplan.planner.workloads import compute_loss
-    from torch._C._profiler import _EventType
 
     if warmup < 1:
         raise ValueError(f"measure_rank_step needs warmup >= 1 (to create the optimizer state), got {warmup}")
@@ -261,22 +311,19 @@ def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn:
         train_model, optimizer = build()
         for _ in range(warmup):
             step(train_model, optimizer)
+        optimizer.zero_grad(set_to_none=True)  # the step starts without gradients, as the graph's does
         with torch.profiler.record_function("memplan:rank_step"):
             step(train_model, optimizer)
         optimizer.zero_grad(set_to_none=True)
     window = None
     allocations: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.name == "memplan:rank_step" and window is None:
-            window = (e.start_time_ns, e.end_time_ns)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            allocations.append((e.start_time_ns, e.extra_fields.alloc_size))
-        stack.extend(e.children)
+    for at, size in _cpu_allocations(prof):
+        if at == "window":
+            window = size
+        else:
+            allocations.append((at, size))
     if window is None:
         raise MemplanError("measure_rank_step: the profiler recorded no step range (a bug)")
-    allocations.sort(key=lambda a: a[0])
     running = 0
     start = high = None
     for at, size in allocations:
@@ -290,3 +337,60 @@ def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn:
     if start is None:
         start = high = running
     return RankMeasurement(rank=rank, peak_bytes=baseline + high, start_bytes=baseline + start)
+
+
+def _cpu_allocations(prof: Any) -> list[tuple[Any, Any]]:
+    """The CPU allocations and frees of ``prof`` as ``(time_ns, ±bytes)`` in time order, and one
+    ``("window", (start_ns, end_ns))`` for the ``memplan:rank_step`` range.
+
+    The profiler misses some frees: a block allocated inside a collective (gloo's copy of the input of
+    ``reduce_scatter_tensor``) is freed by whichever thread drops the work's last reference, and when that
+    is gloo's worker thread, after the work ran, the thread no longer reports to the profiler. The block
+    then looks live for ever (its address is handed out again later, which proves it was freed). Every
+    allocation whose free is not reported is therefore freed here at the end of the innermost ``c10d::``
+    range that made it (the collective is synchronous: its temporaries go when it returns), or, outside
+    collectives, when its address is allocated again (the latest it can have been freed).
+    """
+    from torch._C._profiler import _EventType
+
+    window = None
+    events: list[tuple[int, int, int, int | None]] = []  # (time, size, ptr, end of the c10d range)
+    stack = [(e, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        e, c10d_end = stack.pop()
+        if e.name == "memplan:rank_step" and window is None:
+            window = (e.start_time_ns, e.end_time_ns)
+        if e.tag == _EventType.Allocation:
+            if e.extra_fields.device.type == "cpu" and e.extra_fields.alloc_size:
+                events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr, c10d_end))
+            continue
+        if e.name.startswith("c10d::"):
+            c10d_end = e.end_time_ns
+        stack.extend((c, c10d_end) for c in e.children)
+    out: list[tuple[Any, Any]] = list(restore_missed_frees(events))
+    if window is not None:
+        out.append(("window", window))
+    return out
+
+
+def restore_missed_frees(events: list[tuple[int, int, int, int | None]]) -> list[tuple[int, int]]:
+    """``(time_ns, ±bytes)`` in time order from allocator events ``(time_ns, ±bytes, address, end_ns of
+    the innermost enclosing c10d:: range or None)``, with the frees the profiler missed put back: a block
+    whose address is allocated again while it looks live is freed at the end of its collective's range if
+    it has one, else at that reallocation; a block never freed that a collective made is freed at the end
+    of its range. A free of a block allocated before the events is dropped (its size is unknown)."""
+    out: list[tuple[int, int]] = []
+    live: dict[int, tuple[int, int | None]] = {}  # address -> (bytes, end of its c10d range)
+    for at, size, ptr, c10d_end in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            if ptr in live:  # reallocated: the earlier block was freed without a report
+                old, old_end = live.pop(ptr)
+                out.append((min(old_end, at) if old_end is not None else at, -old))
+            live[ptr] = (size, c10d_end)
+            out.append((at, size))
+        elif ptr in live:
+            live.pop(ptr)
+            out.append((at, size))
+    out += [(end, -size) for size, end in live.values() if end is not None]
+    out.sort(key=lambda a: a[0])
+    return out
