@@ -162,3 +162,32 @@ def test_run_plan_refuses_before_training(mlp_run):
     with pytest.raises(MemplanError, match="steps >= 1"):
         run_plan(w.model, w.batch, w.loss_fn, None, Plan.load(str(d / "plan.json")),
                  Graph.load(str(d / "graph.json")), steps=0)
+
+
+# ---- memplan run --nproc: every rank under DDP ----------------------------------------------------------
+@pytest.mark.slow
+def test_run_two_processes_ddp_json():
+    r = memplan("run", "mlp", *MLP, "--nproc", "2", "--engine", "ddp", "--budget", "70%", "--steps", "2",
+                "--time-limit", "10", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["world_size"] == 2 and doc["engine"] == "ddp"
+    rows = doc["ranks"]
+    assert sorted((row["rank"], row["plan"] == "keep all") for row in rows) == [
+        (0, False), (0, True), (1, False), (1, True)]
+    for row in rows:
+        # per rank, the simulator against the allocator (DDP's buckets included in the rank's graph)
+        assert row["measured_peak_bytes"] == pytest.approx(row["predicted_peak_bytes"], rel=0.05)
+    planned = [row for row in rows if row["plan"] != "keep all"]
+    kept = {row["rank"]: row for row in rows if row["plan"] == "keep all"}
+    for row in planned:
+        assert row["recomputed"] > 0 and row["measured_peak_bytes"] < kept[row["rank"]]["measured_peak_bytes"]
+    # DDP keeps the replicas equal: the same batch on each rank gives the same losses
+    assert planned[0]["losses"] == planned[1]["losses"] and len(planned[0]["losses"]) == 2
+
+
+def test_run_nproc_refuses_what_it_cannot_do_yet():
+    r = memplan("run", "mlp", "--nproc", "2", "--offload")
+    assert r.exit_code == 2 and "does not take --offload" in r.stderr
+    r = memplan("run", "mlp", "--nproc", "2", "--engine", "zero3")
+    assert r.exit_code == 2 and "--engine 'zero3'" in r.stderr
