@@ -25,8 +25,14 @@ The plan is profiled and solved on the bare module with one rank's batch; every 
   matched against the graph and the unsharded parameters they produce are first seen as inputs of model
   ops: like every parameter, they are never offloaded or recomputed (``DTensor`` shards have no storage
   of their own to the executor). Recompute replays single ops, so a replay never spans FSDP units.
-  Optimizer fusion under FSDP2 is not supported yet (it needs FSDP2's post-reduce-scatter hooks and an
-  update before the all-gather).
+  Backward fusion steps each module's sharded parameters once FSDP2's reduce-scatter has given them their
+  averaged shard gradients: FSDP2 calls the sharded parameters' post-accumulate-grad hooks right after it
+  sets ``.grad`` (``foreach_reduce``), and those are the hooks the single-process fusion registers (on
+  ``model.parameters()``, which are the shards; autograd itself never accumulates into them). With
+  ``set_requires_gradient_sync(False)`` FSDP2 reduces nothing and calls no hook; a synced micro-batch
+  that is not the last of ``accumulation_steps`` steps nothing. The root's parameters are stepped in
+  FSDP2's final backward callback. Forward fusion is refused: FSDP2 all-gathers a unit's shards in its
+  pre-forward, before any update could be applied.
 """
 
 from __future__ import annotations
@@ -89,11 +95,14 @@ class DistributedExecutor:
                 self._comm_fusion = _CommHookFusion(model, optimizer, accumulation_steps)
             self._hide_ddp_post_forward()
         else:
-            if fuse is not None:
-                raise DistributedError(f"fuse={fuse!r} under FSDP2 is not supported yet: backward fusion needs "
-                                       f"FSDP2's post-reduce-scatter hooks, forward fusion an update before the "
-                                       f"unit's all-gather; use fuse=None with fully_shard")
-            self.executor = apply(model, plan, graph=graph, optimizer=optimizer, fuse=None,
+            if fuse == "forward":
+                raise DistributedError("fuse='forward' under FSDP2 is not supported: a unit's pending update would "
+                                       "be applied after FSDP2 has all-gathered the unit's old shards (its "
+                                       "pre-forward runs first); use fuse='backward' or fuse=None with fully_shard")
+            # fuse="backward": the single-process fusion's post-accumulate-grad hooks sit on the sharded
+            # parameters (model.parameters() under fully_shard), which autograd never accumulates into:
+            # FSDP2 calls them itself, after the unit's reduce-scatter has set the averaged shard as .grad
+            self.executor = apply(model, plan, graph=graph, optimizer=optimizer, fuse=fuse,
                                   accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
             try:
                 self._check_units()
@@ -294,8 +303,8 @@ def apply_distributed(model: nn.Module, plan: Plan | str | Path, *, graph: Graph
     ``DistributedDataParallel`` or a root ``fully_shard``-ed module, on this rank.
 
     The arguments are those of :func:`memplan.executor.apply`. ``fuse="backward"`` under DDP steps each
-    bucket after its allreduce (a communication hook; DDP must not have one already); under FSDP2 ``fuse``
-    must be None. Raises :class:`DistributedError` for a set-up the executor cannot run correctly, and what
+    bucket after its allreduce (a communication hook; DDP must not have one already); under FSDP2 each
+    module's shards after the unit's reduce-scatter (``fuse="forward"`` is refused there). Raises :class:`DistributedError` for a set-up the executor cannot run correctly, and what
     :func:`memplan.executor.apply` raises.
     """
     return DistributedExecutor(model, plan, graph=graph, optimizer=optimizer, fuse=fuse,

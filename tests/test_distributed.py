@@ -90,7 +90,7 @@ def _plans(model, batch, loss_fn):
                                          "offload": Plan.from_json(offload_json)}
 
 
-def _train(model, opt, batches, loss_fn, accumulation: int, no_sync=None) -> list[float]:
+def _train(model, opt, batches, loss_fn, accumulation: int, no_sync=None, before_step=None) -> list[float]:
     losses = []
     for s in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -100,6 +100,8 @@ def _train(model, opt, batches, loss_fn, accumulation: int, no_sync=None) -> lis
                 loss = loss_fn(model, batches[s * accumulation + micro]) / accumulation
                 loss.backward()
             losses.append(loss.item())
+        if before_step is not None:
+            before_step()
         opt.step()
     return losses
 
@@ -180,10 +182,13 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
         results["cross_unit_refused"] = f"{type(e).__name__}: {e}"
     plans["recompute"], demoted = keep_within_units(graph, plans["recompute"], prefixes)
     results["demoted"] = len(demoted)
-    torch.manual_seed(7)
-    model = sharded()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref = (_train(model, opt, batches, loss_fn, 1), full(model))
+    refs = {}
+    for accumulation in (1, 2):  # FSDP2 reduce-scatters every micro-batch (no set_requires_gradient_sync)
+        torch.manual_seed(7)
+        model = sharded()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        refs[accumulation] = (_train(model, opt, batches, loss_fn, accumulation), full(model))
+    ref = refs[1]
     for plan_name in plans:
         torch.manual_seed(7)
         model = sharded()
@@ -203,8 +208,23 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
                  unsharded_as_activation=sum(e is not None and e[0] >= 0 for e in seen),
                  all_offloaded_are_activations=all(graph.tensors[t].kind == "activation" for t in step.host))
         results[plan_name] = r
+    # backward fusion: each module's shards stepped by FSDP2's post-reduce-scatter hook call; with two
+    # micro-batches the first one's reduce-scatter must step nothing
+    for plan_name, accumulation in (("recompute", 1), ("offload", 2)):
+        torch.manual_seed(7)
+        model = sharded()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ex = apply_distributed(model, plans[plan_name], graph=graph, optimizer=opt, fuse="backward",
+                               accumulation_steps=accumulation)
+        left = []  # parameters that backward did not step (their gradient is still there at opt.step())
+        losses = _train(model, opt, batches, loss_fn, accumulation,
+                        before_step=lambda m=model: left.append(sum(p.grad is not None for p in m.parameters())))
+        ex.remove()
+        r = _compare(*refs[accumulation], losses, full(model))
+        r.update(left_for_step=left)
+        results[f"{plan_name}/fuse=backward/accumulation={accumulation}"] = r
     try:
-        apply_distributed(model, plans["recompute"], graph=graph, optimizer=opt, fuse="backward")
+        apply_distributed(model, plans["recompute"], graph=graph, optimizer=opt, fuse="forward")
         results["fuse_refused"] = ""
     except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts the type and text
         results["fuse_refused"] = f"{type(e).__name__}: {e}"
@@ -260,9 +280,19 @@ def test_fsdp2_unsharded_parameters_are_never_activations(fsdp_results):
             assert r["all_offloaded_are_activations"]
 
 
-def test_fsdp2_fusion_is_refused_with_the_reason(fsdp_results):
+@pytest.mark.parametrize("scenario", ["recompute/fuse=backward/accumulation=1",
+                                      "offload/fuse=backward/accumulation=2"])
+def test_fsdp2_backward_fusion_trains_exactly_like_plain_fsdp2(fsdp_results, scenario):
+    for rank, results in enumerate(fsdp_results):
+        r = results[scenario]
+        assert r["losses_equal"], (rank, r["losses"], r["ref_losses"])
+        assert r["params_bitwise"], (rank, r["max_rel_param_diff"])
+        assert r["left_for_step"] == [0] * STEPS  # every shard was stepped inside backward
+
+
+def test_fsdp2_forward_fusion_is_refused_with_the_reason(fsdp_results):
     for results in fsdp_results:
-        assert results["fuse_refused"].startswith("DistributedError: fuse='backward' under FSDP2 is not supported")
+        assert results["fuse_refused"].startswith("DistributedError: fuse='forward' under FSDP2 is not supported")
 
 
 def test_fsdp2_refuses_replays_across_units_and_keep_within_units_fixes_them(fsdp_results):
