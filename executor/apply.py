@@ -117,10 +117,11 @@ class Executor:
         self.actions = {t: a for t, a in plan.actions().items() if a != Action.KEEP}
         self.records = any(a == Action.RECOMPUTE for a in self.actions.values())
         # RNG state is captured only before random ops a replay can run: those that create a storage that
-        # can be rebuilt. In-place random ops (CPU dropout's ``bernoulli_`` into an ``empty_like``) make
-        # nothing new and are never replayed, and a CPU generator state is 5 KiB per capture, held all step.
-        self.rng_ops = {op.id for op in graph.ops
-                        if op.random and any(graph.tensors[t].recomputable for t in op.outputs)}
+        # can be rebuilt, and in-place initialisers of one (CPU dropout's ``bernoulli_`` into an
+        # ``empty_like``); a CPU generator state is 5 KiB per capture, held all step.
+        initialisers = {m for t in graph.tensors if t.recomputable for m in t.rebuilt_by}
+        self.rng_ops = {op.id for op in graph.ops if op.random and (
+            op.id in initialisers or any(graph.tensors[t].recomputable for t in op.outputs))}
         offloaded = sorted(t for t, a in self.actions.items() if a == Action.OFFLOAD)
         bandwidth = plan.bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
         given = {d.tensor: d.prefetch_at for d in plan.decisions if d.prefetch_at is not None}

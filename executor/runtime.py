@@ -160,7 +160,7 @@ class _Step:
         self.cache: dict[int, torch.UntypedStorage] = {}        # rebuilt / fetched, awaiting unpacks
         self.host: dict[int, tuple[torch.Tensor, torch.device, int]] = {}  # offloaded: slot, device, bytes
         self.d2h_pending: list[tuple[Any, torch.Tensor]] = []   # (copy done event, device bytes held)
-        self.ready: dict[int, tuple[Any, torch.device]] = {}    # prefetched tensor id -> (copy done event, device)
+        self.ready: dict[int, tuple[Any, torch.device]] = {}    # prefetched id -> (copy done event, device)
         self.pending_outs: tuple[int, list[torch.Tensor]] | None = None
         self.pinned: dict[int, torch.UntypedStorage] = {}        # held for a replay that reads them
         self.prefetch_queue = list(ex.prefetch_order)          # (-prefetch_at, tid), ascending
@@ -481,6 +481,7 @@ class _Step:
                                 f"kept nor recomputable")
             to_run.add(info.producer)
             stack.extend(g.ops[info.producer].inputs)
+            to_run.update(info.rebuilt_by)  # in-place initialisers (dropout's bernoulli_): they read only it
         order = sorted(to_run)
         last_use: dict[int, int] = {}
         for p in order:
@@ -524,7 +525,9 @@ class _Step:
             return _view(s, x.dtype, x.size, x.stride, x.offset)
 
         args, kwargs = tree_map(value, (rec.args, rec.kwargs))
-        args, kwargs = _clone_written(rec.func, args, kwargs)
+        # an in-place initialiser must write the storage this replay rebuilds; anything else it writes
+        # (batch norm's running statistics) is cloned so that the replay changes nothing else
+        args, kwargs = _clone_written(rec.func, args, kwargs, keep=_made_refs(rec, made))
         if rec.rng is None:
             out = rec.func(*args, **kwargs)
         else:
@@ -554,13 +557,21 @@ def _reached(step_ref: weakref.ref, k: int) -> None:
 _WRITES: dict[Any, list[tuple[int, str]]] = {}
 
 
-def _clone_written(func, args, kwargs):
-    """Replace the arguments ``func`` writes in place with clones: a replay must not mutate state."""
+def _made_refs(rec: _Recipe, made: dict[int, torch.UntypedStorage]) -> set[int | str]:
+    """Positions and names of ``rec``'s arguments that are storages rebuilt by the running replay."""
+    out: set[int | str] = {i for i, a in enumerate(rec.args) if isinstance(a, _Ref) and a.tid in made}
+    return out | {k for k, a in rec.kwargs.items() if isinstance(a, _Ref) and a.tid in made}
+
+
+def _clone_written(func, args, kwargs, keep: set[int | str] = frozenset()):
+    """Replace the arguments ``func`` writes in place with clones (a replay must not mutate state),
+    except those at the positions or names in ``keep``."""
     spec = _WRITES.get(func)
     if spec is None:
         spec = [(i, a.name) for i, a in enumerate(func._schema.arguments)
                 if a.alias_info is not None and a.alias_info.is_write]
         _WRITES[func] = spec
+    spec = [(i, name) for i, name in spec if i not in keep and name not in keep]
     if not spec:
         return args, kwargs
     args = list(args)

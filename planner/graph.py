@@ -57,8 +57,13 @@ class TensorInfo(_Strict):
                                    "loss): freed only when the step ends")
     recomputable: bool = Field(
         default=True,
-        description="False when its content cannot be rebuilt by re-running its producer "
-                    "(mutated in place later, or produced by an op that cannot be replayed)")
+        description="False when its content cannot be rebuilt by re-running its producer (and its "
+                    "rebuilt_by ops): mutated in place after others read it, or produced by an op that "
+                    "writes into its inputs")
+    rebuilt_by: list[int] = Field(
+        default_factory=list,
+        description="ops that initialise it in place right after its producer (dropout's bernoulli_ and "
+                    "div_ into an empty_like, an in-place ReLU): a replay re-runs them after the producer")
 
     @field_validator("shape")
     @classmethod
@@ -262,6 +267,13 @@ def _check_graph(g: Graph) -> None:
                                  f"({g.ops[t.producer].name}), which does not list it in its outputs")
         elif t.producer is not None:
             raise ValueError(f"tensor {t.id} is a {t.kind} but names producer op {t.producer}")
+        for m in t.rebuilt_by:
+            if t.producer is None or not t.producer < m < n_o:
+                raise ValueError(f"tensor {t.id}: rebuilt_by names op {m}, which is not an op after its "
+                                 f"producer ({t.producer}) in a graph of {n_o} ops")
+            if t.id not in g.ops[m].inputs or g.ops[m].outputs:
+                raise ValueError(f"tensor {t.id}: rebuilt_by op {m} ({g.ops[m].name}) must read it and "
+                                 f"create no tensor (an in-place initialiser)")
     for op in g.ops:
         for field_name in ("inputs", "outputs", "saved"):
             for t in getattr(op, field_name):

@@ -541,6 +541,35 @@ def _backward_figures(trace: _Trace, n_ops: int) -> tuple[list[int], list[int], 
     return alloc, free, workspace, released
 
 
+def _initialisers(trace: _Trace, new_id: dict[int, int], mutated_by: dict[int, list[int]]) -> dict[int, list[int]]:
+    """{graph tensor id: the ops that finish it in place} for the mutated activations whose content a
+    replay can still rebuild: every op that writes it writes nothing else, creates no storage and reads
+    no other activation, and no other op reads it before the last of them (dropout's ``empty_like`` ->
+    ``bernoulli_`` -> ``div_`` mask; ``relu_`` right after its producer). Replaying the producer and
+    then these ops, in order and under the recorded RNG state, gives back exactly what backward saw."""
+    readers: dict[int, list[int]] = {}
+    for k, op in enumerate(trace.ops):
+        for t in op.inputs:
+            if t in new_id:
+                readers.setdefault(new_id[t], []).append(k)
+    trace_id = {gid: tid for tid, gid in new_id.items()}
+    out: dict[int, list[int]] = {}
+    for gid, ops in mutated_by.items():
+        if len(trace.ops[trace.storages[trace_id[gid]].producer].outputs) != 1:
+            continue  # replaying a multi-output producer for another output would skip the initialisers
+        ok = True
+        for k in ops:
+            op = trace.ops[k]
+            acts = {new_id[t] for t in op.inputs if t in new_id and trace.storages[t].kind == "activation"}
+            if op.outputs or {new_id.get(t) for t in op.writes} != {gid} or acts - {gid}:
+                ok = False
+                break
+        last = max(ops)
+        if ok and all(k in ops for k in readers.get(gid, []) if k <= last):
+            out[gid] = sorted(ops)
+    return out
+
+
 def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[int, float]],
                  fixed: FixedMemory, optimizer_time_s: float, name: str, device: torch.device,
                  fingerprint: str, bandwidth: float, meta: dict[str, Any]) -> Graph:
@@ -566,6 +595,7 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
             if t in new_id and trace.storages[t].kind == "activation" and trace.storages[t].producer != k:
                 mutated_by.setdefault(new_id[t], []).append(k)
 
+    initialisers = _initialisers(trace, new_id, mutated_by)
     tensors = []
     for i, st in enumerate(order):
         act = st.kind == "activation"
@@ -573,11 +603,12 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
         if act and st.died is not None and st.died[0] == "forward":
             freed_after = max(st.died[1], st.producer)
         producer_writes = act and bool(trace.ops[st.producer].writes)
+        rebuilt_by = initialisers.get(i, [])
         tensors.append(TensorInfo(
             id=i, kind=st.kind, producer=st.producer if act else None, output_index=st.output_index if act else 0,
             bytes=st.nbytes, dtype=st.dtype, shape=st.shape, requires_grad=st.requires_grad,
             freed_after=freed_after, held_by_caller=act and st.held,
-            recomputable=not (i in mutated_by or producer_writes)))
+            recomputable=not ((i in mutated_by and not rebuilt_by) or producer_writes), rebuilt_by=rebuilt_by))
 
     ops = []
     for k, rec in enumerate(trace.ops):

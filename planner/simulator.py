@@ -370,6 +370,7 @@ class _Replay:
             p = t.producer
             to_run.add(p)
             stack.extend(g.ops[p].inputs)
+            to_run.update(t.rebuilt_by)  # in-place initialisers finish its content (they read only it)
         order = sorted(to_run)
         last_use: dict[int, int] = {}
         for p in order:

@@ -245,7 +245,12 @@ class _Builder:
         self.fwd_start = [math.floor(s / self.tick + 1e-6) for s in starts]       # rounded down
         self.fwd_end = [math.ceil((s + op.time_s) / self.tick - 1e-6) for s, op in zip(starts, ops)]
         self.fwd_total = math.floor(fwd_total / self.tick + 1e-6)
-        self.op_ticks = [round(op.time_s / self.tick) for op in ops]
+        # a replayed op also re-runs the in-place initialisers of its output (TensorInfo.rebuilt_by: the
+        # profiler only allows them on single-output producers), as the simulator does
+        init_s = [sum(ops[m].time_s for u in op.outputs for m in graph.tensors[u].rebuilt_by) for op in ops]
+        self.replay_ws = [max([op.workspace_bytes] + [ops[m].workspace_bytes for u in op.outputs
+                                                      for m in graph.tensors[u].rebuilt_by]) for op in ops]
+        self.op_ticks = [round((op.time_s + extra) / self.tick) for op, extra in zip(ops, init_s)]
         self.bwd_ticks = [round(op.backward_time_s / self.tick) for op in ops]
 
         # Decisions.
@@ -696,7 +701,7 @@ class _Builder:
         base.plus(self.resident_saved(s, key))
         for q in rep_ops:
             e = base.copy()
-            e.const += self._ceil(ops[q].workspace_bytes)
+            e.const += self._ceil(self.replay_ws[q])
             for u in ops[q].outputs:
                 if u in made and u not in retained:
                     e.plus(made[u], self.b[u])

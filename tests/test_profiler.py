@@ -101,10 +101,46 @@ def test_nested_module_paths_and_inplace():
                                            "encoder.1.act", "encoder.1", "loss"}
     relu = next(op for op in g.ops if op.name == "aten.relu_.default")
     addmm_out = g.ops[relu.id - 1].outputs[0]
-    # relu_ writes addmm's output in place: no new storage, and replaying addmm would not rebuild it
+    # relu_ writes addmm's output in place: no new storage; nothing read it before, so replaying addmm
+    # and then relu_ rebuilds what backward saw
     assert relu.outputs == [] and relu.inputs == [addmm_out]
-    assert not g.tensors[addmm_out].recomputable
     assert g.meta["mutated_by"][str(addmm_out)] == [relu.id]
+    assert g.tensors[addmm_out].recomputable and g.tensors[addmm_out].rebuilt_by == [relu.id]
+
+
+def test_inplace_after_another_reader_or_from_another_tensor_cannot_be_rebuilt():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            y = h * 3        # reads h before it is changed: a replay of a(x) + relu_ gives another h
+            h.relu_()
+            r = self.b(x)
+            r += y           # writes r from another activation: replaying b(x) cannot rebuild it
+            return (h * r).sum()
+
+    g = _profile(Block(), torch.randn(4, 4), lambda m, x: m(x))
+    mutated = {int(t): ops for t, ops in g.meta["mutated_by"].items()}
+    assert len(mutated) == 2
+    for t in mutated:
+        assert not g.tensors[t].recomputable and g.tensors[t].rebuilt_by == []
+
+
+def test_dropout_mask_is_rebuilt_by_its_initialisers():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    g = _profile(model, torch.randn(4, 8), lambda m, x: m(x).sum())
+    rebuilt = [t for t in g.tensors if t.rebuilt_by]
+    if not rebuilt:
+        pytest.skip("this build's dropout is one op (native_dropout): nothing is initialised in place")
+    (mask,) = rebuilt
+    names = [g.ops[m].name for m in mask.rebuilt_by]
+    assert names[0].startswith("aten.bernoulli_") and mask.recomputable
+    assert all(g.ops[m].random == ("bernoulli" in g.ops[m].name) for m in mask.rebuilt_by)
+    assert mask.id in g.saved_activations  # the mul that applies it keeps it for backward
 
 
 def test_dropout_is_random_and_storages_alias():

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.planner import Action, Plan, PlanError, PlanMismatch, simulate
-from memplan.planner.graph import FixedMemory
+from memplan.planner.errors import GraphError
+from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo
 from memplan.planner.simulator import simulate_actions
 from memplan.planner.synthetic import fill_structural_grads, linear_chain, random_dag
 
@@ -135,6 +136,34 @@ def test_replay_through_a_non_recomputable_tensor_pins_it():
     assert after[("backward", 2)] == 200              # a1 released with a2 after op 2's backward
     assert (r.peak_bytes, keep.peak_bytes) == (900, 700)  # recomputing here costs memory: no solver picks it
     assert r.recompute_time_s == 1.0 and r.time_s == keep.time_s + 1.0
+
+
+def test_replay_reruns_the_in_place_initialisers():
+    # a2 is made by op 1 (an empty_like, say) and finished in place by op 2 (bernoulli_), then read and
+    # saved by op 3: recomputing a2 replays op 1 and then op 2, and both are charged
+    T = [TensorInfo(id=0, kind="input", bytes=100),
+         TensorInfo(id=1, kind="activation", producer=0, bytes=100, requires_grad=True),
+         TensorInfo(id=2, kind="activation", producer=1, bytes=100, rebuilt_by=[2]),
+         TensorInfo(id=3, kind="activation", producer=3, bytes=100, requires_grad=True)]
+    ops = [Op(id=0, name="layer", time_s=1.0, backward_time_s=2.0, inputs=[0], outputs=[1], saved=[0],
+              has_backward=True),
+           Op(id=1, name="empty_like", time_s=0.5, inputs=[1], outputs=[2]),
+           Op(id=2, name="bernoulli_", time_s=0.25, inputs=[2], random=True),
+           Op(id=3, name="mul", time_s=1.0, backward_time_s=2.0, inputs=[1, 2], outputs=[3], saved=[1, 2, 3],
+              has_backward=True)]
+    g = fill_structural_grads(Graph(name="init", tensors=T, ops=ops, fixed=FixedMemory(inputs_bytes=100)))
+    keep = simulate(g, Plan.keep_all(g))
+    r = simulate(g, Plan.for_graph(g, {2: "recompute"}))
+    assert [e.op for e in r.timeline if e.phase == "recompute"] == [1, 2]
+    assert r.recompute_time_s == 0.75
+    assert r.time_s == pytest.approx(keep.time_s + 0.75)
+    bad = g.model_dump()
+    bad["tensors"][2]["rebuilt_by"] = [0]
+    with pytest.raises(GraphError, match="rebuilt_by names op 0"):
+        Graph.from_dict(bad)
+    bad["tensors"][2]["rebuilt_by"] = [3]
+    with pytest.raises(GraphError, match="must read it and create no tensor"):
+        Graph.from_dict(bad)
 
 
 def test_replay_needing_a_lost_tensor_is_refused():
