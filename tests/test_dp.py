@@ -55,7 +55,7 @@ chains = st.tuples(st.integers(0, 10**6), st.integers(1, 10), st.booleans(), st.
                    st.booleans(), st.floats(-0.1, 1.05))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=chains)
 def test_dp_equals_the_oracle_on_chains(case):
     seed, n, workspace, fixed_share, params, frac = case

@@ -59,7 +59,7 @@ def test_registered_with_offload_and_exact():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(2, 10), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0))
 def test_equals_oracle_on_random_dags(backend, n, seed, frac):
     g = random_dag(n, seed=seed)
@@ -67,7 +67,7 @@ def test_equals_oracle_on_random_dags(backend, n, seed, frac):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(2, 10), frac=st.floats(0.0, 1.0),
        times=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=10, max_size=10),
        sizes=st.lists(st.integers(1, 200), min_size=10, max_size=10))
@@ -77,7 +77,7 @@ def test_equals_oracle_on_chains(backend, n, frac, times, sizes):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(2, 6), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0),
        bandwidth=st.sampled_from([20.0, 40.0, 100.0, 1e9]))
 def test_equals_oracle_with_offload_at_default_prefetch(backend, n, seed, frac, bandwidth):
