@@ -201,6 +201,12 @@ def solve(
     time_limit: Annotated[float, typer.Option("--time-limit", help="seconds")] = 60.0,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="allow offloading to host memory")] = False,
     host_budget: Annotated[str | None, typer.Option(help="pinned host memory cap for offload, e.g. 8GiB")] = None,
+    checkpoint: Annotated[list[str] | None, typer.Option(
+        "--checkpoint", help="--solver manual: recompute what this module (a path prefix such as "
+                             "transformer.h.3) saves; repeat for more")] = None,
+    keep_tensor: Annotated[list[int] | None, typer.Option(
+        "--keep-tensor", help="--solver manual: keep this saved activation (a tensor id), recompute the "
+                              "others; repeat for more")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Find the fastest plan whose simulated peak fits the budget, and write it."""
@@ -210,8 +216,12 @@ def solve(
     graph = Graph.load(str(graph_file))
     b = _budget(budget, graph)
     host = parse_budget(host_budget) if host_budget else None
+    manual = {k: v for k, v in (("checkpoint", checkpoint), ("tensors", keep_tensor)) if v}
+    if manual and solver != "manual":
+        raise MemplanError("--checkpoint and --keep-tensor write a plan by hand: use them with --solver manual")
     with _working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
-        result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host)
+        result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host,
+                           **manual)
     result.plan.save(str(output))
     base = keep_all_report(graph)
     summary = {

@@ -182,7 +182,8 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
         raise MemplanError(f"budget must be a non-negative number of bytes, got {budget_bytes!r}")
     if not (isinstance(time_limit_s, (int, float)) and math.isfinite(time_limit_s) and time_limit_s > 0):
         raise MemplanError(f"time limit must be a positive number of seconds, got {time_limit_s!r}")
-    if method == "auto":
+    auto = method == "auto"
+    if auto:
         method = choose_method(graph, offload=offload)
     reg = solvers()
     if method not in reg:
@@ -198,9 +199,37 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     if budget < memory_lower_bound(graph):
         raise _infeasible(graph, budget, smallest_known_peak(graph, offload=offload))
     t0 = time.perf_counter()
+    try:
+        proposal, report = _propose(graph, spec, budget, time_limit_s, offload, host_budget_bytes, options)
+    except Infeasible:
+        if not auto:
+            raise
+        # "auto" promises a plan whenever memplan knows one: near the minimum budget the exact methods
+        # can miss it (their large-graph models are restricted), so fall back to the heuristics
+        proposal, report, method = _fallback(graph, budget, time_limit_s, offload, host_budget_bytes, method)
+    elapsed = time.perf_counter() - t0
+    gap = None
+    if proposal.lower_bound_s is not None and report.time_s > 0:
+        gap = max(0.0, (report.time_s - proposal.lower_bound_s) / report.time_s)
+    plan = Plan.for_graph(
+        graph, proposal.actions, proposal.prefetch_at, budget_bytes=budget, host_budget_bytes=host_budget_bytes,
+        solver=SolverInfo(name=method, settings={"time_limit_s": time_limit_s, "offload": offload, **options,
+                                                 **({"requested": "auto"} if auto else {})},
+                          status=proposal.status, solve_time_s=elapsed, lower_bound_s=proposal.lower_bound_s,
+                          gap=gap),
+        predicted=Prediction(peak_bytes=report.peak_bytes, step_time_s=report.time_s,
+                             recompute_time_s=report.recompute_time_s,
+                             exposed_transfer_s=report.exposed_transfer_s))
+    full = simulate(graph, plan)  # the plan as a user will load it, with its timeline
+    return SolveResult(plan, full, proposal.status, elapsed, proposal.lower_bound_s, gap, proposal.stats)
+
+
+def _propose(graph: Graph, spec: SolverSpec, budget: int, time_limit_s: float, offload: bool,
+             host_budget_bytes: int | None, options: dict[str, Any]) -> tuple[Proposal, Report]:
+    """Run one method and score its proposal; Infeasible unless it fits the device and host budgets."""
+    method = spec.name
     proposal = spec.fn(graph, budget, time_limit_s=time_limit_s, offload=offload,
                        host_budget_bytes=host_budget_bytes, **options)
-    elapsed = time.perf_counter() - t0
     if proposal.status == "infeasible":
         raise _infeasible(graph, budget, smallest_known_peak(graph, offload=offload), method=method)
     report = simulate_actions(graph, proposal.actions, prefetch_at=proposal.prefetch_at, timeline=False)
@@ -212,19 +241,29 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     if offload and host_budget_bytes is not None and report.host_peak_bytes > host_budget_bytes:
         raise Infeasible(f"solver {method!r} offloads {format_bytes(report.host_peak_bytes)}, over the host "
                          f"budget {format_bytes(host_budget_bytes)}", budget_bytes=budget)
-    gap = None
-    if proposal.lower_bound_s is not None and report.time_s > 0:
-        gap = max(0.0, (report.time_s - proposal.lower_bound_s) / report.time_s)
-    plan = Plan.for_graph(
-        graph, proposal.actions, proposal.prefetch_at, budget_bytes=budget, host_budget_bytes=host_budget_bytes,
-        solver=SolverInfo(name=method, settings={"time_limit_s": time_limit_s, "offload": offload, **options},
-                          status=proposal.status, solve_time_s=elapsed, lower_bound_s=proposal.lower_bound_s,
-                          gap=gap),
-        predicted=Prediction(peak_bytes=report.peak_bytes, step_time_s=report.time_s,
-                             recompute_time_s=report.recompute_time_s,
-                             exposed_transfer_s=report.exposed_transfer_s))
-    full = simulate(graph, plan)  # the plan as a user will load it, with its timeline
-    return SolveResult(plan, full, proposal.status, elapsed, proposal.lower_bound_s, gap, proposal.stats)
+    return proposal, report
+
+
+def _fallback(graph: Graph, budget: int, time_limit_s: float, offload: bool, host_budget_bytes: int | None,
+              failed: str) -> tuple[Proposal, Report, str]:
+    """``auto``'s second try after ``failed`` found no plan: the greedy heuristic, then the heuristics'
+    minimum-memory plan as it stands. Raises the first method's kind of Infeasible if neither fits."""
+    reg = solvers()
+    if failed != "greedy" and "greedy" in reg:
+        try:
+            proposal, report = _propose(graph, reg["greedy"], budget, time_limit_s, offload, host_budget_bytes, {})
+            proposal.stats["fallback_from"] = failed
+            return proposal, report, "greedy"
+        except Infeasible:
+            pass
+    from memplan.solvers.heuristics import min_memory_actions
+
+    actions, prefetch_at = min_memory_actions(graph, offload=offload)
+    report = simulate_actions(graph, actions, prefetch_at=prefetch_at, timeline=False)
+    host_ok = not offload or host_budget_bytes is None or report.host_peak_bytes <= host_budget_bytes
+    if report.peak_bytes <= budget and host_ok:
+        return Proposal(actions, prefetch_at, status="feasible", stats={"fallback_from": failed}), report, "min-memory"
+    raise _infeasible(graph, budget, smallest_known_peak(graph, offload=offload), method=failed)
 
 
 def _both(n: int) -> str:

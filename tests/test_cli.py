@@ -77,3 +77,19 @@ def test_bad_input_gets_one_clear_line(args, message, graph_file, tmp_path):
     assert message in r.stderr
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
     assert len(r.stderr.strip().splitlines()) <= 3  # one logical line, maybe wrapped
+
+
+def test_manual_plan_from_the_command_line(graph_file, tmp_path):
+    # linear_chain(8): op i runs in module layers.i and its output is saved by op i+1
+    plan_path = tmp_path / "plan.json"
+    r = run("solve", graph_file, "--budget", "100%", "--solver", "manual", "--checkpoint", "layers.2",
+            "--checkpoint", "layers.4", "-o", plan_path, "--json")
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(str(plan_path))
+    recomputed = {t for t, a in plan.actions().items() if a == "recompute"}
+    assert len(recomputed) == 2 and plan.solver.name == "manual"
+    assert json.loads(r.stdout)["recompute"] == 2
+    r = run("solve", graph_file, "--budget", "100%", "--checkpoint", "layers.2")
+    assert r.returncode == 2 and "use them with --solver manual" in r.stderr
+    r = run("solve", graph_file, "--budget", "100%", "--solver", "manual", "--checkpoint", "nosuch")
+    assert r.returncode == 2 and "no op of graph" in r.stderr and "nosuch" in r.stderr

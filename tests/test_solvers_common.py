@@ -16,7 +16,7 @@ from memplan.planner.errors import Infeasible, MemplanError
 from memplan.planner.plan import Action, Plan
 from memplan.planner.simulator import simulate, simulate_actions
 from memplan.planner.synthetic import linear_chain, random_dag
-from memplan.solvers import keep_all_report, solve, solve_frontier, solvers
+from memplan.solvers import Proposal, SolverSpec, keep_all_report, smallest_known_peak, solve, solve_frontier, solvers
 from memplan.solvers.oracle import oracle_min_peak
 
 REGISTRY = solvers()
@@ -223,3 +223,25 @@ def test_solvers_never_choose_recompute_for_what_cannot_be_recomputed():
                if d.action == Action.RECOMPUTE and not g.tensors[d.tensor].recomputable]
         assert not bad, f"{method} recomputes non-recomputable tensors {bad}"
         assert simulate_actions(g, {d.tensor: d.action for d in r.plan.decisions}).peak_bytes <= budget
+
+
+def test_auto_falls_back_when_its_method_misses_a_plan_memplan_knows(monkeypatch):
+    from memplan.solvers import base
+
+    def always_fails(graph, budget_bytes, **_):
+        return Proposal(status="infeasible")
+
+    monkeypatch.setitem(base._REGISTRY, "always-fails",
+                        SolverSpec("always-fails", always_fails, "test: finds nothing", "dag", False, False, None))
+    monkeypatch.setattr(base, "choose_method", lambda graph, offload=False: "always-fails")
+    g = random_dag(10, seed=3)
+    budget = smallest_known_peak(g)  # a plan exists at exactly this budget
+    with pytest.raises(Infeasible):
+        solve(g, budget, "always-fails")
+    r = solve(g, budget, "auto")
+    assert r.report.peak_bytes <= budget
+    assert r.stats["fallback_from"] == "always-fails" and r.plan.solver.settings["requested"] == "auto"
+    assert r.plan.solver.name in ("greedy", "min-memory")
+    with pytest.raises(Infeasible) as e:  # below the exact minimum (10 saved: the oracle knows it)
+        solve(g, budget - 1, "auto")
+    assert e.value.min_feasible_bytes == budget
