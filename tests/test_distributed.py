@@ -218,7 +218,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
                                accumulation_steps=accumulation)
         left = []  # parameters that backward did not step (their gradient is still there at opt.step())
         losses = _train(model, opt, batches, loss_fn, accumulation,
-                        before_step=lambda m=model: left.append(sum(p.grad is not None for p in m.parameters())))
+                        before_step=lambda m=model, out=left: out.append(sum(p.grad is not None for p in m.parameters())))
         ex.remove()
         r = _compare(*refs[accumulation], losses, full(model))
         r.update(left_for_step=left)
