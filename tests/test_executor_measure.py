@@ -1,0 +1,58 @@
+"""The executor's measured peak against the simulator's prediction: a training step under a plan, measured
+as :mod:`memplan.planner.measure` measures it (CPU: the allocator's reports through ``torch.profiler``),
+peaks within 10% of ``simulate(graph, plan).peak_bytes`` and below the measured keep-everything step.
+
+On CPU the host pool is allocated once at ``apply`` (before the measured step), so offloaded bytes leave
+the measured memory when their (synchronous) copy is done, as on a device.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from memplan.executor import apply
+from memplan.planner import simulate
+from memplan.planner.measure import measure_step
+from memplan.planner.plan import Action
+from test_executor import adamw, fresh_model, graph_of, plan_of, workload
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_executor.one_thread
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def keep_all_peak(name: str) -> int:
+    w = workload(name)
+    model = fresh_model(name)
+    return measure_step(model, w.batch, w.loss_fn, adamw(model), steps=1, warmup=1).peak_bytes
+
+
+@pytest.mark.parametrize(("name", "method", "offload"), [
+    ("mlp", "dp", False), ("mlp", "chen", False), ("mlp", "greedy", True),
+    ("gpt2", "dp", False), ("gpt2", "chen", False), ("gpt2", "greedy", True),
+])
+def test_measured_peak_under_a_plan_matches_the_simulator(name, method, offload):
+    g = graph_of(name)
+    plan = plan_of(name, method, offload=offload)
+    predicted = simulate(g, plan).peak_bytes
+    w = workload(name)
+    model = fresh_model(name)
+    opt = adamw(model)
+    ex = apply(model, plan, graph=g, optimizer=opt)
+    try:
+        measured = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
+        step = ex.last_step
+    finally:
+        ex.remove()
+    print(f"{name} {method}{' offload' if offload else ''}: predicted {predicted} B, measured {measured} B "
+          f"({measured / predicted - 1:+.2%}), keep-all measured {keep_all_peak(name)} B")
+
+    assert step.replays > 0 if plan.count(Action.RECOMPUTE) else len(step.host) > 0
+    assert abs(measured / predicted - 1) <= 0.10
+    assert measured < keep_all_peak(name)
