@@ -177,6 +177,8 @@ def run_under(name: str, plan: Plan, *, optimizer: str = "adamw", fuse: str | No
 
     def watch() -> None:
         st = ex.step_state
+        # backward is over: nothing rebuilt, fetched or pinned outlives it (docs/model.md)
+        assert not st.cache and not st.pinned
         replays.append(st.replays)
         events.append(Counter(kind for kind, *_ in st.events))
         offloaded.append(len(st.host))
@@ -230,6 +232,26 @@ def test_recompute_plan_trains_like_plain_training(name, method):
 
     assert_same(run.trained, reference(name))
     # the plan was exercised as the simulator replays it: the same number of op replays every step
+    assert run.replays == [predicted.recomputed_ops] * STEPS
+
+
+def test_a_rebuilt_input_is_found_while_autograd_holds_it():
+    """Layer norm saves its input and its mean and rstd. With all three recomputed, unpacking the input
+    rebuilds it and hands it to autograd; rebuilding the mean then needs that input again, and must find
+    the one autograd holds rather than replay its producers a second time (the simulator keeps it
+    resident through the step)."""
+    g = graph_of("gpt2")
+    saved = set(g.saved_activations)
+    norm = next(op for op in g.ops if op.name == "aten.native_layer_norm.default" and op.id > 40)
+    # the normalised output is kept (rebuilding it first would leave mean and rstd cached)
+    recompute = {t for t in [*norm.saved, *norm.outputs[1:]] if t in saved and g.tensors[t].recomputable}
+    assert set(norm.inputs) & recompute and set(norm.outputs[1:]) <= recompute
+    plan = Plan.for_graph(g, dict.fromkeys(recompute, Action.RECOMPUTE))
+    predicted = simulate(g, plan)
+
+    run = run_under("gpt2", plan)
+
+    assert_same(run.trained, reference("gpt2"))
     assert run.replays == [predicted.recomputed_ops] * STEPS
 
 
