@@ -83,15 +83,15 @@ def _floor(name: str, offload: bool) -> int:
 
 
 @functools.cache
-def plan_of(name: str, method: str, offload: bool = False) -> Plan:
-    """A plan from ``method`` at a budget that forces recomputation (or, with ``offload``, offload): 30%
-    of the way from the smallest known peak to keep-everything, else nearer either end (fixed-shape
+def plan_of(name: str, method: str, offload: bool = False, first: float = 0.3) -> Plan:
+    """A plan from ``method`` at a budget that forces recomputation (or, with ``offload``, offload):
+    ``first`` (30%) of the way from the smallest known peak to keep-everything, else nearer either end (fixed-shape
     baselines such as chen cannot go that low; where recomputing is cheaper than an exposed copy, the
     offload solvers offload only at lower budgets)."""
     g = graph_of(name)
     lo, hi = _floor(name, offload), keep_all_report(g).peak_bytes
     wanted = Action.OFFLOAD if offload else Action.RECOMPUTE
-    for frac in (0.3, 0.1, 0.0, 0.6, 0.95):
+    for frac in (first, 0.3, 0.1, 0.0, 0.6, 0.95):
         try:
             result = solve(g, lo + int((hi - lo) * frac), method, offload=offload, time_limit_s=1.0)
         except Infeasible:
