@@ -487,6 +487,72 @@ def _traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
     return trace
 
 
+class _Lifetimes(TorchDispatchMode):
+    """Forward ops and, per new storage, the op during which its last reference went (None: it outlived
+    the forward). Run with saved-tensor hooks that keep nothing, so that only the program's own
+    references (module code, model outputs) keep a storage alive: what a plan that recomputes or offloads
+    it leaves behind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.deaths: list[list[int | None]] = []
+        self.known: set[int] = set()
+        self.refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors((args, kwargs)):
+            s = _storage(t)
+            if s is not None:
+                self.known.add(s._cdata)
+        out = func(*args, **kwargs)
+        k = len(self.names)
+        self.names.append(str(func))
+        row: list[int | None] = []
+        self.deaths.append(row)
+        for t in _tensors(out):
+            s = _storage(t)
+            if s is None or s._cdata in self.known:
+                continue
+            self.known.add(s._cdata)
+            row.append(None)
+            self.refs.append(weakref.ref(s, lambda _r, row=row, j=len(row) - 1, key=s._cdata: self._died(row, j, key)))
+        return out
+
+    def _died(self, row: list[int | None], j: int, key: int) -> None:
+        row[j] = len(self.names) - 1
+        self.known.discard(key)
+
+
+def _forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list[str]) -> dict[tuple[int, int], int | None] | None:
+    """{(forward op, output index): the graph op during which the program itself dropped that storage}
+    from one more forward (model and loss, no backward) under saved-tensor hooks that hold nothing.
+    ``names`` are the traced step's op names; the ``aten.detach`` autograd runs when it saves an output is
+    not dispatched without its own hold, so those are skipped when aligning. None if the ops do not align
+    (then the graph keeps what the traced step saw)."""
+    mode = _Lifetimes()
+    with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _p: None), mode:
+        loss = compute_loss(model, batch, loss_fn)
+        del loss
+    at: list[int] = []  # lifetime-pass op -> graph op
+    g = 0
+    for name in mode.names:
+        while g < len(names) and names[g] != name and names[g] == "aten.detach.default":
+            g += 1
+        if g >= len(names) or names[g] != name:
+            return None
+        at.append(g)
+        g += 1
+    if any(n != "aten.detach.default" for n in names[g:]):
+        return None
+    out: dict[tuple[int, int], int | None] = {}
+    for k, row in enumerate(mode.deaths):
+        for j, died in enumerate(row):
+            out[(at[k], j)] = None if died is None else at[died]
+    return out
+
+
 # ---- the graph --------------------------------------------------------------------------------------------
 
 
@@ -572,7 +638,8 @@ def _initialisers(trace: _Trace, new_id: dict[int, int], mutated_by: dict[int, l
 
 def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[int, float]],
                  fixed: FixedMemory, optimizer_time_s: float, name: str, device: torch.device,
-                 fingerprint: str, bandwidth: float, meta: dict[str, Any]) -> Graph:
+                 fingerprint: str, bandwidth: float, meta: dict[str, Any],
+                 lifetimes: dict[tuple[int, int], int | None] | None = None) -> Graph:
     n_ops = len(trace.ops)
     # Tensor ids in the graph: the pre-existing storages the step reads or that are fixed, then the
     # activations born in forward, in birth order. Storages born in backward/optimizer are not tensors.
@@ -602,6 +669,11 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
         freed_after = None
         if act and st.died is not None and st.died[0] == "forward":
             freed_after = max(st.died[1], st.producer)
+        elif act and lifetimes is not None and not st.held and (st.producer, st.output_index) in lifetimes:
+            # autograd held it in the traced step; without that hold the program drops it here (after the
+            # forward if it outlived it): what a plan that recomputes or offloads it can free at the earliest
+            died = lifetimes[(st.producer, st.output_index)]
+            freed_after = max(n_ops - 1 if died is None else died, st.producer)
         producer_writes = act and bool(trace.ops[st.producer].writes)
         rebuilt_by = initialisers.get(i, [])
         tensors.append(TensorInfo(
@@ -722,6 +794,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         # measurement, so the times come from the `repeats` steps after it.
         first = _traced_step(model, batch, loss_fn, optimizer, fixed_tensors, sync, structure=True,
                              memory="cuda" if on_cuda else "cpu")
+        lifetimes = _forward_lifetimes(model, batch, loss_fn, [op.name for op in first.ops])
         advance()
         traces = []
         for _ in range(repeats):
@@ -746,11 +819,12 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         "repeats": repeats, "optimizer": type(optimizer).__name__,
         "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
         "threads": torch.get_num_threads(),
+        "lifetimes_aligned": lifetimes is not None,
     }
     graph = _build_graph(first, [[op.time_s for op in tr.ops] for tr in traces],
                          [tr.backward_time_s for tr in traces], fixed,
                          statistics.median(tr.optimizer_time_s for tr in traces),
-                         name, device, model_fingerprint(model), _host_bandwidth(device), meta)
+                         name, device, model_fingerprint(model), _host_bandwidth(device), meta, lifetimes)
     # the allocator's view includes kernel scratch; the storages' view is the floor
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, _max_prefix(first.optimizer_events))
     graph.measured = measured

@@ -1,16 +1,15 @@
 """The executor's measured peak against the simulator's prediction: a training step under a plan, measured
 as :mod:`memplan.planner.measure` measures it (CPU: the allocator's reports through ``torch.profiler``),
-peaks within 10% of ``simulate(graph, plan).peak_bytes`` and below the measured keep-everything step.
+peaks within 1% of ``simulate(graph, plan).peak_bytes`` and below the measured keep-everything step.
 
 On CPU the host pool is allocated once at ``apply`` (before the measured step), so offloaded bytes leave
 the measured memory when their (synchronous) copy is done, as on a device.
 
-Known gap (the profiler's, not the executor's): a saved tensor is held by autograd in the profiled step,
-so the graph cannot say when the model's own Python references to it go (``freed_after`` is None) and
-the simulator frees a recomputed one at its last consumer. transformers' GPT-2 keeps some alive longer
-(the attention probabilities it returns, the q/k/v split views), so under plans that recompute them the
-measured *forward* is up to about one attention matrix above the prediction. On these tiny models that
-is up to ~8% at 30% of the activation budget; the GPT-2 dp case is planned at 50%, where backward peaks.
+A saved tensor is held by autograd in the profiled step, so the profiler runs one more forward under
+saved-tensor hooks that hold nothing to see when the model's own references go (transformers' GPT-2 keeps
+its attention probabilities and q/k/v views past their last use): ``freed_after``, which the simulator
+charges to a recomputed or offloaded tensor. Without it the measured forward exceeded the prediction by
+up to one attention matrix (~8% on these tiny models at 30%).
 """
 
 import functools
@@ -46,7 +45,7 @@ def keep_all_peak(name: str) -> int:
 ])
 def test_measured_peak_under_a_plan_matches_the_simulator(name, method, offload):
     g = graph_of(name)
-    plan = plan_of(name, method, offload=offload, first=0.5 if (name, method) == ("gpt2", "dp") else 0.3)
+    plan = plan_of(name, method, offload=offload, first=0.3)
     predicted = simulate(g, plan).peak_bytes
     w = workload(name)
     model = fresh_model(name)
@@ -61,5 +60,6 @@ def test_measured_peak_under_a_plan_matches_the_simulator(name, method, offload)
           f"({measured / predicted - 1:+.2%}), keep-all measured {keep_all_peak(name)} B")
 
     assert step.replays > 0 if plan.count(Action.RECOMPUTE) else len(step.host) > 0
-    assert abs(measured / predicted - 1) <= 0.10
+    # on CPU the allocator is exact and the profiler sees every lifetime: allow 1% (RNG state, scalars)
+    assert abs(measured / predicted - 1) <= 0.01
     assert measured < keep_all_peak(name)

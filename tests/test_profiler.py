@@ -185,3 +185,28 @@ def test_profiling_trains_the_model_and_measures():
     assert g.measured.peak_bytes is not None and g.measured.peak_bytes >= g.fixed.resident_bytes
     assert g.fixed.optimizer_state_bytes == 2 * g.fixed.params_bytes + 4 * 2  # exp_avg, exp_avg_sq, step
     assert g.optimizer_time_s > 0 and g.device == "cpu"
+
+
+def test_a_saved_tensor_the_model_keeps_past_its_last_use_is_charged_until_dropped():
+    # h is saved (by tanh, its own producer, and by the next Linear) and last read by b, but the model
+    # keeps a reference until its forward returns; autograd holds it in the traced step, so only the
+    # profiler's forward without autograd's hold can see that
+    class Keeps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            kept = [h]
+            y = self.c(torch.tanh(self.b(h)))
+            return y * 2 + 0 * len(kept)
+
+    g = _profile(Keeps(), torch.randn(16, 8), _sum_loss)
+    assert g.meta["lifetimes_aligned"] is True
+    tanh = next(op for op in g.ops if op.name == "aten.tanh.default")
+    (h,) = tanh.outputs
+    last_reader = max(op.id for op in g.ops if h in op.inputs)
+    assert g.tensors[h].freed_after is not None and g.tensors[h].freed_after > last_reader
+    # dropped when the forward returns: after the model's last op, before the loss's
+    assert g.tensors[h].freed_after == max(op.id for op in g.ops if op.module != "loss")
