@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from memplan.executor.distributed import apply_distributed
 from memplan.planner import simulate
 from memplan.planner.distributed import (
@@ -40,7 +42,6 @@ from memplan.planner.profiler import profile
 from memplan.planner.units import format_bytes, parse_budget
 from memplan.planner.workloads import default_optimizer, load_workload
 from memplan.solvers import activation_bytes, solve
-from torch import nn
 
 
 def block_prefixes(model: nn.Module) -> list[str]:

@@ -43,13 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from memplan.executor.apply import Executor, apply
 from memplan.executor.optim import SUPPORTED
 from memplan.planner.distributed import DistributedPlanError, cross_unit_recomputes
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
-from torch import nn
 
 
 class DistributedError(DistributedPlanError):

@@ -24,7 +24,6 @@ from torch import nn
 
 from memplan.planner.errors import MemplanError
 
-
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 FUSE_MODES = ("backward", "forward")
 

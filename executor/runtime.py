@@ -48,7 +48,6 @@ from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
 from memplan.planner.profiler import _storage, _tensors
 
-
 if TYPE_CHECKING:
     from memplan.executor.apply import Executor
 

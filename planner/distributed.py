@@ -287,6 +287,7 @@ def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn:
     (:func:`_cpu_allocations`).
     """
     import torch
+
     from memplan.planner.measure import _leaves, allocator_events
     from memplan.planner.workloads import compute_loss
 

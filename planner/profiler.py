@@ -500,29 +500,37 @@ class _Lifetimes(TorchDispatchMode):
         self.known: set[int] = set()
         self.refs: list[weakref.ref] = []
 
+    def _track(self, s: torch.UntypedStorage, row: list[int | None] | None) -> None:
+        """Know ``s`` while it lives (as the traced step's ``by_key`` does, so that "new output" means the
+        same here); for an output, note in ``row`` when it dies."""
+        key = s._cdata
+        self.known.add(key)
+        j = len(row) if row is not None else -1
+        if row is not None:
+            row.append(None)
+
+        def died(_ref: weakref.ref) -> None:
+            self.known.discard(key)
+            if row is not None:
+                row[j] = len(self.names) - 1
+
+        self.refs.append(weakref.ref(s, died))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in _tensors((args, kwargs)):
             s = _storage(t)
-            if s is not None:
-                self.known.add(s._cdata)
+            if s is not None and s._cdata not in self.known:
+                self._track(s, None)
         out = func(*args, **kwargs)
-        k = len(self.names)
         self.names.append(str(func))
         row: list[int | None] = []
         self.deaths.append(row)
         for t in _tensors(out):
             s = _storage(t)
-            if s is None or s._cdata in self.known:
-                continue
-            self.known.add(s._cdata)
-            row.append(None)
-            self.refs.append(weakref.ref(s, lambda _r, row=row, j=len(row) - 1, key=s._cdata: self._died(row, j, key)))
+            if s is not None and s._cdata not in self.known:
+                self._track(s, row)
         return out
-
-    def _died(self, row: list[int | None], j: int, key: int) -> None:
-        row[j] = len(self.names) - 1
-        self.known.discard(key)
 
 
 def _forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list[str]) -> dict[tuple[int, int], int | None] | None:

@@ -28,7 +28,7 @@ import numpy as np
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph, coarsen
 from memplan.planner.plan import Action
-from memplan.planner.simulator import Report, default_prefetch_at, simulate_actions
+from memplan.planner.simulator import Report, simulate_actions
 from memplan.solvers.base import Proposal, register
 
 Actions = dict[int, Action]

@@ -250,7 +250,7 @@ class _Builder:
         init_s = [sum(ops[m].time_s for u in op.outputs for m in graph.tensors[u].rebuilt_by) for op in ops]
         self.replay_ws = [max([op.workspace_bytes] + [ops[m].workspace_bytes for u in op.outputs
                                                       for m in graph.tensors[u].rebuilt_by]) for op in ops]
-        self.op_ticks = [round((op.time_s + extra) / self.tick) for op, extra in zip(ops, init_s)]
+        self.op_ticks = [round((op.time_s + extra) / self.tick) for op, extra in zip(ops, init_s, strict=True)]
         self.bwd_ticks = [round(op.backward_time_s / self.tick) for op in ops]
 
         # Decisions.

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from memplan.planner.plan import Action, Plan
 
 pytestmark = pytest.mark.slow
@@ -115,8 +116,9 @@ def _compare(ref_losses, ref_params, losses, params) -> dict:
 
 
 def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
-    from memplan.executor.distributed import apply_distributed
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from memplan.executor.distributed import apply_distributed
 
     _init(rank, port)
     model0, batches, loss_fn = _workload(rank)
@@ -152,9 +154,10 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
-    from memplan.executor.distributed import apply_distributed
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from memplan.executor.distributed import apply_distributed
 
     _init(rank, port)
     model0, batches, loss_fn = _workload(rank)

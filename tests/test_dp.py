@@ -17,8 +17,8 @@ from memplan.planner.errors import Infeasible, MemplanError
 from memplan.planner.plan import Action
 from memplan.planner.simulator import simulate_actions
 from memplan.planner.synthetic import linear_chain, random_dag
-from memplan.solvers import keep_all_report, memory_lower_bound, solve, solve_frontier
 from memplan.solvers import dp as dp_mod
+from memplan.solvers import keep_all_report, memory_lower_bound, solve, solve_frontier
 from memplan.solvers.dp import dp_frontier, revolve_checkpoints
 from memplan.solvers.oracle import oracle_min_peak
 

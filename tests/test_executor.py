@@ -29,9 +29,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from memplan.executor import apply
 from memplan.executor.runtime import _Step
 from memplan.planner import simulate
-from memplan.planner.measure import measure_step
 from memplan.planner.errors import Infeasible, MemplanError, PlanMismatch
 from memplan.planner.graph import Graph
+from memplan.planner.measure import measure_step
 from memplan.planner.plan import Action, Plan
 from memplan.planner.profiler import profile
 from memplan.planner.workloads import Workload, load_workload

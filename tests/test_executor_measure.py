@@ -16,12 +16,12 @@ import functools
 
 import pytest
 import torch
+from test_executor import adamw, fresh_model, graph_of, plan_of, workload
 
 from memplan.executor import apply
 from memplan.planner import simulate
 from memplan.planner.measure import measure_step
 from memplan.planner.plan import Action
-from test_executor import adamw, fresh_model, graph_of, plan_of, workload
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -16,7 +16,15 @@ from memplan.planner.errors import Infeasible, MemplanError
 from memplan.planner.plan import Action, Plan
 from memplan.planner.simulator import simulate, simulate_actions
 from memplan.planner.synthetic import linear_chain, random_dag
-from memplan.solvers import Proposal, SolverSpec, keep_all_report, smallest_known_peak, solve, solve_frontier, solvers
+from memplan.solvers import (
+    Proposal,
+    SolverSpec,
+    keep_all_report,
+    smallest_known_peak,
+    solve,
+    solve_frontier,
+    solvers,
+)
 from memplan.solvers.oracle import oracle_min_peak
 
 REGISTRY = solvers()
