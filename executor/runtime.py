@@ -41,12 +41,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
-from memplan.planner.profiler import _storage, _tensors
+from memplan.planner.profiler import _storage, _tensors, map_leaves
 
 if TYPE_CHECKING:
     from memplan.executor.apply import Executor
@@ -238,7 +237,7 @@ class _Step:
         record = ex.records
         rng = None
         if record:
-            args_r, kwargs_r = tree_map(self._ref, (args, kwargs))
+            args_r, kwargs_r = map_leaves(self._ref, (args, kwargs))
             if k in ex.rng_ops:
                 rng = self._capture_rng(inputs)
         out = func(*args, **kwargs)
@@ -528,7 +527,7 @@ class _Step:
                 raise MemplanError(f"executor: replaying op {p} needs tensor {x.tid}, which is gone (a bug)")
             return _view(s, x.dtype, x.size, x.stride, x.offset)
 
-        args, kwargs = tree_map(value, (rec.args, rec.kwargs))
+        args, kwargs = map_leaves(value, (rec.args, rec.kwargs))
         # an in-place initialiser must write the storage this replay rebuilds; anything else it writes
         # (batch norm's running statistics) is cloned so that the replay changes nothing else
         args, kwargs = _clone_written(rec.func, args, kwargs, keep=_made_refs(rec, made))
@@ -582,9 +581,9 @@ def _clone_written(func, args, kwargs, keep: set[int | str] = frozenset()):
     kwargs = dict(kwargs)
     for i, name in spec:
         if i < len(args):
-            args[i] = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args[i])
+            args[i] = map_leaves(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args[i])
         elif name in kwargs:
-            kwargs[name] = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, kwargs[name])
+            kwargs[name] = map_leaves(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, kwargs[name])
     return tuple(args), kwargs
 
 

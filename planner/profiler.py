@@ -54,7 +54,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import FixedMemory, Graph, Measured, Op, TensorInfo
@@ -134,7 +133,35 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    """The tensors in an op's arguments or results, in pytree order (tuples, lists, dict values). A plain
+    walk: ``tree_flatten``'s generality costs more than the ops themselves on small models."""
+    out: list[torch.Tensor] = []
+    _collect(tree, out)
+    return out
+
+
+def _collect(x: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _collect(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _collect(y, out)
+
+
+def map_leaves(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn`` applied to every leaf of an op's arguments (inside tuples, lists and dict values;
+    namedtuples kept): ``tree_map`` for the structures ATen arguments have, without its generality."""
+    if isinstance(x, tuple):
+        items = [map_leaves(fn, y) for y in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    if isinstance(x, list):
+        return [map_leaves(fn, y) for y in x]
+    if isinstance(x, dict):
+        return {k: map_leaves(fn, y) for k, y in x.items()}
+    return fn(x)
 
 
 def _keys(args: Any, kwargs: Any) -> set[int]:
