@@ -167,6 +167,9 @@ def ilp_gap(g: Graph, frac: float, time_limit_s: float) -> dict:
             "overhead": r.report.time_s / base_s - 1, "bound_overhead":
             None if r.lower_bound_s is None else r.lower_bound_s / base_s - 1,
             "warm_overhead": None if r.stats.get("warm_start_s") is None else r.stats["warm_start_s"] / base_s - 1,
+            "warm_start": r.stats.get("warm_start", "none"),
+            "model_bound_overhead": None if r.stats.get("model_bound_s") is None
+            else r.stats["model_bound_s"] / base_s - 1, "model_status": r.stats.get("model_status"),
             "variables": r.stats.get("variables"), "rows": r.stats.get("rows")}
 
 
@@ -218,10 +221,15 @@ def render(results, gap: dict | None, time_limit_s: float, gap_limit_s: float, w
         g_txt = "none" if gap["gap"] is None else f"{gap['gap'] * 100:.2f}%"
         bound = "none" if gap["bound_overhead"] is None else f"{gap['bound_overhead'] * 100:.1f}%"
         warm = "none" if gap["warm_overhead"] is None else f"{gap['warm_overhead'] * 100:.1f}%"
+        limited = ""
+        if gap.get("model_status") is not None:
+            mb = gap["model_bound_overhead"]
+            limited = (f"; its depth-limited model ended {gap['model_status']} with bound "
+                       f"{'none' if mb is None else f'{mb * 100:.1f}%'} over the plans it admits")
         lines += ["", f"ILP on the GPT-2 (12 layers) op graph at 50%, time limit {gap_limit_s:.0f} s (CP-SAT, 2 "
                       f"workers): status {gap['status']}, gap {g_txt} (plan overhead "
-                      f"{gap['overhead'] * 100:.1f}%, bound {bound}, greedy warm start {warm}), "
-                      f"{gap['variables']} variables, {gap['rows']} rows, {gap['wall_s']:.0f} s wall."]
+                      f"{gap['overhead'] * 100:.1f}%, bound {bound}, warm start ({gap['warm_start']}) {warm}"
+                      f"{limited}), {gap['variables']} variables, {gap['rows']} rows, {gap['wall_s']:.0f} s wall."]
     return "\n".join(lines)
 
 
