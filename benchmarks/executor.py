@@ -279,8 +279,7 @@ def main() -> None:
     gpu = ("CUDA" if torch.cuda.is_available() else
            "No GPU was available in this session: CPU figures only; the CUDA figures (and how much offload "
            "transfer time is hidden) are to be added when one is lent.")
-    text = (f"Machine: {machine()}. {gpu} The machine was shared with other work while this ran, so absolute "
-            f"times are under load; each model's variants were timed interleaved (one step of each in turn, "
+    text = (f"Machine: {machine()}. {gpu} Each model's variants were timed interleaved (one step of each in turn, "
             f"{args.rounds} rounds, median), so their ratios are comparable. Peaks are from the allocator and "
             f"do not depend on load. Models: the built-ins at their default size. "
             f"Run time {time.perf_counter() - start:.0f} s.\n\n{tables(results, args.rounds)}")
