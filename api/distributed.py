@@ -38,7 +38,7 @@ from memplan.planner.distributed import (
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
-from memplan.planner.profiler import profile
+from memplan.planner.profiler import move_batch, profile
 from memplan.planner.units import format_bytes, parse_budget
 from memplan.planner.workloads import default_optimizer, load_workload
 from memplan.solvers import activation_bytes, solve
@@ -123,7 +123,7 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
     plan = Plan.from_json(box[0][2])
 
     rows = []
-    batch = wl.batch if not on_cuda else _to(wl.batch, device)
+    batch = wl.batch if not on_cuda else move_batch(wl.batch, device)
     for label, p in (("keep all", None), (plan.solver.name, plan)):
         wrap = _wrap(engine, prefixes, p, graph, fuse)
 
@@ -155,14 +155,6 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
     return [r for ranks in everyone for r in ranks]
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(v, device) for v in batch)
-    return batch
 
 
 def _cuda_rank_peak(build, batch, loss_fn, device) -> tuple[int, int]:

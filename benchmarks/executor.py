@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import re
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
 from fidelity import machine  # noqa: E402  (benchmarks/ is not a package)
 
 from memplan.executor import apply  # noqa: E402
@@ -250,13 +250,7 @@ def tables(results: list[dict], rounds: int) -> str:
 
 
 def update_doc(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else ""
-    block = f"<!-- executor:begin -->\n{text}\n<!-- executor:end -->"
-    if "<!-- executor:begin -->" in doc:
-        doc = re.sub(r"<!-- executor:begin -->.*?<!-- executor:end -->", lambda _: block, doc, flags=re.S)
-    else:
-        doc += ("\n" if doc else "") + "## The executor: measured against predicted\n\n" + block + "\n"
-    DOC.write_text(doc)
+    update_section("executor", "The executor: measured against predicted", text, DOC)
 
 
 def main() -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import re
 import time
 from pathlib import Path
 
 import torch
+from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
 
 from memplan.planner.measure import measure_step
 from memplan.planner.plan import Plan
@@ -72,13 +72,7 @@ def table(rows: list[dict]) -> str:
 
 
 def update_doc(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else ""
-    block = f"<!-- fidelity:begin -->\n{text}\n<!-- fidelity:end -->"
-    if "<!-- fidelity:begin -->" in doc:
-        doc = re.sub(r"<!-- fidelity:begin -->.*?<!-- fidelity:end -->", lambda _: block, doc, flags=re.S)
-    else:
-        doc += ("\n" if doc else "") + "## Fidelity: simulated vs measured peak (keep everything)\n\n" + block + "\n"
-    DOC.write_text(doc)
+    update_section("fidelity", "Fidelity: simulated vs measured peak (keep everything)", text, DOC)
 
 
 def main() -> None:

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import random
-import re
 import socket
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -179,11 +179,7 @@ def markdown(rows: list[dict], setup: str) -> str:
 
 
 def update_doc(text: str) -> None:
-    doc = DOC.read_text()
-    block = f"<!-- load:begin -->\n{text}\n<!-- load:end -->"
-    if "<!-- load:begin -->" not in doc:
-        raise SystemExit(f"{DOC} has no <!-- load:begin --> / <!-- load:end --> markers")
-    DOC.write_text(re.sub(r"<!-- load:begin -->.*?<!-- load:end -->", lambda _: block, doc, flags=re.S))
+    update_section("load", "Service load: concurrent plan requests on loopback", text, DOC)
 
 
 async def main_async(args: argparse.Namespace, url: str, graph: dict) -> list[Phase]:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
+
+from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
 
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
@@ -39,7 +40,6 @@ from memplan.solvers import activation_bytes, keep_all_report, solve, solvers
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MEMPLAN_BENCH_CACHE", Path(__file__).resolve().parent / ".cache"))
 DOC = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- solvers:begin -->", "<!-- solvers:end -->"
 FRACTIONS = (0.3, 0.5, 0.7)
 METHODS = ("dp", "ilp", "greedy", "capuchin", "chen", "every-k")
 TORCH = ("dp", "greedy", "ilp")
@@ -234,13 +234,7 @@ def render(results, gap: dict | None, time_limit_s: float, gap_limit_s: float, w
 
 
 def update_doc(text: str) -> None:
-    doc = DOC.read_text()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc and END in doc:
-        doc = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-    else:
-        doc = doc.rstrip("\n") + "\n\n## Solvers\n\n" + block + "\n"
-    DOC.write_text(doc)
+    update_section("solvers", "Solvers", text, DOC)
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.measure import allocator_events, cpu_allocations, live_storage_bytes, measure_step
 from memplan.planner.plan import Plan
+from memplan.planner.profiler import move_batch
 from memplan.planner.simulator import simulate
 from memplan.planner.workloads import LossFn, compute_loss, default_optimizer
 
@@ -97,15 +98,6 @@ class RunReport:
                 "within_budget_5pct": within}
 
 
-def _move(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return type(batch)({k: _move(v, device) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)):
-        moved = [_move(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
 
 
 def _thin(points: list[tuple[float, int]], limit: int) -> list[tuple[float, int]]:
@@ -198,7 +190,7 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
     keep_all_predicted = simulate(graph, None, timeline=False)
     model.to(device)
     model.train()
-    batch = _move(batch, device)
+    batch = move_batch(batch, device)
     optimizer = optimizer or default_optimizer(model)
     on_cuda = device.type == "cuda"
 

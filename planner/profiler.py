@@ -756,13 +756,14 @@ def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-def _move(batch: Any, device: torch.device) -> Any:
+def move_batch(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device`` (tensors, dicts, lists, tuples, namedtuples)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, dict):
-        return type(batch)({k: _move(v, device) for k, v in batch.items()})
+        return type(batch)({k: move_batch(v, device) for k, v in batch.items()})
     if isinstance(batch, (list, tuple)):
-        moved = [_move(v, device) for v in batch]
+        moved = [move_batch(v, device) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
 
@@ -806,7 +807,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     model.to(device)
-    batch = _move(example_batch, device)
+    batch = move_batch(example_batch, device)
     model.train()
     optimizer = optimizer or default_optimizer(model)
     on_cuda = device.type == "cuda"
