@@ -253,3 +253,17 @@ def test_auto_falls_back_when_its_method_misses_a_plan_memplan_knows(monkeypatch
     with pytest.raises(Infeasible) as e:  # below the exact minimum (10 saved: the oracle knows it)
         solve(g, budget - 1, "auto")
     assert e.value.min_feasible_bytes == budget
+
+
+def test_auto_on_a_large_graph_keeps_the_fastest_of_dp_and_the_heuristics(monkeypatch):
+    from memplan.solvers import base
+
+    monkeypatch.setattr(base, "choose_method", lambda graph, offload=False: "dp")  # as past the ILP's size
+    g = random_dag(40, seed=2, max_bytes=800)
+    budget = smallest_known_peak(g) + (keep_all_report(g).peak_bytes - smallest_known_peak(g)) // 2
+    r = solve(g, budget, "auto")
+    tried = r.stats["portfolio_s"]
+    assert set(tried) >= {"dp", "greedy", "capuchin"} and r.plan.solver.name in tried
+    assert r.report.time_s == pytest.approx(min(tried.values()))
+    for name, t in tried.items():
+        assert t == pytest.approx(solve(g, budget, name).report.time_s)
