@@ -803,14 +803,7 @@ def _solve_cbc(model: _Model, hint: dict[int, int], time_limit_s: float) -> _Ans
         prob.solve(cmd)
         text = open(log).read() if os.path.exists(log) else ""
     bound = _cbc_bound(text)
-    if prob.status == pulp.LpStatusInfeasible:
-        return _Answer("infeasible", None, None, None, {})
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        return _Answer("unknown", None, None, bound, {})
-    values = [round(x.value() or 0) for x in xs]
-    obj = pulp.value(prob.objective) or 0.0
-    optimal = prob.sol_status == pulp.LpSolutionOptimal
-    return _Answer("optimal" if optimal else "feasible", values, obj, obj if optimal else bound, {})
+    return _pulp_answer(prob, xs, bound)
 
 
 def _cbc_bound(log: str) -> float | None:
@@ -857,6 +850,13 @@ def _solve_highs_here(model: _Model, time_limit_s: float) -> _Answer:
             bound = float(h.getInfo().mip_dual_bound)
         except Exception:  # an older highspy without the field: no bound
             bound = None
+    return _pulp_answer(prob, xs, bound)
+
+
+def _pulp_answer(prob, xs, bound: float | None) -> _Answer:
+    """A solved PuLP problem as an :class:`_Answer` (CBC and HiGHS alike); ``bound`` is the backend's."""
+    import pulp
+
     if prob.status == pulp.LpStatusInfeasible:
         return _Answer("infeasible", None, None, None, {})
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
