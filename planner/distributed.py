@@ -198,8 +198,8 @@ def for_fsdp(graph: Graph, units: list[FSDPUnit], world_size: int, *, backend: s
 
 
 def _replay_ops(graph: Graph, actions: dict[int, Action], target: int) -> set[int]:
-    """Ops a replay of ``target`` may run: its producer and, recursively, the producers of inputs that are
-    not kept for backward (an over-approximation of the simulator's replay: a tensor rebuilt earlier and
+    """Ops a replay of ``target`` may run: its producer (with its in-place initialisers) and, recursively,
+    the producers of inputs that are not kept for backward (an over-approximation of the simulator's replay: a tensor rebuilt earlier and
     still cached is counted as missing)."""
     savers = graph.savers
     ops: set[int] = set()
@@ -216,6 +216,7 @@ def _replay_ops(graph: Graph, actions: dict[int, Action], target: int) -> set[in
         if u != target and (kept or info.held_by_caller or actions.get(u) == Action.OFFLOAD):
             continue
         ops.add(info.producer)
+        ops.update(info.rebuilt_by)  # its in-place initialisers are replayed too (docs/model.md)
         stack.extend(graph.ops[info.producer].inputs)
     return ops
 

@@ -376,3 +376,22 @@ def test_frees_the_profiler_missed_are_restored():
               (45, -60, 0xA, None), (50, 8, 0xB, None), (60, 30, 0xD, 70)]
     assert restore_missed_frees(events) == [(10, 100), (15, -100), (20, 8), (40, 60), (45, -60), (50, -8),
                                             (50, 8), (60, 30), (70, -30)]
+
+
+def test_replay_ops_include_the_in_place_initialisers():
+    # a dropout-like mask: made by op 1, finished in place by op 2; replaying it runs both, so the FSDP2
+    # unit check must see op 2 (it could sit in another unit's module)
+    from memplan.planner.distributed import _replay_ops
+    from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo
+    from memplan.planner.synthetic import fill_structural_grads
+
+    tensors = [TensorInfo(id=0, kind="input", bytes=100),
+               TensorInfo(id=1, kind="activation", producer=0, bytes=100, requires_grad=True),
+               TensorInfo(id=2, kind="activation", producer=1, bytes=100, rebuilt_by=[2]),
+               TensorInfo(id=3, kind="activation", producer=3, bytes=100, requires_grad=True)]
+    ops = [Op(id=0, name="layer", inputs=[0], outputs=[1], saved=[0], has_backward=True),
+           Op(id=1, name="empty_like", inputs=[1], outputs=[2]),
+           Op(id=2, name="bernoulli_", inputs=[2], random=True),
+           Op(id=3, name="mul", inputs=[1, 2], outputs=[3], saved=[1, 2, 3], has_backward=True)]
+    g = fill_structural_grads(Graph(name="init", tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=100)))
+    assert _replay_ops(g, {2: Action.RECOMPUTE}, 2) == {1, 2}
