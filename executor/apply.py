@@ -30,7 +30,7 @@ from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action, Plan
 from memplan.planner.profiler import model_fingerprint
-from memplan.planner.simulator import _Replay, _static, default_prefetch_at
+from memplan.planner.schedule import Schedule, schedule
 
 
 def _fingerprint_diff(model: nn.Module, graph: Graph | None) -> str:
@@ -84,16 +84,6 @@ def _load(plan: Plan | str | Path, graph: Graph | str | Path | None) -> tuple[Pl
     return plan, graph
 
 
-def _pins(graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int], bandwidth: float) -> dict[int, int]:
-    """{tensor id: lowest backward step whose replay reads it} for activations that cannot be rebuilt: the
-    simulator's first pass (planner/simulator.py ``_run``), so that the executor holds what it charges."""
-    if not any(a == Action.RECOMPUTE for a in actions.values()) or not any(_static(graph).fixed_content):
-        return {}
-    probe = _Replay(graph, actions, prefetch_at, bandwidth, False, discover=True)
-    probe.run()
-    return dict(probe.reads)
-
-
 class Executor:
     """A plan applied to a model (and optionally its optimizer). See :func:`apply`."""
 
@@ -123,11 +113,11 @@ class Executor:
         self.rng_ops = {op.id for op in graph.ops if op.random and (
             op.id in initialisers or any(graph.tensors[t].recomputable for t in op.outputs))}
         offloaded = sorted(t for t, a in self.actions.items() if a == Action.OFFLOAD)
-        bandwidth = plan.bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
-        given = {d.tensor: d.prefetch_at for d in plan.decisions if d.prefetch_at is not None}
-        self.prefetch_order = prefetch_order(
-            {t: given.get(t, default_prefetch_at(graph, t, bandwidth)) for t in offloaded})
-        self.pins = _pins(graph, self.actions, given, bandwidth)
+        # the plan lowered once (planner/schedule.py): where each prefetch starts, what replays pin; a
+        # step's ``events`` record what it performed in the same terms (Schedule.executed() compares)
+        self.schedule: Schedule = schedule(graph, plan, check=False)
+        self.prefetch_order = prefetch_order(self.schedule.prefetch_at)
+        self.pins = dict(self.schedule.pins)
         self.tag_nodes = bool(offloaded) or bool(self.pins)
         self.last_real_op = max((op.id for op in graph.ops if op.name != "aten.detach.default"), default=-1)
         on_cuda = graph.device == "cuda" and torch.cuda.is_available()

@@ -45,7 +45,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
-from memplan.planner.profiler import _storage, _tensors, map_leaves
+from memplan.planner.profiler import map_leaves, storage_of, tensors_in
+from memplan.planner.replay import replay
+from memplan.planner.schedule import ScheduleEvent
 
 if TYPE_CHECKING:
     from memplan.executor.apply import Executor
@@ -163,7 +165,7 @@ class _Step:
         self.pinned: dict[int, torch.UntypedStorage] = {}        # held for a replay that reads them
         self.prefetch_queue = list(ex.prefetch_order)          # (-prefetch_at, tid), ascending
         self.replays = 0
-        self.events: list[tuple[str, int, int | None]] = []    # ("prefetch" | "late" | "replay", id, op)
+        self.events: list[ScheduleEvent] = []                  # what it performed, in the schedule's terms
         self.rng_device = None
         for p in ex.fixed_tensors:
             self._see(p, -1)
@@ -172,7 +174,7 @@ class _Step:
     def _see(self, t: torch.Tensor, tid: int) -> int | None:
         """Register ``t``'s storage (as tensor ``tid``, -1 for a non-activation) unless known; return
         its tensor id (-1 for non-activations), None for tensors without storage."""
-        s = _storage(t)
+        s = storage_of(t)
         if s is None:
             return None
         key = s._cdata
@@ -206,7 +208,7 @@ class _Step:
     def _match(self, name: str) -> int:
         ops = self.g.ops
         while self.cursor < len(ops) and ops[self.cursor].name != name and ops[self.cursor].name == _DETACH:
-            self.cursor += 1  # the detach autograd runs when saving an output is gone under hooks
+            self._passed_detach()  # the detach autograd runs when saving an output is gone under hooks
         k = self.cursor
         if k >= len(ops):
             self._fail(f"the model ran more forward ops than the profiled graph's {len(ops)}: "
@@ -218,6 +220,14 @@ class _Step:
         self.cursor += 1
         return k
 
+    def _passed_detach(self) -> None:
+        """Step over a graph detach that autograd no longer dispatches under saved-tensor hooks (it
+        creates nothing and saves nothing): the step has reached that position all the same."""
+        k = self.cursor
+        self.events.append(ScheduleEvent("compute", "forward", k, reason=f"{_DETACH} (autograd's, not dispatched "
+                                                                          f"under saved-tensor hooks)"))
+        self.cursor += 1
+
     def forward_op(self, func, args, kwargs):
         self.resolve_pending()
         self.poll_d2h()
@@ -228,8 +238,9 @@ class _Step:
             return func(*args, **kwargs)
         k = self._match(str(func))
         op = self.g.ops[k]
+        self.events.append(ScheduleEvent("compute", "forward", k, reason=op.name))
         ex = self.ex
-        inputs = [] if func in _FRESH else _tensors((args, kwargs))
+        inputs = [] if func in _FRESH else tensors_in((args, kwargs))
         for t in inputs:
             self._see(t, -1)
         if ex.fused is not None and ex.fused.pending_keys:
@@ -241,10 +252,10 @@ class _Step:
             if k in ex.rng_ops:
                 rng = self._capture_rng(inputs)
         out = func(*args, **kwargs)
-        outs = _tensors(out)
+        outs = tensors_in(out)
         new: list[tuple[int, int]] = []
         for pos, t in enumerate(outs):
-            s = _storage(t)
+            s = storage_of(t)
             if s is None or s._cdata in self.by_key:
                 continue
             if len(new) >= len(op.outputs):
@@ -287,7 +298,7 @@ class _Step:
     def _ref(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        s = _storage(x)
+        s = storage_of(x)
         entry = self.by_key.get(s._cdata) if s is not None else None
         if entry is None or entry[0] < 0:
             return x  # a parameter, buffer, input or constant: alive anyway, held as is
@@ -319,7 +330,7 @@ class _Step:
 
     # ---- saved tensors -----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        s = _storage(t)
+        s = storage_of(t)
         entry = self.by_key.get(s._cdata) if s is not None else None
         if entry is None or entry[0] < 0:
             return t  # not an activation of this step: parameters and their views are never moved
@@ -338,8 +349,7 @@ class _Step:
         s = self.available(tid)
         if s is None:
             if tid in self.host:
-                self.events.append(("late", tid, None))
-                s = self._prefetch(tid)
+                s = self._prefetch(tid, "late: needed by its backward step")
             else:
                 self._replay(tid)
                 s = self.cache[tid]
@@ -387,6 +397,8 @@ class _Step:
         self.forward_done = True
         ops = self.g.ops
         rest = [k for k in range(self.cursor, len(ops)) if ops[k].name != _DETACH]
+        while not rest and self.cursor < len(ops):
+            self._passed_detach()
         if rest:
             k = rest[0]
             raise PlanMismatch(f"the forward ended after {self.cursor} ops, but the profiled graph has "
@@ -414,16 +426,18 @@ class _Step:
             else:
                 dst.copy_(src)  # CPU fallback: synchronous, the device memory is free to go at once
         self.host[tid] = (dst, s.device, s.nbytes())
+        self.events.append(ScheduleEvent("d2h", "forward", self.cursor - 1, tid, reason="offloaded"))
 
     def poll_d2h(self) -> None:
         if self.d2h_pending:
             self.d2h_pending = [(e, t) for e, t in self.d2h_pending if not e.query()]
 
-    def _prefetch(self, tid: int) -> torch.UntypedStorage:
+    def _prefetch(self, tid: int, why: str, at: int | None = None) -> torch.UntypedStorage:
         """Start the copy back of an offloaded tensor (its device buffer counts from now)."""
         s = self.available(tid)
         if s is not None:
             return s  # never released (its copy ran late, or the caller holds it): nothing moves
+        self.events.append(ScheduleEvent("h2d", "backward", at, tid, reason=why))
         src, device, nbytes = self.host[tid]
         ex = self.ex
         with ex.internal():
@@ -456,45 +470,30 @@ class _Step:
         while q and -q[0][0] >= k:
             _, tid = q.pop(0)
             if tid in self.host and self.pending_unpacks[tid] > 0:
-                self.events.append(("prefetch", tid, k))
-                self._prefetch(tid)
+                self._prefetch(tid, f"scheduled at op {k}", k)
 
     # ---- recompute -----------------------------------------------------------------------------
     def _replay(self, target: int) -> None:
-        """Rebuild ``target`` by replaying its producer and, recursively, producers of missing inputs,
-        in forward order (the simulator's ``_materialize``); leaves it in ``self.cache``."""
+        """Rebuild ``target`` by the replay :func:`memplan.planner.replay.replay` defines (the one the
+        simulator charges): fetch what it needs from the host, run its ops in forward order, drop what it
+        made after its last use unless a handle still waits for it; leaves the target in ``self.cache``."""
         g = self.g
-        to_run: set[int] = set()
-        stack = [target]
-        seen: set[int] = set()
-        while stack:
-            u = stack.pop()
-            if u in seen:
-                continue
-            seen.add(u)
-            info = g.tensors[u]
-            if info.kind != "activation" or self.available(u) is not None:
-                continue
-            if u in self.host:
-                self._prefetch(u)
-                continue
-            if not info.recomputable or info.producer not in self.recipes:
-                raise PlanError(f"backward needs tensor {target}, whose recomputation needs tensor {u} "
-                                f"(output of op {info.producer} {g.ops[info.producer].name}), which is neither "
-                                f"kept nor recomputable")
-            to_run.add(info.producer)
-            stack.extend(g.ops[info.producer].inputs)
-            to_run.update(info.rebuilt_by)  # in-place initialisers (dropout's bernoulli_): they read only it
-        order = sorted(to_run)
-        last_use: dict[int, int] = {}
-        for p in order:
-            for u in g.ops[p].inputs:
-                last_use[u] = p
+        r = replay(g, target, available=lambda u: self.available(u) is not None, fetchable=self.host.__contains__,
+                   retain=lambda u: self.pending_unpacks[u] > 0)
+        r.check(g)
+        lost = next((p for p in r.ops if p not in self.recipes), None)
+        if lost is not None:
+            raise PlanError(f"backward needs tensor {target}, whose recomputation runs op {lost} "
+                            f"({g.ops[lost].name}), which forward did not record")
+        for u in r.fetches:
+            self._prefetch(u, f"needed to recompute tensor {target}")
+        self.events.append(ScheduleEvent("replay", "backward", None, target, r.ops))
+        rebuilds = set(r.rebuilds)
         made: dict[int, torch.UntypedStorage] = {}
         with self.ex.internal(), torch.no_grad():
-            for p in order:
+            for p, freed in zip(r.ops, r.frees_after, strict=True):
                 for tid, s in self._run(p, made):
-                    if self.available(tid) is None and tid not in made:
+                    if tid in rebuilds and tid not in made:
                         made[tid] = s
                         # Remember the rebuilt storage itself: after its last unpack autograd still holds
                         # it while the node runs, and a replay for another saved tensor of the same node
@@ -502,16 +501,10 @@ class _Step:
                         # the simulator keeps it resident through that backward step.
                         self.storages[tid] = weakref.ref(s)
                 self.replays += 1
-                self.events.append(("replay", p, None))
-                for u in list(made):
-                    if u == target or last_use.get(u, -1) > p:
-                        continue
-                    s = made.pop(u)
-                    if self.pending_unpacks[u] > 0:
-                        self.cache[u] = s  # a saved tensor whose backward is still to come stays
-        for u, s in made.items():
-            if u == target or self.pending_unpacks[u] > 0:
-                self.cache[u] = s
+                for u in freed:
+                    del made[u]
+        for u in r.kept:
+            self.cache[u] = made[u]
 
     def _run(self, p: int, made: dict[int, torch.UntypedStorage]) -> list[tuple[int, torch.UntypedStorage]]:
         rec = self.recipes[p]
@@ -547,7 +540,7 @@ class _Step:
                 torch.set_rng_state(keep_cpu)
                 if keep_cuda is not None:
                     torch.cuda.set_rng_state(keep_cuda, device)
-        outs = _tensors(out)
+        outs = tensors_in(out)
         return [(tid, outs[pos].untyped_storage()) for pos, tid in rec.new]
 
 

@@ -215,7 +215,8 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
         peak, baseline, timeline, loss = peak_step(model, batch, loss_fn, optimizer, ex)
         losses.append(loss)
         replays = ex.last_step.replays if ex.last_step is not None else 0
-        events = Counter(kind for kind, *_ in ex.last_step.events) if ex.last_step is not None else Counter()
+        events = Counter("late" if e.reason.startswith("late") else e.kind
+                         for e in ex.last_step.events) if ex.last_step is not None else Counter()
         for _ in range(steps):
             sync()
             t0 = time.perf_counter()

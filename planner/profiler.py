@@ -164,6 +164,10 @@ def map_leaves(fn: Callable[[Any], Any], x: Any) -> Any:
     return fn(x)
 
 
+storage_of = _storage  # public for the executor: a tensor's storage by the profiler's rules (None: none)
+tensors_in = _tensors  # public for the executor: the tensors of an op's arguments or results
+
+
 def _keys(args: Any, kwargs: Any) -> set[int]:
     """The storages a call reads: an output among them is an in-place result, not a new storage."""
     return {s._cdata for s in map(_storage, _tensors((args, kwargs))) if s is not None}

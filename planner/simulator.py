@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from memplan.planner.errors import PlanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action, Plan
+from memplan.planner.replay import replay
+from memplan.planner.schedule import Schedule, ScheduleEvent
 
 _NEVER = 1 << 62
 
@@ -75,8 +76,8 @@ class Report(BaseModel):
 
 
 @dataclass
-class _Static:
-    """Per-graph facts the replay needs, computed once per graph."""
+class StaticFacts:
+    """Per-graph facts the simulator needs, computed once per graph (:func:`static_facts`)."""
 
     saved: list[bool]
     fwd_free_at: list[int]          # op after which an unsaved / not-kept activation is freed
@@ -88,7 +89,9 @@ class _Static:
     fixed_content: list[bool]       # an activation that cannot be rebuilt (not recomputable, not held)
 
 
-def _static(graph: Graph) -> _Static:
+def static_facts(graph: Graph) -> StaticFacts:
+    """The plan-independent facts of ``graph`` (when each activation is freed in forward, released in
+    backward, first read in backward), cached on the graph."""
     cached = graph.__dict__.get("_memplan_sim_static")
     if cached is not None:
         return cached
@@ -123,16 +126,19 @@ def _static(graph: Graph) -> _Static:
         if release_at[t] >= 0 and not graph.tensors[t].held_by_caller:
             releases_after_bwd[release_at[t]].append(t)
     fixed_content = [is_act[t.id] and not t.recomputable and not t.held_by_caller for t in graph.tensors]
-    st = _Static(saved, fwd_free_at, release_at, first_bwd, frees_after_fwd, releases_after_bwd, is_act,
+    st = StaticFacts(saved, fwd_free_at, release_at, first_bwd, frees_after_fwd, releases_after_bwd, is_act,
                  fixed_content)
     graph.__dict__["_memplan_sim_static"] = st
     return st
 
 
+_static = static_facts  # the solvers' modules still import this name (being moved on another branch)
+
+
 def default_prefetch_at(graph: Graph, tensor: int, bandwidth_bytes_per_s: float) -> int:
     """The latest op at which to start a tensor's prefetch so that, with an idle copy stream, the
     backward compute between it and the tensor's first backward reader covers the copy."""
-    st = _static(graph)
+    st = static_facts(graph)
     first = st.first_bwd_use[tensor]
     need = graph.tensors[tensor].bytes / bandwidth_bytes_per_s
     covered = 0.0
@@ -159,35 +165,54 @@ def simulate(graph: Graph, plan: Plan | None = None, *, timeline: bool = True, c
     actions = plan.actions()
     prefetch = {d.tensor: d.prefetch_at for d in plan.decisions
                 if d.action == Action.OFFLOAD and d.prefetch_at is not None}
-    return _run(graph, actions, prefetch, bandwidth, timeline)
+    return _run(graph, actions, prefetch, bandwidth, timeline)[0]
+
+
+def lower(graph: Graph, plan: Plan | None = None, *, check: bool = True) -> Schedule:
+    """``plan`` lowered into a :class:`~memplan.planner.schedule.Schedule` by the pass that
+    :func:`simulate` scores (use :func:`memplan.planner.schedule.schedule`)."""
+    if plan is None:
+        plan = Plan.keep_all(graph)
+    if check:
+        plan.check_against(graph)
+    bandwidth = plan.bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
+    prefetch = {d.tensor: d.prefetch_at for d in plan.decisions
+                if d.action == Action.OFFLOAD and d.prefetch_at is not None}
+    return _run(graph, plan.actions(), prefetch, bandwidth, False, record=True)[1]
 
 
 def simulate_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: dict[int, int] | None = None,
                      bandwidth_bytes_per_s: float | None = None, timeline: bool = False) -> Report:
     """:func:`simulate` for solvers' inner loops: ``{tensor id: action}`` instead of a Plan, unchecked."""
     return _run(graph, actions, prefetch_at or {}, bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s,
-                timeline)
+                timeline)[0]
 
 
 def _run(graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int], bandwidth: float,
-         timeline: bool) -> Report:
+         timeline: bool, record: bool = False) -> tuple[Report, Schedule | None]:
     """Pinning (docs/model.md): a replay that reads an activation which cannot be rebuilt (not
     recomputable: mutated in place later, say) needs that very tensor, so it is retained until the last
     backward step whose replay reads it. Which ones are read depends only on the plan, not on memory: a
     first pass that retains every such tensor records the reads; the second, real pass retains exactly
     those, each until its last read."""
     pins: dict[int, int] = {}
-    st = _static(graph)
+    st = static_facts(graph)
     if any(a == Action.RECOMPUTE for a in actions.values()) and any(st.fixed_content):
         probe = _Replay(graph, actions, prefetch_at, bandwidth, False, discover=True)
         probe.run()
         pins = probe.reads
-    return _Replay(graph, actions, prefetch_at, bandwidth, timeline, pins=pins).run()
+    sim = _Replay(graph, actions, prefetch_at, bandwidth, timeline, pins=pins, record=record)
+    report = sim.run()
+    if not record:
+        return report, None
+    resolved = {t: k for k, ts in sim.prefetch_ops.items() for t in ts}
+    return report, Schedule(graph.fingerprint, tuple(sim.schedule), resolved, dict(pins))
 
 
 class _Replay:
     def __init__(self, graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int],
-                 bandwidth: float, timeline: bool, *, discover: bool = False, pins: dict[int, int] | None = None):
+                 bandwidth: float, timeline: bool, *, discover: bool = False, pins: dict[int, int] | None = None,
+                 record: bool = False):
         self.g = graph
         # discover: retain every pinnable tensor and record in ``reads`` the lowest backward step whose
         # replay reads each; pins: {tensor: step} retained from production until after that step
@@ -197,11 +222,16 @@ class _Replay:
         self.pin_release: dict[int, list[int]] = {}
         for t, s in self.pins.items():
             self.pin_release.setdefault(s, []).append(t)
-        self.st = _static(graph)
+        self.st = static_facts(graph)
         self.actions = actions
         self.bw = bandwidth
         self.record = timeline
         self.events: list[Event] = []
+        self.phase = "forward"
+        self.at: int | None = None  # the graph position being run (for schedule events)
+        self.waited: set[int] = set()
+        self.recording = record
+        self.schedule: list[ScheduleEvent] = []  # the pass as schedule events (planner/schedule.py)
         n_t = len(graph.tensors)
         self.resident = [not a for a in self.st.is_activation]  # params/buffers/inputs always resident
         self.ready_at = [0.0] * n_t         # when a prefetched buffer's data has arrived
@@ -239,16 +269,23 @@ class _Replay:
             self.events.append(Event(phase=phase, op=op, start_s=start, live_bytes=self.live,
                                      peak_bytes=max(during, self.live), note=note))
 
-    def _free(self, t: int) -> None:
+    def _sched(self, kind: str, at: int | None, tensor: int | None = None, ops: tuple[int, ...] = (),
+               reason: str = "") -> None:
+        if self.recording:
+            self.schedule.append(ScheduleEvent(kind, self.phase, at, tensor, ops, reason))  # type: ignore[arg-type]
+
+    def _free(self, t: int, reason: str = "") -> None:
         if self.resident[t]:
             self.resident[t] = False
             self.live -= self.g.tensors[t].bytes
+            if self.recording:
+                self._sched("free", self.at, t, reason=reason)
 
     def _release_pending(self) -> None:
         while self.pending and self.pending[0][0] <= self.now:
             _, t = heapq.heappop(self.pending)
             if self.resident[t] and not self.prefetched[t]:
-                self._free(t)
+                self._free(t, "its copy to host has ended")
 
     def _action(self, t: int) -> Action:
         return self.actions.get(t, Action.KEEP)
@@ -271,6 +308,8 @@ class _Replay:
         self._backward()
         bwd_s = self.now - fwd_s - self.recompute_s - self.exposed_s
         start = self.now
+        self.phase, self.at = "optimizer", None
+        self._sched("optimizer", None, reason="optimizer step")
         during = self.live + g.fixed.optimizer_step_bytes
         self._bump(during, "optimizer", None, "optimizer step")
         self.now += g.optimizer_time_s
@@ -288,6 +327,8 @@ class _Replay:
         tensors = g.tensors
         for op in g.ops:
             self._release_pending()
+            self.at = op.id
+            self._sched("compute", op.id, reason=op.name)
             start = self.now
             for t in op.outputs:
                 if not self.resident[t]:
@@ -302,6 +343,7 @@ class _Replay:
                     begin = max(self.copy_free, self.now)  # waits for the producing op (an event)
                     self.copy_free = self.d2h_end[t] = begin + b / self.bw
                     self.on_host[t] = True
+                    self._sched("d2h", op.id, t, reason="offloaded")
                     self.transfer_bytes += b
                     self.host_live += b
                     self.host_peak = max(self.host_peak, self.host_live)
@@ -309,11 +351,11 @@ class _Replay:
                 if not self.resident[t] or self._pinned(t):
                     continue
                 if not st.saved[t]:
-                    self._free(t)
+                    self._free(t, "last forward use")
                     continue
                 a = self._action(t)
                 if a == Action.RECOMPUTE:
-                    self._free(t)
+                    self._free(t, "last forward use; recomputed for backward")
                 elif a == Action.OFFLOAD:
                     heapq.heappush(self.pending, (self.d2h_end[t], t))
             self._event("forward", op.id, start, during, op.name)
@@ -332,10 +374,14 @@ class _Replay:
         self.resident[t] = True
         self.live += b
         self.transfer_bytes += b
+        self._sched("h2d", self.at, t, reason=why)
         self._bump(self.live, "prefetch", t, f"prefetch tensor {t} ({why})")
         self._event("prefetch", self.g.tensors[t].producer, self.now, self.live, f"prefetch tensor {t} ({why})")
 
     def _wait(self, t: int, for_op: int) -> None:
+        if self.recording and self.prefetched[t] and t not in self.waited:
+            self.waited.add(t)
+            self._sched("wait", for_op, t, reason=f"op {for_op}'s backward reads it")
         if self.ready_at[t] > self.now:
             start = self.now
             self.exposed_s += self.ready_at[t] - self.now
@@ -343,69 +389,49 @@ class _Replay:
             self._event("wait", for_op, start, self.live, f"wait for prefetch of tensor {t}")
 
     def _materialize(self, target: int, step: int) -> None:
-        """Make ``target`` resident for backward step ``step`` by replaying producers (see module doc)."""
+        """Make ``target`` resident for backward step ``step`` by the replay :func:`replay` defines:
+        fetch the offloaded tensors it needs, run its ops in forward order, free what it made after its
+        last use unless backward still reads it (a saved tensor whose backward is still to come stays,
+        as checkpointing does)."""
         g, st = self.g, self.st
         tensors = g.tensors
-        to_run: set[int] = set()
-        stack = [target]
-        seen: set[int] = set()
-        while stack:
-            u = stack.pop()
-            if u in seen:
-                continue
-            seen.add(u)
-            if self.resident[u]:
-                if u != target and self.discover and self._pinnable(u):
+        resident, on_host = self.resident, self.on_host
+        r = replay(g, target, available=resident.__getitem__,
+                   fetchable=lambda u: on_host[u] and self._action(u) == Action.OFFLOAD,
+                   retain=lambda u: st.saved[u] and st.release_at[u] <= step)
+        r.check(g, step)
+        if self.discover:
+            for u in r.reads:
+                if self._pinnable(u):
                     self.reads[u] = min(self.reads.get(u, step), step)
-                continue
-            if self.on_host[u] and self._action(u) == Action.OFFLOAD:
-                self._prefetch(u, f"needed to recompute tensor {target}")
-                self._wait(u, step)
-                continue
-            t = tensors[u]
-            if not t.recomputable:
-                raise PlanError(f"backward of op {step} needs tensor {target}, whose recomputation needs "
-                                f"tensor {u} (output of op {t.producer} {g.ops[t.producer].name}), which is "
-                                f"neither kept nor recomputable")
-            p = t.producer
-            to_run.add(p)
-            stack.extend(g.ops[p].inputs)
-            to_run.update(t.rebuilt_by)  # in-place initialisers finish its content (they read only it)
-        order = sorted(to_run)
-        last_use: dict[int, int] = {}
-        for p in order:
-            for u in g.ops[p].inputs:
-                last_use[u] = p
-        made: set[int] = set()
-        for p in order:
+        for u in r.fetches:
+            self._prefetch(u, f"needed to recompute tensor {target}")
+            self._wait(u, step)
+        self._sched("replay", step, target, r.ops, f"op {step}'s backward reads it")
+        for p, freed in zip(r.ops, r.frees_after, strict=True):
             op = g.ops[p]
             start = self.now
             for o in op.outputs:
-                if not self.resident[o]:
-                    self.resident[o] = True
+                if not resident[o]:
+                    resident[o] = True
                     self.live += tensors[o].bytes
-                    made.add(o)
             note = f"recompute op {p} ({op.name}) for op {step}'s backward"
             during = self.live + op.workspace_bytes
             self._bump(during, "recompute", p, note)
             self.now += op.time_s
             self.recompute_s += op.time_s
             self.replays += 1
-            # Free what this replay made and no longer needs; keep what backward still reads.
-            for u in list(made):
-                if u == target or last_use.get(u, -1) > p:
-                    continue
-                if st.saved[u] and st.release_at[u] <= step:
-                    continue  # a saved tensor whose backward is still to come stays, as checkpointing does
-                made.discard(u)
-                self._free(u)
+            for u in freed:
+                self._free(u, f"replay for tensor {target} no longer reads it")
             self._event("recompute", p, start, during, note)
 
     def _backward(self) -> None:
         g, st = self.g, self.st
         tensors = g.tensors
+        self.phase = "backward"
         for op in reversed(g.ops):
             i = op.id
+            self.at = i
             self._release_pending()
             for t in self.prefetch_ops.get(i, ()):
                 self._prefetch(t, f"scheduled at op {i}")
@@ -419,6 +445,7 @@ class _Replay:
                         self._materialize(t, i)
                 self._wait(t, i)
             start = self.now
+            self._sched("backward", i, reason=op.name)
             during = self.live + op.backward_grad_alloc_bytes + op.backward_workspace_bytes
             self._bump(during, "backward", i, f"backward of op {i} ({op.name})")
             self.live += op.backward_grad_alloc_bytes
@@ -430,11 +457,11 @@ class _Replay:
                 if self._pinned(t) and self.pins[t] < i:
                     continue  # a later replay reads it: released after that step instead
                 if self.resident[t]:
-                    self._free(t)
+                    self._free(t, "its last backward reader has run")
                     if self.on_host[t]:
                         self.host_live -= tensors[t].bytes
             for t in self.pin_release.get(i, ()):
                 if st.saved[t] and st.release_at[t] < i:
                     continue  # its own backward reader comes later and releases it
-                self._free(t)
+                self._free(t, "pinned: the last replay that reads it has run")
             self._event("backward", i, start, during, op.name)

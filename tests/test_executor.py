@@ -180,7 +180,8 @@ def run_under(name: str, plan: Plan, *, optimizer: str = "adamw", fuse: str | No
         # backward is over: nothing rebuilt, fetched or pinned outlives it (docs/model.md)
         assert not st.cache and not st.pinned
         replays.append(st.replays)
-        events.append(Counter(kind for kind, *_ in st.events))
+        events.append(Counter(("late" if e.reason.startswith("late") else "prefetch") if e.kind == "h2d" else e.kind
+                              for e in st.events))
         offloaded.append(len(st.host))
         if after_backward is not None:
             after_backward(model)

@@ -1,0 +1,171 @@
+"""What a replay runs: the one definition of rebuilding a missing activation, shared by the simulator,
+the executor, the FSDP2 unit check and the solvers (torch-free).
+
+A *replay* of ``target`` re-creates it from what is at hand. Starting from ``target`` (missing by
+definition: a replay is asked for only then), every tensor the replay needs is classified:
+
+* **available**: a parameter, buffer or input (always), or an activation for which ``available(u)`` is
+  true (resident on the device; a kept, pinned or held tensor). It is *read*, never re-created.
+* **fetched**: an activation for which ``fetchable(u)`` is true (an offloaded tensor whose host copy
+  exists): it is copied back to the device before the replay runs its first op, not rebuilt.
+* **rebuilt**: a recomputable activation: its producer op runs again, then its ``rebuilt_by`` ops (the
+  in-place initialisers that finished its content in forward: dropout's ``bernoulli_`` and ``div_`` into
+  an ``empty_like``, an in-place ReLU). Every tensor those ops read is needed in turn.
+* **blocked**: an activation that is none of the above (not recomputable, or past ``max_depth``): the
+  replay cannot run unless it is made available; the caller refuses the plan or (a solver's model)
+  constrains it.
+
+The replay runs the ops of every rebuilt tensor once each, in forward (op id) order. After each op it
+frees the tensors it re-created that no later op of the replay reads, unless the tensor is the target or
+``retain(u)`` says backward still needs it (a saved tensor whose own backward step is still to come stays
+resident, as checkpointing keeps it); those, with the target, are ``kept`` when it ends. An output of a
+replayed op that was already available is not re-created (the new copy is dropped at once).
+
+Which tensors are needed is decided once, from the state when the replay starts: a fetch or a rebuild
+during the replay does not change what else it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from memplan.planner.errors import PlanError
+from memplan.planner.graph import Graph
+
+Predicate = Callable[[int], bool]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One replay of ``target`` (see the module docstring for the rules).
+
+    ``ops``: op ids to run, in forward order (producers and their ``rebuilt_by`` initialisers).
+    ``rebuilds``: activations it re-creates (outputs of ``ops`` that were not available), ascending.
+    ``fetches``: offloaded activations copied back before it starts, ascending.
+    ``reads``: available activations it reads (they must stay resident until it has run), ascending.
+    ``frees_after``: parallel to ``ops``: the re-created tensors freed right after each op.
+    ``kept``: re-created tensors still resident when it ends (the target first).
+    ``missing``: every needed activation that was not available, breadth-first from the target
+    (target first): the rebuilt, fetched and blocked ones.
+    ``blocked``: needed activations that can be neither read, fetched nor rebuilt (ascending).
+    ``frontier``: needed activations past ``max_depth`` (a subset of ``blocked``).
+    """
+
+    target: int
+    ops: tuple[int, ...]
+    rebuilds: tuple[int, ...]
+    fetches: tuple[int, ...]
+    reads: tuple[int, ...]
+    frees_after: tuple[tuple[int, ...], ...]
+    kept: tuple[int, ...]
+    missing: tuple[int, ...]
+    blocked: tuple[int, ...]
+    frontier: tuple[int, ...]
+
+    def check(self, graph: Graph, step: int | None = None) -> None:
+        """Raise :class:`PlanError` naming the first blocked tensor, if any (``step``: the backward step
+        that needs the target, for the message)."""
+        if not self.blocked:
+            return
+        u = self.blocked[0]
+        info = graph.tensors[u]
+        who = f"backward of op {step}" if step is not None else "a replay"
+        raise PlanError(f"{who} needs tensor {self.target}, whose recomputation needs tensor {u} (output of "
+                        f"op {info.producer} {graph.ops[info.producer].name}), which is neither kept nor "
+                        f"recomputable")
+
+
+def _as_predicate(x: Predicate | Collection[int] | None) -> Predicate:
+    if x is None:
+        return lambda _u: False
+    if callable(x):
+        return x
+    return x.__contains__
+
+
+def rebuild_ops(graph: Graph, tensor: int) -> tuple[int, ...]:
+    """The ops that re-create ``tensor`` in a replay: its producer, then its ``rebuilt_by`` ops."""
+    info = graph.tensors[tensor]
+    if info.producer is None:
+        return ()
+    return (info.producer, *info.rebuilt_by)
+
+
+def replay(graph: Graph, target: int, *, available: Predicate | Collection[int],
+           fetchable: Predicate | Collection[int] | None = None, retain: Predicate | Collection[int] | None = None,
+           max_depth: int | None = None) -> Replay:
+    """What a replay of ``target`` runs, given what is at hand (module docstring).
+
+    ``available(u)``: activation ``u`` is on the device and may be read (non-activations always are).
+    ``fetchable(u)``: ``u`` is not on the device but has a host copy to fetch. ``retain(u)``: a tensor this
+    replay re-creates must stay resident after it (backward still reads it). ``max_depth``: needed
+    tensors more than this many producer hops from the target are not expanded (``frontier``, blocked).
+    Each argument may be a predicate or a collection of tensor ids. Raises nothing: blocked tensors are
+    reported (:meth:`Replay.check` raises).
+    """
+    is_available = _as_predicate(available)
+    is_fetchable = _as_predicate(fetchable)
+    is_retained = _as_predicate(retain)
+    tensors, ops = graph.tensors, graph.ops
+    depth = {target: 0}
+    order = [target]
+    to_run: set[int] = set()
+    reads: set[int] = set()
+    fetches: list[int] = []
+    blocked: list[int] = []
+    frontier: list[int] = []
+    i = 0
+    while i < len(order):  # breadth first: the depth limit counts hops from the target
+        u = order[i]
+        i += 1
+        info = tensors[u]
+        if u != target and is_fetchable(u):
+            fetches.append(u)
+            continue
+        if not info.recomputable or info.producer is None:
+            blocked.append(u)
+            continue
+        run = rebuild_ops(graph, u)
+        to_run.update(run)
+        for p in run:
+            for v in ops[p].inputs:
+                if v in depth or v == u:
+                    continue
+                vinfo = tensors[v]
+                if vinfo.kind != "activation":
+                    continue
+                if is_available(v):
+                    reads.add(v)
+                    continue
+                if max_depth is not None and depth[u] + 1 > max_depth:
+                    if v not in frontier:
+                        frontier.append(v)
+                    continue
+                depth[v] = depth[u] + 1
+                order.append(v)
+    run_order = sorted(to_run)
+    last_use: dict[int, int] = {}
+    for p in run_order:
+        for v in ops[p].inputs:
+            last_use[v] = p
+    have = set(reads) | set(fetches)
+    made: list[int] = []
+    live: list[int] = []
+    frees_after: list[tuple[int, ...]] = []
+    for p in run_order:
+        for o in ops[p].outputs:
+            if o not in have and not (o != target and is_available(o)):
+                have.add(o)
+                made.append(o)
+                live.append(o)
+        freed = tuple(u for u in live
+                      if u != target and last_use.get(u, -1) <= p and not is_retained(u))
+        if freed:
+            live = [u for u in live if u not in freed]
+        frees_after.append(freed)
+    kept = sorted(live, key=lambda u: (u != target, u))
+    return Replay(
+        target=target, ops=tuple(run_order), rebuilds=tuple(sorted(made)), fetches=tuple(sorted(fetches)),
+        reads=tuple(sorted(reads)), frees_after=tuple(frees_after), kept=tuple(kept), missing=tuple(order),
+        blocked=tuple(sorted(blocked + frontier)), frontier=tuple(sorted(frontier)))
