@@ -30,6 +30,7 @@ from typing import Any
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action, Plan
+from memplan.planner.replay import replay
 
 ENGINES = ("ddp", "fsdp")
 
@@ -198,27 +199,19 @@ def for_fsdp(graph: Graph, units: list[FSDPUnit], world_size: int, *, backend: s
 
 
 def _replay_ops(graph: Graph, actions: dict[int, Action], target: int) -> set[int]:
-    """Ops a replay of ``target`` may run: its producer (with its in-place initialisers) and, recursively,
-    the producers of inputs that are not kept for backward (an over-approximation of the simulator's replay: a tensor rebuilt earlier and
-    still cached is counted as missing)."""
+    """Ops a replay of ``target`` may run (:func:`memplan.planner.replay.replay`), counting as missing
+    every activation the plan does not keep for backward (an over-approximation of the simulator's
+    replay: a tensor rebuilt earlier and still cached is counted as missing). Kept, caller-held and
+    offloaded (fetched, not rebuilt) tensors are read; one that cannot be rebuilt is pinned (read)."""
     savers = graph.savers
-    ops: set[int] = set()
-    stack, seen = [target], set()
-    while stack:
-        u = stack.pop()
-        if u in seen:
-            continue
-        seen.add(u)
+
+    def available(u: int) -> bool:
         info = graph.tensors[u]
-        if info.kind != "activation":
-            continue
         kept = u in savers and actions.get(u, Action.KEEP) == Action.KEEP
-        if u != target and (kept or info.held_by_caller or actions.get(u) == Action.OFFLOAD):
-            continue
-        ops.add(info.producer)
-        ops.update(info.rebuilt_by)  # its in-place initialisers are replayed too (docs/model.md)
-        stack.extend(graph.ops[info.producer].inputs)
-    return ops
+        return kept or info.held_by_caller or not info.recomputable
+
+    offloaded = {t for t, a in actions.items() if a == Action.OFFLOAD}
+    return set(replay(graph, target, available=available, fetchable=offloaded).ops)
 
 
 def cross_unit_recomputes(graph: Graph, plan: Plan, prefixes: list[str]) -> list[tuple[int, str, str]]:

@@ -46,8 +46,8 @@ class Replay:
     ``reads``: available activations it reads (they must stay resident until it has run), ascending.
     ``frees_after``: parallel to ``ops``: the re-created tensors freed right after each op.
     ``kept``: re-created tensors still resident when it ends (the target first).
-    ``missing``: every needed activation that was not available, breadth-first from the target
-    (target first): the rebuilt, fetched and blocked ones.
+    ``missing``: every needed activation within ``max_depth`` that was not available, breadth-first
+    from the target (target first): the rebuilt, fetched and blocked ones (not the frontier).
     ``blocked``: needed activations that can be neither read, fetched nor rebuilt (ascending).
     ``frontier``: needed activations past ``max_depth`` (a subset of ``blocked``).
     """

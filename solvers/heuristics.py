@@ -28,6 +28,7 @@ import numpy as np
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph, coarsen
 from memplan.planner.plan import Action
+from memplan.planner.replay import replay
 from memplan.planner.simulator import Report, simulate_actions
 from memplan.solvers.base import Proposal, register
 
@@ -273,22 +274,11 @@ def _pick_dtr(graph: Graph, facts: _Facts, actions: Actions, cands: list[int], t
 
 
 def _replay_cost(graph: Graph, facts: _Facts, missing: set[int], t: int) -> float:
-    """Forward time to rebuild ``t`` from resident tensors: its producer and, recursively, the producers
-    of its missing inputs (each once)."""
-    tensors, ops = graph.tensors, graph.ops
-    seen_ops: set[int] = set()
-    stack = [tensors[t].producer]
-    total = 0.0
-    while stack:
-        p = stack.pop()
-        if p in seen_ops:
-            continue
-        seen_ops.add(p)
-        total += ops[p].time_s
-        for u in ops[p].inputs:
-            if (u in missing or facts.missing_in_backward[u]) and tensors[u].producer is not None:
-                stack.append(tensors[u].producer)
-    return total
+    """Forward time to rebuild ``t`` from resident tensors: the ops of its replay
+    (:func:`memplan.planner.replay.replay`: producers and their in-place initialisers), each once."""
+    ops = graph.ops
+    r = replay(graph, t, available=lambda u: not (u in missing or facts.missing_in_backward[u]))
+    return sum(ops[p].time_s for p in r.ops)
 
 
 def _pick_capuchin(graph: Graph, facts: _Facts, actions: Actions, cands: list[int], target_bytes: int,

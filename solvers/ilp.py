@@ -70,6 +70,7 @@ from functools import reduce
 from memplan.planner.errors import MemplanError, SolverUnavailable
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
+from memplan.planner.replay import replay
 from memplan.planner.simulator import Report, _static, default_prefetch_at, simulate_actions
 from memplan.solvers.base import Proposal, register
 
@@ -410,31 +411,19 @@ class _Builder:
 
     # -- backward ------------------------------------------------------------------------------------
     def _closure(self, t: int, s: int) -> tuple[list[int], set[int]]:
-        """Tensors a replay for target t at step s may traverse (BFS over producers' inputs), and the
-        ones past the depth limit (they must then be available when reached)."""
-        g = self.g
-        tensors = g.tensors
-        seen = {t: 0}
-        order = [t]
-        frontier: set[int] = set()
-        i = 0
-        while i < len(order):
-            u = order[i]
-            i += 1
-            if not tensors[u].recomputable:
-                continue
-            for v in g.ops[tensors[u].producer].inputs:
-                info = tensors[v]
-                if info.kind != "activation" or info.held_by_caller or v in seen:
-                    continue
-                if self.st.saved[v] and v not in self.r and v not in self.o and self.st.release_at[v] <= s:
-                    continue  # kept and not yet released: always there
-                if self.depth is not None and seen[u] + 1 > self.depth:
-                    frontier.add(v)
-                    continue
-                seen[v] = seen[u] + 1
-                order.append(v)
-        return order, frontier
+        """Tensors a replay for target t at step s may traverse (:func:`memplan.planner.replay.replay`,
+        breadth first, with every activation missing unless it is always there at s: not an activation,
+        held by the caller, or kept for certain and not yet released), and the ones past the depth limit
+        (they must then be available when reached)."""
+        tensors, st = self.g.tensors, self.st
+
+        def always_there(v: int) -> bool:
+            info = tensors[v]
+            return info.held_by_caller or (st.saved[v] and v not in self.r and v not in self.o
+                                           and st.release_at[v] <= s)
+
+        rp = replay(self.g, t, available=always_there, max_depth=self.depth)
+        return list(rp.missing), set(rp.frontier)
 
     def _backward(self) -> None:
         g, st, m = self.g, self.st, self.m
