@@ -7,8 +7,9 @@ The cost model is stated in docs/model.md; in short:
 * Forward op ``i``: its new output storages are allocated (peak also counts ``workspace_bytes``), the
   compute clock advances by ``time_s``; then every activation whose last forward use is ``i`` is freed,
   unless backward saves it and the plan keeps it, or the caller holds it (``held_by_caller``).
-  An offloaded activation is copied to host on the copy stream as soon as it is produced and its device
-  memory is released at the first op boundary after both its last forward use and the copy's end.
+  An offloaded activation is copied to host on the copy stream right after its first saver (the forward op
+  whose autograd node first saves it: its content is final then, in-place initialisers included), and its
+  device memory is released at the first op boundary after both its last forward use and the copy's end.
 * Backward, ops in reverse: prefetches scheduled at this op start (device buffer allocated now, copy on
   the copy stream); missing saved tensors are made resident: an offloaded one waits for its copy (the
   wait is *exposed* transfer time), a recomputed one is rebuilt by replaying its producer and, recursively,
@@ -87,6 +88,12 @@ class StaticFacts:
     releases_after_bwd: list[list[int]]
     is_activation: list[bool]
     fixed_content: list[bool]       # an activation that cannot be rebuilt (not recomputable, not held)
+    unpack_order: list[list[int]]   # op -> the tensors it saves, in the order autograd packs and unpacks
+                                    # them: its inputs (packed before the op runs), then its outputs (after),
+                                    # each in ``Op.saved`` order
+    saved_at: list[list[int]]       # op -> saved activations first saved by it, in unpack_order: an
+                                    # offloaded input is copied to host when the op starts, an output when
+                                    # it ends
 
 
 def static_facts(graph: Graph) -> StaticFacts:
@@ -126,8 +133,15 @@ def static_facts(graph: Graph) -> StaticFacts:
         if release_at[t] >= 0 and not graph.tensors[t].held_by_caller:
             releases_after_bwd[release_at[t]].append(t)
     fixed_content = [is_act[t.id] and not t.recomputable and not t.held_by_caller for t in graph.tensors]
+    saved_at: list[list[int]] = [[] for _ in range(n_o)]
+    unpack_order: list[list[int]] = []
+    for op in graph.ops:
+        ts = list(dict.fromkeys(op.saved))
+        order = [t for t in ts if t not in op.outputs] + [t for t in ts if t in op.outputs]
+        unpack_order.append(order)
+        saved_at[op.id] = [t for t in order if saved[t] and release_at[t] == op.id]
     st = StaticFacts(saved, fwd_free_at, release_at, first_bwd, frees_after_fwd, releases_after_bwd, is_act,
-                 fixed_content)
+                     fixed_content, unpack_order, saved_at)
     graph.__dict__["_memplan_sim_static"] = st
     return st
 
@@ -328,7 +342,6 @@ class _Replay:
         for op in g.ops:
             self._release_pending()
             self.at = op.id
-            self._sched("compute", op.id, reason=op.name)
             start = self.now
             for t in op.outputs:
                 if not self.resident[t]:
@@ -336,17 +349,13 @@ class _Replay:
                     self.live += tensors[t].bytes
             during = self.live + op.workspace_bytes
             self._bump(during, "forward", op.id, f"forward op {op.id} ({op.name})")
+            ins = [t for t in st.saved_at[op.id] if t not in op.outputs]
+            for t in ins:  # a saved input's content is final when its first saver starts
+                self._d2h(t, op.id)
+            self._sched("compute", op.id, reason=op.name)
             self.now += op.time_s
-            for t in op.outputs:
-                if st.saved[t] and self._action(t) == Action.OFFLOAD:
-                    b = tensors[t].bytes
-                    begin = max(self.copy_free, self.now)  # waits for the producing op (an event)
-                    self.copy_free = self.d2h_end[t] = begin + b / self.bw
-                    self.on_host[t] = True
-                    self._sched("d2h", op.id, t, reason="offloaded")
-                    self.transfer_bytes += b
-                    self.host_live += b
-                    self.host_peak = max(self.host_peak, self.host_live)
+            for t in st.saved_at[op.id][len(ins):]:  # a saved output's, when it ends
+                self._d2h(t, op.id)
             for t in st.frees_after_fwd[op.id]:
                 if not self.resident[t] or self._pinned(t):
                     continue
@@ -360,6 +369,19 @@ class _Replay:
                     heapq.heappush(self.pending, (self.d2h_end[t], t))
             self._event("forward", op.id, start, during, op.name)
         self._release_pending()
+
+    def _d2h(self, t: int, at: int) -> None:
+        """Copy an offloaded tensor to host on the copy stream, after what the stream already holds."""
+        if self._action(t) != Action.OFFLOAD:
+            return
+        b = self.g.tensors[t].bytes
+        begin = max(self.copy_free, self.now)  # waits for the saver (an event on the compute stream)
+        self.copy_free = self.d2h_end[t] = begin + b / self.bw
+        self.on_host[t] = True
+        self._sched("d2h", at, t, reason="offloaded")
+        self.transfer_bytes += b
+        self.host_live += b
+        self.host_peak = max(self.host_peak, self.host_live)
 
     def _prefetch(self, t: int, why: str) -> None:
         """Start copying an offloaded tensor back: its device buffer is allocated now."""
@@ -435,7 +457,7 @@ class _Replay:
             self._release_pending()
             for t in self.prefetch_ops.get(i, ()):
                 self._prefetch(t, f"scheduled at op {i}")
-            for t in dict.fromkeys(op.saved):
+            for t in st.unpack_order[i]:
                 if not st.is_activation[t]:
                     continue
                 if not self.resident[t]:

@@ -245,6 +245,7 @@ class _Builder:
             acc += op.time_s
         self.fwd_start = [math.floor(s / self.tick + 1e-6) for s in starts]       # rounded down
         self.fwd_end = [math.ceil((s + op.time_s) / self.tick - 1e-6) for s, op in zip(starts, ops)]
+        self.fwd_start_up = [math.ceil(s / self.tick - 1e-6) for s in starts]  # a D2H copy's earliest start
         self.fwd_total = math.floor(fwd_total / self.tick + 1e-6)
         # a replayed op also re-runs the in-place initialisers of its output (TensorInfo.rebuilt_by: the
         # profiler only allows them on single-output producers), as the simulator does
@@ -338,7 +339,9 @@ class _Builder:
     def _forward(self) -> None:
         g, st, m = self.g, self.st, self.m
         tensors = g.tensors
-        order = sorted(self.o, key=lambda u: (tensors[u].producer, g.ops[tensors[u].producer].outputs.index(u)))
+        # a D2H copy starts when the tensor's first saver starts (a saved input) or ends (a saved output),
+        # in the simulator's ``saved_at`` order
+        order = sorted(self.o, key=lambda u: (st.release_at[u], st.saved_at[st.release_at[u]].index(u)))
         big = self.fwd_total + sum(self.d.values()) + 1
         self.big_f = big
         z: dict[int, dict[int, int]] = {u: {} for u in self.o}
@@ -346,7 +349,8 @@ class _Builder:
         latest = 0
         for u in order:
             ou, d = self.o[u], self.d[u]
-            fe = self.fwd_end[tensors[u].producer]
+            k = st.release_at[u]
+            fe = self.fwd_end[k] if u in g.ops[k].outputs else self.fwd_start_up[k]
             latest = max(latest, fe) + d
             self.d2h_ub[u] = latest
             cf = m.var(f"d2h_end[{u}]", 0, big, binary=False)
@@ -450,7 +454,7 @@ class _Builder:
         # Passes: one per (step, saved tensor with a recompute option), in the simulator's order.
         passes: list[tuple[int, int, int, list[int], set[int]]] = []
         for s in range(n - 1, -1, -1):
-            for k, t in enumerate(dict.fromkeys(ops[s].saved)):
+            for k, t in enumerate(st.unpack_order[s]):  # the simulator's order
                 if t in self.r:
                     c, fr = self._closure(t, s)
                     passes.append((s, k, t, c, fr))
@@ -499,7 +503,7 @@ class _Builder:
                             if lv is not None:  # still on device: the prefetch moves nothing
                                 active = self._and_not(f"pf_copy[{u},{s}]", _Expr.of(sl.var), _Expr.of(lv))
                             cf = self._copy(sl, u, cf, tau, big_t, active)
-            for k, t in enumerate(dict.fromkeys(op.saved)):
+            for k, t in enumerate(st.unpack_order[s]):
                 if not st.is_activation[t]:
                     continue
                 if nxt is not None and nxt[0] == s and nxt[1] == k:
