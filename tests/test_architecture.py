@@ -14,7 +14,8 @@ RULES = {
     "planner": ("memplan.solvers", "memplan.executor", "memplan.api"),
     "executor": ("memplan.solvers", "memplan.api"),
 }
-TORCH_FREE_PLANNER = ("graph.py", "plan.py", "simulator.py", "units.py", "errors.py", "synthetic.py", "__init__.py")
+TORCH_FREE_PLANNER = ("graph.py", "plan.py", "replay.py", "schedule.py", "simulator.py", "units.py", "errors.py",
+                      "synthetic.py", "__init__.py")
 
 
 def _imports(path: Path) -> list[str]:
@@ -51,4 +52,16 @@ def test_no_bare_package_imports():
     bare = ("planner", "solvers", "api", "executor")
     bad = [f"{p.relative_to(ROOT)} imports {n}" for folder in (*bare, "tests", "benchmarks")
            for p in (ROOT / folder).rglob("*.py") for n in _imports(p) if n.split(".")[0] in bare]
+    assert bad == []
+
+
+def test_the_executor_imports_no_private_names_of_other_modules():
+    """The executor reaches the planner through public names only (it once ran the simulator's private
+    probe and the profiler's private storage helpers)."""
+    bad = []
+    for path in sorted((ROOT / "executor").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memplan."):
+                if not node.module.startswith("memplan.executor"):
+                    bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert bad == []
