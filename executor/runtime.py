@@ -13,16 +13,20 @@ How a step runs (see docs/model.md for the model it reproduces):
   or view of one: they are not activations) is returned as is. A *recomputed* one is packed as a handle
   (tensor id and view geometry), and autograd no longer holds its storage, which dies at its last forward
   use. An *offloaded* one is copied to its slot of the host pool as it is packed and packed as a handle.
-* **Recompute** is the simulator's lazy replay: when backward unpacks a missing tensor, its producer is
-  replayed from a recipe recorded in forward (the ATen op, its non-tensor arguments, and references to its
-  input storages by tensor id with their view geometry), recursively through missing inputs, in forward
-  order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack;
+* **Recompute** is the simulator's lazy replay, decided by the same function
+  (:func:`memplan.planner.replay.replay`): when backward unpacks a missing tensor, its producer (and its
+  in-place initialisers) are replayed from recipes recorded in forward (the ATen op, its non-tensor
+  arguments, and references to its input storages by tensor id with their view geometry), recursively
+  through missing inputs, in forward order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack;
   the others die after their last use in the replay. Random ops replay under the RNG state captured
   before they ran, so dropout masks are identical. Arguments an op writes in place (batch norm's running
   statistics) are cloned for the replay, so a replay changes nothing but what it returns.
 * **Pinning**: an activation that cannot be rebuilt (mutated in place later) but that a replay reads
   is held from its production until backward has passed the lowest step whose replay reads it, as the
   simulator charges it (its first pass finds these tensors; node pre-hooks tell how far backward is).
+* **Events.** Each step logs what it performs (forward ops, copies both ways, replays with their ops) as
+  :class:`memplan.planner.schedule.ScheduleEvent` in ``events``; prefetch points and pins come from the
+  plan's schedule (``Executor.schedule``), so a test compares the two event for event.
 * **Offload** uses one pinned host pool, allocated once from the plan and reused every step. On CUDA the
   device -> host copy runs on a dedicated copy stream after an event recorded on the compute stream;
   the device storage is held until the copy's event has completed (polled at each op boundary) and then
