@@ -138,6 +138,9 @@ def test_an_offload_plan_lowers_to_copies_at_the_savers_and_back():
     assert [(e.at, e.tensor, e.reason) for e in h2d] == [(5, 4, "scheduled at op 5")]
     assert sched.prefetch_at == {4: 5}
     assert [e.tensor for e in sched.of("wait")] == [4]
+    # the simulator scores this very pass: its transfers are the schedule's copies
+    moved = sum(g.tensors[e.tensor].bytes for e in sched.events if e.kind in ("d2h", "h2d"))
+    assert moved == simulate(g, plan).transfer_bytes == 800
 
 
 def test_a_pinned_tensor_is_named_in_the_schedule():
