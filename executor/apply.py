@@ -30,6 +30,7 @@ from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action, Plan
 from memplan.planner.profiler import model_fingerprint
+from memplan.planner.shapes import family_of
 from memplan.planner.simulator import _Replay, _static, default_prefetch_at
 
 
@@ -114,6 +115,7 @@ class Executor:
         self.plan = plan
         self.graph = graph
         self.optimizer = optimizer
+        self.family = family_of(graph)  # a step may run any shape of it up to the graph's own
         self.actions = {t: a for t, a in plan.actions().items() if a != Action.KEEP}
         self.records = any(a == Action.RECOMPUTE for a in self.actions.values())
         # RNG state is captured only before random ops a replay can run: those that create a storage that

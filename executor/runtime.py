@@ -46,6 +46,7 @@ from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
 from memplan.planner.profiler import _storage, _tensors, map_leaves
+from memplan.planner.shapes import ShapeMatcher
 
 if TYPE_CHECKING:
     from memplan.executor.apply import Executor
@@ -165,6 +166,7 @@ class _Step:
         self.replays = 0
         self.events: list[tuple[str, int, int | None]] = []    # ("prefetch" | "late" | "replay", id, op)
         self.rng_device = None
+        self.shapes = ShapeMatcher(ex.family, self.g) if ex.family is not None else None
         for p in ex.fixed_tensors:
             self._see(p, -1)
 
@@ -272,6 +274,12 @@ class _Step:
         info = self.g.tensors[tid]
         dtype = str(t.dtype).removeprefix("torch.")
         if s.nbytes() != info.bytes or list(t.shape) != info.shape or dtype != info.dtype:
+            if self.shapes is not None:  # a graph with a shape family: any shape of it up to the graph's
+                problem = self.shapes.check(tid, dtype, list(t.shape), s.nbytes())
+                if problem is None:
+                    return
+                self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}): {problem}; re-profile "
+                           f"the family up to this shape and re-solve")
             self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) made tensor {tid} as "
                        f"{dtype}{list(t.shape)} ({s.nbytes()} B); the profiled graph has "
                        f"{info.dtype}{info.shape} ({info.bytes} B): the batch or the model differs from the "
