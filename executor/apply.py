@@ -185,6 +185,12 @@ class Executor:
         self._hooks.__enter__()
         self._entered = True
 
+    def begin_step(self, module: nn.Module) -> None:
+        """Start a step now, as the pre-hook on ``module``'s forward does: for a caller that applies the plan
+        from inside that forward's own pre-hooks (a hook registered there runs from the next call on), or
+        whose step does not begin with the module's forward (a Lightning ``training_step``)."""
+        self._begin(module, ())
+
     def _before_module(self, module: nn.Module, _args) -> None:
         with self.internal():
             self.fused.before_module(module)

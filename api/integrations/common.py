@@ -1,0 +1,144 @@
+"""What every training-framework integration does, once: profile the step the framework runs (on its
+first batch, with the model, gradients and random streams restored afterwards), solve it under the
+budget, apply the plan, and measure a later step's peak against the prediction.
+
+The frameworks' callbacks (:mod:`.huggingface`, :mod:`.lightning`) only find the batch, the loss and the
+optimizer in their framework and call :class:`StepPlanner`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.executor.apply import Executor, apply
+from memplan.planner.errors import MemplanError
+from memplan.planner.family import restored, twin_optimizer
+from memplan.planner.graph import Graph
+from memplan.planner.measure import allocator_events, cpu_allocations, live_storage_bytes
+from memplan.planner.plan import Plan
+from memplan.planner.profiler import profile
+from memplan.planner.units import parse_budget
+from memplan.planner.workloads import LossFn
+from memplan.solvers import activation_bytes, keep_all_report, solve
+
+FUSE_CHOICES = (None, "backward", "forward")
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What an integration logs once it has planned: the budget and the plan's predicted peak and time."""
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    keep_all_peak_bytes: int
+    solver: str
+    recomputed: int
+    offloaded: int
+
+    def logs(self) -> dict[str, float]:
+        return {"memplan_budget_bytes": self.budget_bytes, "memplan_predicted_peak_bytes": self.predicted_peak_bytes,
+                "memplan_predicted_step_s": self.predicted_step_s,
+                "memplan_keep_all_peak_bytes": self.keep_all_peak_bytes}
+
+
+class StepPlanner:
+    """Plans a framework's training step: ``plan(...)`` profiles, solves and applies; ``start_measure`` /
+    ``stop_measure`` read one step's peak as memplan measures it.
+
+    ``budget``: bytes, or a string (``"6GiB"``, ``"50%"`` of the activation memory). ``solver``: a
+    registered solver or ``"auto"``. ``fuse``: None, ``"backward"`` or ``"forward"`` (see
+    :func:`memplan.executor.apply`). A budget string that cannot be read and an unknown ``fuse`` raise
+    :class:`MemplanError` here, before training starts.
+    """
+
+    def __init__(self, budget: str | int = "50%", solver: str = "auto", fuse: str | None = None, *,
+                 time_limit_s: float = 60.0, offload: bool = False, repeats: int = 2):
+        if fuse not in FUSE_CHOICES:
+            raise MemplanError(f"fuse must be one of None, 'backward', 'forward'; got {fuse!r}")
+        if not (isinstance(budget, str) and budget.strip().endswith("%")):
+            parse_budget(budget)  # a malformed size fails now, not after the first batch
+        self.budget = budget
+        self.solver = solver
+        self.fuse = fuse
+        self.time_limit_s = time_limit_s
+        self.offload = offload
+        self.repeats = repeats
+        self.graph: Graph | None = None
+        self.plan_: Plan | None = None
+        self.summary: PlanSummary | None = None
+        self.executor: Executor | None = None
+        self._measure: tuple[contextlib.ExitStack, Any, int, torch.device] | None = None
+
+    def plan(self, model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
+             accumulation_steps: int = 1, max_grad_norm: float | None = None) -> Executor:
+        """Profile ``loss_fn(model, batch)`` (the framework's own forward and loss) with a twin of
+        ``optimizer``, restore the model, solve under the budget and apply the plan to ``model`` and
+        ``optimizer``. Raises :class:`Infeasible` (naming the minimum feasible budget) when no plan fits,
+        before anything is trained."""
+        device = next(model.parameters()).device
+        # fake profiling (#10) goes here: the twin optimizer and ``restored`` are then unnecessary
+        with restored(model):
+            graph = profile(model, batch, loss_fn, optimizer=twin_optimizer(optimizer), warmup=1,
+                            repeats=self.repeats, device=device, progress=False, measure=False,
+                            name=type(model).__name__)
+        budget = parse_budget(self.budget, activation_bytes=activation_bytes(graph),
+                              fixed_bytes=graph.fixed.resident_bytes)
+        result = solve(graph, budget, self.solver, time_limit_s=self.time_limit_s, offload=self.offload)
+        keep_all = keep_all_report(graph)
+        self.graph, self.plan_ = graph, result.plan
+        self.summary = PlanSummary(
+            budget_bytes=budget, predicted_peak_bytes=result.report.peak_bytes,
+            predicted_step_s=result.report.time_s, keep_all_peak_bytes=keep_all.peak_bytes,
+            solver=result.plan.solver.name, recomputed=result.plan.count("recompute"),
+            offloaded=result.plan.count("offload"))
+        self.executor = apply(model, result.plan, graph=graph, optimizer=optimizer, fuse=self.fuse,
+                              accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
+        return self.executor
+
+    def start_measure(self, model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Begin measuring a step's peak (fixed memory included): CUDA's allocator peak after a reset; on
+        CPU the allocator's reports on top of what is live now (parameters, gradients, optimizer state and
+        ``batch``), as :mod:`memplan.planner.measure` reads them."""
+        if self._measure is not None:
+            return
+        device = next(model.parameters()).device
+        stack = contextlib.ExitStack()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._measure = (stack, None, 0, device)
+            return
+        baseline = live_storage_bytes(model, batch, optimizer)
+        prof = stack.enter_context(allocator_events())
+        self._measure = (stack, prof, baseline, device)
+
+    def stop_measure(self) -> int | None:
+        """The peak since :meth:`start_measure` (None when not measuring)."""
+        if self._measure is None:
+            return None
+        stack, prof, baseline, device = self._measure
+        self._measure = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device)
+        stack.close()
+        running = high = 0
+        for _, size in cpu_allocations(prof):
+            running += size
+            high = max(high, running)
+        return baseline + high
+
+    def remove(self) -> None:
+        """Give the model and optimizer back as they were (pending fused updates applied)."""
+        if self._measure is not None:
+            self._measure[0].close()
+            self._measure = None
+        if self.executor is not None:
+            self.executor.remove()
+            self.executor = None
