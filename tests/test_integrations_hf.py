@@ -105,3 +105,55 @@ def test_bad_options_fail_at_construction():
         MemplanCallback(budget="12 apples")
     with pytest.raises(MemplanError, match="fuse=None or 'backward'"):
         MemplanCallback(fuse="forward")
+
+
+class _Ragged(torch.utils.data.Dataset):
+    """Token sequences of random lengths 4..32: the collator pads each batch to its longest."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        n = int(torch.randint(4, 33, (1,), generator=g))
+        return {"input_ids": torch.randint(1, 256, (n,), generator=g)}
+
+
+def _pad_to_longest(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        ids[i, :len(f["input_ids"])] = f["input_ids"]
+        mask[i, :len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_trainer_with_dynamic_padding_runs_every_length_under_one_plan(tmp_path):
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)
+    config._attn_implementation = "eager"  # sdpa skips the mask for unpadded batches: another op sequence
+    base = GPT2LMHeadModel(config)
+    lengths: list[int] = []
+
+    def train(callback):
+        model = copy.deepcopy(base)
+        model.register_forward_pre_hook(lambda m, a, kw: lengths.append(kw["input_ids"].shape[1]) if m.training
+                                        and torch.is_grad_enabled() else None, with_kwargs=True)
+        targs = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=5,
+                                  use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0,
+                                  disable_tqdm=True)
+        trainer = Trainer(model=model, args=targs, train_dataset=_Ragged(), data_collator=_pad_to_longest,
+                          callbacks=[callback] if callback else [])
+        trainer.train()
+        return model, trainer.state.log_history
+
+    callback = MemplanCallback(budget="50%", max_seq_len=32)
+    planned, planned_logs = train(callback)
+    plain, plain_logs = train(None)
+    assert len(set(lengths)) > 2  # the lengths really varied (the profile's own calls included)
+    assert [h.get("loss") for h in planned_logs] == [h.get("loss") for h in plain_logs]
+    assert all(torch.equal(a, b) for a, b in zip(planned.parameters(), plain.parameters(), strict=True))
+    assert callback.graph.meta["shape_family"]["limit"] == {"seq": 32} and callback.plan.count("recompute") > 0
+    assert callback.measured_peak_bytes <= callback.summary.predicted_peak_bytes

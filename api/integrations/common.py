@@ -17,7 +17,7 @@ from torch import nn
 
 from memplan.executor.apply import Executor, apply
 from memplan.planner.errors import MemplanError
-from memplan.planner.family import restored, twin_optimizer
+from memplan.planner.family import profile_family, restored, twin_optimizer
 from memplan.planner.graph import Graph
 from memplan.planner.measure import allocator_events, cpu_allocations, live_storage_bytes
 from memplan.planner.plan import Plan
@@ -47,20 +47,67 @@ class PlanSummary:
                 "memplan_keep_all_peak_bytes": self.keep_all_peak_bytes}
 
 
+def _resize(x: Any, length: int, seq: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.dim() < 2 or x.shape[1] != seq:
+            return x
+        if length <= seq:
+            return x[:, :length].clone()
+        reps = [1] * x.dim()
+        reps[1] = -(-length // seq)
+        return x.repeat(*reps)[:, :length].clone()
+    if isinstance(x, dict):
+        return type(x)({k: _resize(v, length, seq) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+        items = [_resize(v, length, seq) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
+
+
+def _first_sequence_length(x: Any) -> int | None:
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[1]) if x.dim() >= 2 else None
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+    for v in values:
+        n = _first_sequence_length(v)
+        if n is not None:
+            return n
+    return None
+
+
+def sequence_family(batch: Any, max_seq_len: int) -> list[tuple[dict[str, int], Any]]:
+    """Batches at ``seq`` = ``max_seq_len``, about 3/4 and 1/2 of it, made from ``batch`` (a token
+    batch: every tensor whose dimension 1 is the sequence, as the first 2-D tensor's, is cut, or repeated
+    along it and cut), for :func:`memplan.planner.family.profile_family`. Raises :class:`MemplanError`
+    when the batch has no 2-D tensor."""
+    seq = _first_sequence_length(batch)
+    if seq is None:
+        raise MemplanError("max_seq_len needs a batch of token tensors (batch, sequence, ...); this batch has "
+                           "no tensor of two or more dimensions")
+    lengths = dict.fromkeys([max_seq_len, (3 * max_seq_len) // 4, max_seq_len // 2])
+    return [({"seq": n}, _resize(batch, n, seq)) for n in lengths]
+
+
 class StepPlanner:
     """Plans a framework's training step: ``plan(...)`` profiles, solves and applies; ``start_measure`` /
     ``stop_measure`` read one step's peak as memplan measures it.
 
     ``budget``: bytes, or a string (``"6GiB"``, ``"50%"`` of the activation memory). ``solver``: a
     registered solver or ``"auto"``. ``fuse``: None, ``"backward"`` or ``"forward"`` (see
-    :func:`memplan.executor.apply`). A budget string that cannot be read and an unknown ``fuse`` raise
+    :func:`memplan.executor.apply`). ``max_seq_len``: batches vary in sequence length (dynamic padding)
+    up to this: the plan is made for a shape family over ``seq`` (:func:`sequence_family`), so every
+    step up to that length runs under it; without it, steps longer than the first batch are refused. A budget string that cannot be read and an unknown ``fuse`` raise
     :class:`MemplanError` here, before training starts.
     """
 
     def __init__(self, budget: str | int = "50%", solver: str = "auto", fuse: str | None = None, *,
-                 time_limit_s: float = 60.0, offload: bool = False, repeats: int = 2):
+                 time_limit_s: float = 60.0, offload: bool = False, repeats: int = 2,
+                 max_seq_len: int | None = None):
         if fuse not in FUSE_CHOICES:
             raise MemplanError(f"fuse must be one of None, 'backward', 'forward'; got {fuse!r}")
+        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 4):
+            raise MemplanError(f"max_seq_len must be an integer of at least 4, got {max_seq_len!r}")
+        self.max_seq_len = max_seq_len
         if not (isinstance(budget, str) and budget.strip().endswith("%")):
             parse_budget(budget)  # a malformed size fails now, not after the first batch
         self.budget = budget
@@ -82,11 +129,16 @@ class StepPlanner:
         ``optimizer``. Raises :class:`Infeasible` (naming the minimum feasible budget) when no plan fits,
         before anything is trained."""
         device = next(model.parameters()).device
+        name = type(model).__name__
         # fake profiling (#10) goes here: the twin optimizer and ``restored`` are then unnecessary
         with restored(model):
-            graph = profile(model, batch, loss_fn, optimizer=twin_optimizer(optimizer), warmup=1,
-                            repeats=self.repeats, device=device, progress=False, measure=False,
-                            name=type(model).__name__)
+            if self.max_seq_len is None:
+                graph = profile(model, batch, loss_fn, optimizer=twin_optimizer(optimizer), warmup=1,
+                                repeats=self.repeats, device=device, progress=False, measure=False, name=name)
+            else:
+                graph = profile_family(model, sequence_family(batch, self.max_seq_len), loss_fn,
+                                       optimizer=twin_optimizer(optimizer), repeats=self.repeats, device=device,
+                                       progress=False, measure=False, name=name)
         budget = parse_budget(self.budget, activation_bytes=activation_bytes(graph),
                               fixed_bytes=graph.fixed.resident_bytes)
         result = solve(graph, budget, self.solver, time_limit_s=self.time_limit_s, offload=self.offload)

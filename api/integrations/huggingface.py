@@ -15,6 +15,14 @@ the model and the Trainer's optimizer, and the current step already runs under i
 after the model (the loss divided by the accumulation steps) are outside the plan, as they are outside
 the graph.
 
+**Dynamic padding.** With ``max_seq_len``, the first batch is cut or repeated along its sequence
+dimension to ``max_seq_len``, 3/4 and 1/2 of it, the step is profiled at the three and fitted into one
+shape family (:mod:`memplan.planner.shapes`), and the plan, made for ``max_seq_len``, runs every batch up
+to it. A model that branches on the batch's content cannot be one graph: transformers' ``sdpa`` attention
+skips building the mask when the attention mask is all ones, so under it a batch without padding and one
+with padding run different ops (the second is refused, naming the op); ``attn_implementation="eager"``
+builds the mask every time.
+
 **Logs.** Once planned, the budget and the plan's predicted peak go to the Trainer's logs
 (``memplan_budget_bytes``, ``memplan_predicted_peak_bytes``, ...); the peak measured over the next
 optimizer step (``memplan_measured_peak_bytes``: CUDA's allocator peak; on CPU the allocator's reports,
@@ -71,7 +79,10 @@ class MemplanCallback(TrainerCallback):
 
     ``budget``: bytes or a string (``"6GiB"``, ``"50%"`` of the activation memory); ``solver``: a memplan
     solver or ``"auto"``; ``fuse``: None or ``"backward"`` (see the module docstring); ``time_limit_s``
-    and ``offload`` as for ``memplan solve``. A budget below what any plan reaches raises
+    and ``offload`` as for ``memplan solve``; ``max_seq_len``: with dynamic padding, the longest sequence a
+    batch may have (the plan then covers a shape family over the sequence length, see
+    :func:`memplan.api.integrations.common.sequence_family`; without it a batch longer than the first is
+    refused in one line). A budget below what any plan reaches raises
     :class:`memplan.planner.errors.Infeasible` (the line ``memplan solve`` prints, naming the minimum
     feasible budget) in the first forward, before any parameter is updated.
 
@@ -79,11 +90,12 @@ class MemplanCallback(TrainerCallback):
     """
 
     def __init__(self, budget: str | int = "50%", solver: str = "auto", fuse: str | None = None, *,
-                 time_limit_s: float = 60.0, offload: bool = False):
+                 time_limit_s: float = 60.0, offload: bool = False, max_seq_len: int | None = None):
         if fuse == "forward":
             raise MemplanError("MemplanCallback takes fuse=None or 'backward': with forward fusion the Trainer "
                                "would clip and schedule gradients the executor still holds")
-        self.planner = StepPlanner(budget, solver, fuse, time_limit_s=time_limit_s, offload=offload)
+        self.planner = StepPlanner(budget, solver, fuse, time_limit_s=time_limit_s, offload=offload,
+                                   max_seq_len=max_seq_len)
         self.measured_peak_bytes: int | None = None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
