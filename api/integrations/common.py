@@ -47,45 +47,61 @@ class PlanSummary:
                 "memplan_keep_all_peak_bytes": self.keep_all_peak_bytes}
 
 
-def _resize(x: Any, length: int, seq: int) -> Any:
+DIM_AXES = {"batch": 0, "seq": 1}
+
+
+def _resize(x: Any, axis: int, size: int, current: int) -> Any:
+    """``x`` with every tensor whose ``axis`` has length ``current`` cut to ``size`` along it, or repeated
+    along it and cut (tuples, lists, dicts and namedtuples walked)."""
     if isinstance(x, torch.Tensor):
-        if x.dim() < 2 or x.shape[1] != seq:
+        if x.dim() <= axis or x.shape[axis] != current:
             return x
-        if length <= seq:
-            return x[:, :length].clone()
-        reps = [1] * x.dim()
-        reps[1] = -(-length // seq)
-        return x.repeat(*reps)[:, :length].clone()
+        if size > current:
+            reps = [1] * x.dim()
+            reps[axis] = -(-size // current)
+            x = x.repeat(*reps)
+        return x.narrow(axis, 0, size).clone()
     if isinstance(x, dict):
-        return type(x)({k: _resize(v, length, seq) for k, v in x.items()})
+        return type(x)({k: _resize(v, axis, size, current) for k, v in x.items()})
     if isinstance(x, (list, tuple)):
-        items = [_resize(v, length, seq) for v in x]
+        items = [_resize(v, axis, size, current) for v in x]
         return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
     return x
 
 
-def _first_sequence_length(x: Any) -> int | None:
+def _first_length(x: Any, axis: int) -> int | None:
     if isinstance(x, torch.Tensor):
-        return int(x.shape[1]) if x.dim() >= 2 else None
+        return int(x.shape[axis]) if x.dim() > axis else None
     values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
     for v in values:
-        n = _first_sequence_length(v)
+        n = _first_length(v, axis)
         if n is not None:
             return n
     return None
 
 
+def dim_family(batch: Any, dim: str, largest: int | None = None) -> list[tuple[dict[str, int], Any]]:
+    """Batches at ``dim`` (``"batch"``: axis 0; ``"seq"``: axis 1) = ``largest`` (default: the batch's
+    own), about 3/4 and 1/2 of it, made from ``batch``: every tensor whose axis has the length the first
+    tensor's has is cut, or repeated and cut. For :func:`memplan.planner.family.profile_family`. Raises
+    :class:`MemplanError` for another ``dim``, a batch with no tensor of that many dimensions, or a size
+    too small to vary."""
+    if dim not in DIM_AXES:
+        raise MemplanError(f"dimension {dim!r} is not one memplan can resize a batch along; use batch or seq")
+    axis = DIM_AXES[dim]
+    current = _first_length(batch, axis)
+    if current is None:
+        raise MemplanError(f"the batch has no tensor with a {dim} axis (axis {axis})")
+    largest = current if largest is None else largest
+    sizes = [n for n in dict.fromkeys([largest, (3 * largest) // 4, largest // 2]) if n >= 1]
+    if len(sizes) < 3:
+        raise MemplanError(f"{dim}={largest} is too small to profile a family at three sizes; use at least 4")
+    return [({dim: n}, _resize(batch, axis, n, current)) for n in sizes]
+
+
 def sequence_family(batch: Any, max_seq_len: int) -> list[tuple[dict[str, int], Any]]:
-    """Batches at ``seq`` = ``max_seq_len``, about 3/4 and 1/2 of it, made from ``batch`` (a token
-    batch: every tensor whose dimension 1 is the sequence, as the first 2-D tensor's, is cut, or repeated
-    along it and cut), for :func:`memplan.planner.family.profile_family`. Raises :class:`MemplanError`
-    when the batch has no 2-D tensor."""
-    seq = _first_sequence_length(batch)
-    if seq is None:
-        raise MemplanError("max_seq_len needs a batch of token tensors (batch, sequence, ...); this batch has "
-                           "no tensor of two or more dimensions")
-    lengths = dict.fromkeys([max_seq_len, (3 * max_seq_len) // 4, max_seq_len // 2])
-    return [({"seq": n}, _resize(batch, n, seq)) for n in lengths]
+    """:func:`dim_family` over ``seq`` up to ``max_seq_len`` (a token batch: the sequence is axis 1)."""
+    return dim_family(batch, "seq", max_seq_len)
 
 
 class StepPlanner:
