@@ -149,3 +149,29 @@ def test_cli_answers_from_a_family_graph_and_refuses_a_percentage(tmp_path):
     assert got["next"]["value"] == got["value"] + 1 and (tmp_path / "plan.json").is_file()
     res = runner.invoke(app, ["maxbatch", str(path), "--budget", "50%"])
     assert res.exit_code == 2 and "maxbatch takes a budget in bytes" in res.output
+
+
+def test_service_answers_and_bounds_the_search():
+    from fastapi.testclient import TestClient
+
+    from memplan.api.app import create_app
+    from memplan.api.settings import Settings
+
+    graph = json.loads(_chain_family().model_dump_json())
+    settings = Settings(pool="thread", workers=1, max_time_limit_s=20.0)
+    with TestClient(create_app(settings)) as c:
+        r = c.post("/v1/maxbatch", json={"graph": graph, "budget": 4000, "max_overhead": 0.1, "time_limit_s": 0.5,
+                                         "max_value": 1000, "include_graph": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["value"] == max_dim(_chain_family(), 4000, max_overhead=0.1).value
+        assert body["next"]["value"] == body["value"] + 1
+        assert body["plan"]["graph_fingerprint"] and body["graph"]["tensors"][1]["bytes"] == 100 * body["value"]
+        r = c.post("/v1/maxbatch", json={"graph": graph, "budget": "50%"})
+        assert r.status_code == 422 and "not a percentage" in r.json()["detail"]
+        r = c.post("/v1/maxbatch", json={"graph": graph, "budget": 4000, "time_limit_s": 10})
+        assert r.status_code == 422 and r.json()["limit"] == "max_time_limit_s"
+        r = c.post("/v1/maxbatch", json={"graph": graph, "budget": 10, "time_limit_s": 0.5})
+        assert r.status_code == 422 and r.json()["min_feasible_bytes"] > 10
+        r = c.post("/v1/maxbatch", json={"graph": json.loads(linear_chain(3).model_dump_json()), "budget": 4000})
+        assert r.status_code == 422 and "no shape family" in r.json()["detail"]
