@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from memplan.executor.apply import Executor, apply
-from memplan.planner.errors import MemplanError
+from memplan.planner.errors import Infeasible, MemplanError
 from memplan.planner.family import profile_family, restored, twin_optimizer
 from memplan.planner.graph import Graph
 from memplan.planner.measure import allocator_events, cpu_allocations, live_storage_bytes
 from memplan.planner.plan import Plan
 from memplan.planner.profiler import profile
-from memplan.planner.units import parse_budget
+from memplan.planner.units import format_bytes, parse_budget
 from memplan.planner.workloads import LossFn
 from memplan.solvers import activation_bytes, keep_all_report, solve
 
@@ -104,6 +104,15 @@ def sequence_family(batch: Any, max_seq_len: int) -> list[tuple[dict[str, int], 
     return dim_family(batch, "seq", max_seq_len)
 
 
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients of ``model``'s trainable parameters (one per storage)."""
+    sizes: dict[int, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            sizes[p.untyped_storage()._cdata] = p.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
 class StepPlanner:
     """Plans a framework's training step: ``plan(...)`` profiles, solves and applies; ``start_measure`` /
     ``stop_measure`` read one step's peak as memplan measures it.
@@ -139,11 +148,15 @@ class StepPlanner:
         self._measure: tuple[contextlib.ExitStack, Any, int, torch.device] | None = None
 
     def plan(self, model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
-             accumulation_steps: int = 1, max_grad_norm: float | None = None) -> Executor:
+             accumulation_steps: int = 1, max_grad_norm: float | None = None,
+             gradients_held: bool = False) -> Executor:
         """Profile ``loss_fn(model, batch)`` (the framework's own forward and loss) with a twin of
         ``optimizer``, restore the model, solve under the budget and apply the plan to ``model`` and
-        ``optimizer``. Raises :class:`Infeasible` (naming the minimum feasible budget) when no plan fits,
-        before anything is trained."""
+        ``optimizer``. With ``accumulation_steps > 1`` the gradients earlier micro-batches leave for later
+        ones, and with ``gradients_held`` (a loop that zeroes gradients after the forward: Lightning) the
+        previous step's, are added to the prediction and taken from the budget the plan is solved for.
+        Raises :class:`Infeasible` (naming the minimum feasible budget) when no plan fits, before anything
+        is trained."""
         device = next(model.parameters()).device
         name = type(model).__name__
         # fake profiling (#10) goes here: the twin optimizer and ``restored`` are then unnecessary
@@ -157,11 +170,28 @@ class StepPlanner:
                                        progress=False, measure=False, name=name)
         budget = parse_budget(self.budget, activation_bytes=activation_bytes(graph),
                               fixed_bytes=graph.fixed.resident_bytes)
-        result = solve(graph, budget, self.solver, time_limit_s=self.time_limit_s, offload=self.offload)
+        # The profiled step starts without gradients. A later micro-batch starts with those the earlier
+        # ones accumulated (and a loop that zeroes them after the forward, with the last step's), and they
+        # stay into backward: the step's peak is at most the plan's plus them, so the plan is solved for
+        # the budget less them.
+        held = gradient_bytes(model) if accumulation_steps > 1 or gradients_held else 0
+        try:
+            result = solve(graph, max(0, budget - held), self.solver, time_limit_s=self.time_limit_s,
+                           offload=self.offload)
+        except Infeasible as e:
+            if not held:
+                raise
+            least = e.min_feasible_bytes + held if e.min_feasible_bytes is not None else None
+            raise Infeasible(f"no plan fits budget {format_bytes(budget)} ({budget} B) for graph '{graph.name}' "
+                             f"with the {format_bytes(held)} of gradients the loop holds into the step; the "
+                             f"minimum feasible budget memplan knows is "
+                             f"{format_bytes(least) + f' ({least} B)' if least is not None else 'unknown'}",
+                             budget_bytes=budget, min_feasible_bytes=least) from None
         keep_all = keep_all_report(graph)
         self.graph, self.plan_ = graph, result.plan
+        predicted = result.report.peak_bytes + held
         self.summary = PlanSummary(
-            budget_bytes=budget, predicted_peak_bytes=result.report.peak_bytes,
+            budget_bytes=budget, predicted_peak_bytes=predicted,
             predicted_step_s=result.report.time_s, keep_all_peak_bytes=keep_all.peak_bytes,
             solver=result.plan.solver.name, recomputed=result.plan.count("recompute"),
             offloaded=result.plan.count("offload"))

@@ -42,7 +42,6 @@ Requires the ``hf`` extra (``pip install memplan[hf]``: transformers, accelerate
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -183,10 +182,6 @@ class MemplanCallback(TrainerCallback):
             self._busy = False
         ex.begin_step(module)  # this call's own pre-hooks ran before the executor's was registered
         s = self.summary
-        if self._args.gradient_accumulation_steps > 1:
-            # the profiled step starts without gradients; a later micro-batch starts with those the earlier
-            # ones accumulated, which stay for the whole micro-step: the plan's peak plus them bounds it
-            s = self.planner.summary = replace(s, predicted_peak_bytes=s.predicted_peak_bytes + _grad_bytes(module))
         log.info("memplan: %s plan (%d recomputed, %d offloaded), predicted peak %d B under a budget of %d B "
                  "(keeping everything: %d B)", s.solver, s.recomputed, s.offloaded, s.predicted_peak_bytes,
                  s.budget_bytes, s.keep_all_peak_bytes)
@@ -197,11 +192,3 @@ def _call_model(model: nn.Module, batch: tuple[tuple, dict]) -> torch.Tensor:
     args, kwargs = batch
     return model_loss(model(*args, **kwargs))
 
-
-def _grad_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients of ``model``'s trainable parameters (one per storage)."""
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            seen[p.untyped_storage()._cdata] = p.untyped_storage().nbytes()
-    return sum(seen.values())
