@@ -392,6 +392,8 @@ def maxbatch(
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
     output: Annotated[Path, typer.Option("-o", "--output", help="plan file to write (for the answer)")] = Path("plan.json"),
     graph_output: Annotated[Path, typer.Option("--graph", help="graph file to write (the answer's shape)")] = Path("graph.json"),
+    family_output: Annotated[Path | None, typer.Option("--save-family", help="also write the profiled shape "
+                                                       "family (a graph file maxbatch and POST /v1/maxbatch read)")] = None,
     options: SetOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -419,6 +421,8 @@ def maxbatch(
         graph = profile_family(w.model, dim_family(w.batch, dim), w.loss_fn, name=w.name,
                                progress=not json_out)
         name = w.name
+        if family_output is not None:
+            graph.save(str(family_output))
     with _working(f"searching {dim}", quiet=json_out):
         answer = max_dim(graph, b, dim=dim, max_overhead=overhead, method=solver, time_limit_s=time_limit,
                          offload=offload, max_value=max_value or MAX_VALUE)
