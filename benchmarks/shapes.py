@@ -89,7 +89,7 @@ def main() -> None:
     bitwise &= all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
     lines = [
         f"GPT-2 small preset (6 layers, 256 wide, batch {bs}, eager attention), 2-core CPU, torch "
-        f"{torch.__version__}, one thread per op pool as configured; the machine was shared with other jobs "
+        f"{torch.__version__}; the machine was shared with other jobs "
         f"(peaks are allocator bytes, unaffected). Shape family profiled at seq 128, 96, 64 in {profile_s:.0f} s; "
         f"{plan.solver.name} plan at 50% ({format_bytes(budget)}): {plan.count('recompute')} tensors recomputed, "
         f"predicted peak at seq 128 {format_bytes(largest)}. Training under it on batches padded to their "

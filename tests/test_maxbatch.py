@@ -74,7 +74,7 @@ def one_thread():
 TINY = {
     "mlp": dict(depth=6, width=64, batch_size=64),
     "gpt2": dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, seq_len=32, batch_size=4),
-    "bert": dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, seq_len=32,
+    "bert": dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, seq_len=16,
                  batch_size=4),
     "resnet": dict(embedding_size=8, hidden_sizes=(8, 16, 16, 16), depths=(1, 1, 1, 1), image_size=32,
                    batch_size=4),
