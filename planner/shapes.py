@@ -13,8 +13,9 @@ reproduces all of them exactly, in rational arithmetic, with strictly more point
 confirmed by at least one profile it was not solved from. A storage whose bytes are its tensor's elements
 times the element size at every point gets the product of its entries' polynomials (exact by construction);
 other storages fit their bytes directly. An op's measured scratch figures (kernel workspace, gradient
-bytes) that no polynomial fits are taken as their largest profiled value, constant: an upper bound for
-shapes no larger than the profiled ones. A shape entry or a storage's bytes that no polynomial fits is an
+bytes) that no polynomial fits, or that fit only with a term that shrinks as the shape grows (allocator
+noise fitted exactly), are taken as their largest profiled value, constant: an upper bound for shapes no
+larger than the profiled ones (past them, as :mod:`memplan.solvers.maxbatch` evaluates, it may not be). A shape entry or a storage's bytes that no polynomial fits is an
 error naming the tensor (:class:`GraphError`): the family cannot describe it.
 
 **Time model.** An op's forward and backward times at a shape are its times at the largest profiled shape
@@ -37,7 +38,7 @@ from itertools import combinations, product
 from math import prod
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from memplan.planner.errors import GraphError
 from memplan.planner.graph import Graph
@@ -122,6 +123,17 @@ class ShapeFamily(BaseModel):
     tensor_bytes: list[PolyJSON]
     op_bytes: dict[str, list[PolyJSON]]
     inputs_bytes: PolyJSON
+
+    _parsed: dict[int, tuple[list[Poly], Poly]] = PrivateAttr(default_factory=dict)
+
+    def polys(self, tid: int) -> tuple[list[Poly], Poly]:
+        """Tensor ``tid``'s shape entries and bytes as polynomials (parsed once per family object)."""
+        got = self._parsed.get(tid)
+        if got is None:
+            n = len(self.dims)
+            got = ([Poly.from_json(e, n) for e in self.tensor_shape[tid]], Poly.from_json(self.tensor_bytes[tid], n))
+            self._parsed[tid] = got
+        return got
 
     def values(self, point: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(int(point[d]) for d in self.dims)
@@ -234,6 +246,11 @@ def _itemsize(dtype: str) -> int | None:
     return _ITEMSIZE.get(dtype)
 
 
+def _growing(poly: Poly, n_dims: int) -> bool:
+    """Non-negative at every dimension 1 and non-decreasing in each: every non-constant coefficient >= 0."""
+    return all(c >= 0 for c, e in poly.terms if any(e)) and poly((1,) * n_dims) >= 0
+
+
 def fit_family(graphs: Sequence[tuple[Mapping[str, int], Graph]]) -> Graph:
     """The family of ``graphs``, each profiled at the dynamic dimensions' values given beside it.
 
@@ -302,7 +319,9 @@ def fit_family(graphs: Sequence[tuple[Mapping[str, int], Graph]]) -> Graph:
 
     def measured(values: list[int]) -> PolyJSON:
         poly = fitter.fit(values)
-        if poly is None:  # allocator scratch that no polynomial fits: its largest value bounds it
+        if poly is None or not _growing(poly, len(dims)):
+            # allocator scratch that no polynomial fits, or fits only by shrinking as the shape grows (noise
+            # fitted exactly): its largest value bounds it up to the largest profiled shape
             poly = Poly([(Fraction(max(values)), (0,) * len(dims))])
         return poly.to_json()
 
@@ -396,14 +415,6 @@ class ShapeMatcher:
         self.n = len(family.dims)
         self.bound: dict[int, int] = {}  # dimension index -> value this step
         self.limit = family.values(family.limit)
-        self.shapes: dict[int, list[Poly]] = {}
-        self.bytes: dict[int, Poly] = {}
-
-    def _polys(self, tid: int) -> tuple[list[Poly], Poly]:
-        if tid not in self.shapes:
-            self.shapes[tid] = [Poly.from_json(e, self.n) for e in self.fam.tensor_shape[tid]]
-            self.bytes[tid] = Poly.from_json(self.fam.tensor_bytes[tid], self.n)
-        return self.shapes[tid], self.bytes[tid]
 
     def _bind(self, polys: list[Poly], shape: list[int]) -> None:
         """Bind each dimension that is the only unbound one of an entry linear in it."""
@@ -434,7 +445,7 @@ class ShapeMatcher:
 
     def check(self, tid: int, dtype: str, shape: list[int], nbytes: int) -> str | None:
         info = self.graph.tensors[tid]
-        polys, nbytes_poly = self._polys(tid)
+        polys, nbytes_poly = self.fam.polys(tid)
         if dtype != info.dtype or len(shape) != len(polys):
             return (f"tensor {tid} is {dtype}{shape}; the profiled family has {info.dtype}{info.shape} "
                     f"(another dtype or rank)")
