@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from memplan.planner.errors import GraphError, Infeasible, MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.shapes import at_shape, family_of
+from memplan.planner.units import format_bytes
 from memplan.solvers.base import (
     SolveResult,
     keep_all_report,
@@ -110,8 +111,9 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
     if not first.fits:
         if first.min_feasible_bytes is None:
             raise MemplanError(f"not even {dim}=1 fits: {first.reason}")
-        raise Infeasible(f"not even {dim}=1 fits budget {budget_bytes} B: the minimum feasible budget memplan "
-                         f"knows at {dim}=1 is {first.min_feasible_bytes} B",
+        least = first.min_feasible_bytes
+        raise Infeasible(f"not even {dim}=1 fits budget {format_bytes(budget_bytes)} ({budget_bytes} B): the "
+                         f"minimum feasible budget memplan knows at {dim}=1 is {format_bytes(least)} ({least} B)",
                          budget_bytes=budget_bytes, min_feasible_bytes=first.min_feasible_bytes)
     lo, hi = 1, min(2, max_value + 1)
     while hi <= max_value and probe(hi).fits:  # double until a value does not fit

@@ -50,7 +50,7 @@ def test_search_agrees_with_solving_every_value(budget, max_overhead):
 
 def test_bad_input_is_named():
     graph = _chain_family()
-    with pytest.raises(Infeasible, match="not even batch=1 fits budget 10 B"):
+    with pytest.raises(Infeasible, match=r"not even batch=1 fits budget 10 B \(10 B\): the minimum feasible "):
         max_dim(graph, 10)
     with pytest.raises(GraphError, match="varies batch, not 'seq'"):
         max_dim(graph, 10_000, dim="seq")
