@@ -467,5 +467,8 @@ class ShapeMatcher:
             return (f"tensor {tid} is {dtype}{shape} ({nbytes} B); at {self._describe(self.bound)} the "
                     f"profiled family has {info.dtype}{shown} ({nbytes_poly(values)} B): this shape is "
                     f"outside the family")
+        if nbytes > info.bytes:  # a size that is not monotone in the dimensions: the plan's bytes would not hold
+            return (f"tensor {tid} is {dtype}{shape} ({nbytes} B) at {self._describe(self.bound)}, more than the "
+                    f"{info.bytes} B it has at the plan's graph's shape ({self.fam.show(self.fam.limit)})")
         return None
 
