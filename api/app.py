@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memplan.api import errors
 from memplan.api.errors import error_body
-from memplan.api.routes import frontier, health, plans, simulate, solvers
+from memplan.api.routes import frontier, health, maxbatch, plans, simulate, solvers
 from memplan.api.service import BODY_KEY, Service, memplan_version
 from memplan.api.settings import Settings
 
@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     "Graphs and plans travel in memplan's file formats (memplan.graph/1, memplan.plan/1).")
     app.state.settings = settings
     errors.install(app)
-    for module in (plans, simulate, frontier, solvers, health):
+    for module in (plans, simulate, frontier, solvers, health, maxbatch):
         app.include_router(module.router)
     app.add_middleware(PlanCacheShortcut)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)  # the outer one: runs first

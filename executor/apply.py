@@ -31,6 +31,7 @@ from memplan.planner.graph import Graph
 from memplan.planner.plan import Action, Plan
 from memplan.planner.profiler import model_fingerprint
 from memplan.planner.schedule import Schedule, schedule
+from memplan.planner.shapes import family_of
 
 
 def _fingerprint_diff(model: nn.Module, graph: Graph | None) -> str:
@@ -104,6 +105,7 @@ class Executor:
         self.plan = plan
         self.graph = graph
         self.optimizer = optimizer
+        self.family = family_of(graph)  # a step may run any shape of it up to the graph's own
         self.actions = {t: a for t, a in plan.actions().items() if a != Action.KEEP}
         self.records = any(a == Action.RECOMPUTE for a in self.actions.values())
         # RNG state is captured only before random ops a replay can run: those that create a storage that
@@ -172,6 +174,12 @@ class Executor:
         self._mode.__enter__()
         self._hooks.__enter__()
         self._entered = True
+
+    def begin_step(self, module: nn.Module) -> None:
+        """Start a step now, as the pre-hook on ``module``'s forward does: for a caller that applies the plan
+        from inside that forward's own pre-hooks (a hook registered there runs from the next call on), or
+        whose step does not begin with the module's forward (a Lightning ``training_step``)."""
+        self._begin(module, ())
 
     def _before_module(self, module: nn.Module, _args) -> None:
         with self.internal():

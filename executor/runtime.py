@@ -52,6 +52,7 @@ from memplan.planner.plan import Action
 from memplan.planner.profiler import map_leaves, storage_of, tensors_in
 from memplan.planner.replay import replay
 from memplan.planner.schedule import ScheduleEvent
+from memplan.planner.shapes import ShapeMatcher
 
 if TYPE_CHECKING:
     from memplan.executor.apply import Executor
@@ -171,6 +172,7 @@ class _Step:
         self.replays = 0
         self.events: list[ScheduleEvent] = []                  # what it performed, in the schedule's terms
         self.rng_device = None
+        self.shapes = ShapeMatcher(ex.family, self.g) if ex.family is not None else None
         for p in ex.fixed_tensors:
             self._see(p, -1)
 
@@ -287,6 +289,12 @@ class _Step:
         info = self.g.tensors[tid]
         dtype = str(t.dtype).removeprefix("torch.")
         if s.nbytes() != info.bytes or list(t.shape) != info.shape or dtype != info.dtype:
+            if self.shapes is not None:  # a graph with a shape family: any shape of it up to the graph's
+                problem = self.shapes.check(tid, dtype, list(t.shape), s.nbytes())
+                if problem is None:
+                    return
+                self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}): {problem}; re-profile "
+                           f"the family up to this shape and re-solve")
             self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) made tensor {tid} as "
                        f"{dtype}{list(t.shape)} ({s.nbytes()} B); the profiled graph has "
                        f"{info.dtype}{info.shape} ({info.bytes} B): the batch or the model differs from the "

@@ -1,0 +1,194 @@
+"""memplan inside Hugging Face's ``Trainer``: one callback, no change to the training loop.
+
+    from memplan.api.integrations.huggingface import MemplanCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemplanCallback(budget="50%")])
+    trainer.train()
+
+**Which step is profiled.** The Trainer's own: a forward pre-hook on the model sees the first training
+forward of ``trainer.train()`` (inside ``training_step`` -> ``compute_loss``, under the Trainer's autocast
+context and accelerate's patched ``forward`` when ``bf16``/``fp16`` is on) and profiles, right there, the
+model called with exactly those arguments (the batch as the Trainer prepared it, labels and
+``num_items_in_batch`` included) with the loss the model returns, as ``compute_loss`` takes it. The
+profile trains a twin of the Trainer's optimizer; the model's parameters, gradients and random streams
+are restored afterwards, so training goes on as if it had not run. The plan is then solved, applied to
+the model and the Trainer's optimizer, and the current step already runs under it. Ops the Trainer runs
+after the model (the loss divided by the accumulation steps) are outside the plan, as they are outside
+the graph.
+
+**Dynamic padding.** With ``max_seq_len``, the first batch is cut or repeated along its sequence
+dimension to ``max_seq_len``, 3/4 and 1/2 of it, the step is profiled at the three and fitted into one
+shape family (:mod:`memplan.planner.shapes`), and the plan, made for ``max_seq_len``, runs every batch up
+to it. A model that branches on the batch's content cannot be one graph: transformers' ``sdpa`` attention
+skips building the mask when the attention mask is all ones, so under it a batch without padding and one
+with padding run different ops (the second is refused, naming the op); ``attn_implementation="eager"``
+builds the mask every time.
+
+**Logs.** Once planned, the budget and the plan's predicted peak go to the Trainer's logs
+(``memplan_budget_bytes``, ``memplan_predicted_peak_bytes``, ...); the peak measured over the next
+optimizer step (``memplan_measured_peak_bytes``: CUDA's allocator peak; on CPU the allocator's reports,
+which slow that one step) follows in the next log.
+
+With gradient accumulation the predicted peak adds the gradients that earlier micro-batches leave for
+the later ones (the profiled step starts without gradients). Gradient accumulation, ``max_grad_norm`` (the Trainer clips as usual) and bf16 mixed precision work with
+``fuse=None``. ``fuse="backward"`` steps the optimizer inside backward, before the Trainer clips: it is
+refused when ``max_grad_norm`` is set; ``fuse="forward"`` is refused (the Trainer's clipping and
+scheduler would run on gradients the executor still holds). A model whose output has no ``loss`` (a
+``compute_loss_func`` or an overridden ``compute_loss``) is refused in one line: the loss must be part of
+the profiled step.
+
+Requires the ``hf`` extra (``pip install memplan[hf]``: transformers, accelerate).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.api.integrations.common import StepPlanner
+from memplan.planner.errors import MemplanError
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - the extra is missing
+    raise ImportError("memplan.api.integrations.huggingface needs the hf extra: pip install 'memplan[hf]'") from e
+
+log = logging.getLogger("memplan")
+
+
+def model_loss(outputs: Any) -> torch.Tensor:
+    """The loss in a model's outputs, as ``Trainer.compute_loss`` takes it (``outputs["loss"]`` of a
+    ModelOutput or dict, else the first element). Raises :class:`MemplanError` when there is none."""
+    loss = None
+    if isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    elif isinstance(outputs, (tuple, list)) and outputs:
+        loss = outputs[0]
+    if not isinstance(loss, torch.Tensor):
+        raise MemplanError("MemplanCallback profiles the model's own loss, and the model returned none: pass "
+                           "labels in the batch (a compute_loss_func or an overridden compute_loss is outside "
+                           "the profiled step)")
+    return loss
+
+
+class MemplanCallback(TrainerCallback):
+    """Profile the Trainer's first training step, solve it under ``budget`` and train under the plan.
+
+    ``budget``: bytes or a string (``"6GiB"``, ``"50%"`` of the activation memory); ``solver``: a memplan
+    solver or ``"auto"``; ``fuse``: None or ``"backward"`` (see the module docstring); ``time_limit_s``
+    and ``offload`` as for ``memplan solve``; ``max_seq_len``: with dynamic padding, the longest sequence a
+    batch may have (the plan then covers a shape family over the sequence length, see
+    :func:`memplan.api.integrations.common.sequence_family`; without it a batch longer than the first is
+    refused in one line). A budget below what any plan reaches raises
+    :class:`memplan.planner.errors.Infeasible` (the line ``memplan solve`` prints, naming the minimum
+    feasible budget) in the first forward, before any parameter is updated.
+
+    After training, ``graph``, ``plan``, ``summary`` and ``measured_peak_bytes`` hold what was used.
+    """
+
+    def __init__(self, budget: str | int = "50%", solver: str = "auto", fuse: str | None = None, *,
+                 time_limit_s: float = 60.0, offload: bool = False, max_seq_len: int | None = None):
+        if fuse == "forward":
+            raise MemplanError("MemplanCallback takes fuse=None or 'backward': with forward fusion the Trainer "
+                               "would clip and schedule gradients the executor still holds")
+        self.planner = StepPlanner(budget, solver, fuse, time_limit_s=time_limit_s, offload=offload,
+                                   max_seq_len=max_seq_len)
+        self.measured_peak_bytes: int | None = None
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._args: Any = None
+        self._hook: Any = None
+        self._busy = False
+        self._pending_logs: dict[str, float] = {}
+        self._measure_step: int | None = None
+
+    @property
+    def graph(self):
+        return self.planner.graph
+
+    @property
+    def plan(self):
+        return self.planner.plan_
+
+    @property
+    def summary(self):
+        return self.planner.summary
+
+    # ---- the Trainer's events ----------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if model is None or optimizer is None:
+            raise MemplanError("MemplanCallback needs the Trainer's model and optimizer at on_train_begin")
+        if self.planner.fuse == "backward" and args.max_grad_norm:
+            raise MemplanError(f"fuse='backward' steps the optimizer inside backward, before the Trainer clips "
+                               f"to max_grad_norm={args.max_grad_norm}; set max_grad_norm=0 or fuse=None")
+        self._model = model
+        # accelerate wraps the optimizer; the executor patches the torch optimizer's own step
+        self._optimizer = getattr(optimizer, "optimizer", optimizer)
+        self._args = args
+        if self.planner.executor is None:
+            self._hook = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.planner.executor is not None and self._measure_step is None and self.measured_peak_bytes is None:
+            self._measure_step = state.global_step  # the first step wholly under the plan: measure it
+
+    def on_step_end(self, args, state, control, **kwargs):
+        peak = self.planner.stop_measure()
+        if peak is not None:
+            self.measured_peak_bytes = peak
+            self._pending_logs["memplan_measured_peak_bytes"] = peak
+            log.info("memplan: measured peak %d B, predicted %d B", peak, self.summary.predicted_peak_bytes)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._pending_logs:
+            return
+        # the Trainer recorded this log in log_history just before calling back: add ours to that record
+        if state.log_history:
+            state.log_history[-1].update(self._pending_logs)
+        if logs is not None:
+            logs.update(self._pending_logs)
+        self._pending_logs = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._pending_logs:
+            state.log_history.append({**self._pending_logs, "step": state.global_step})
+            self._pending_logs = {}
+        self._remove_hook()
+        self.planner.remove()
+
+    # ---- the first forward -------------------------------------------------------------------------------
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._busy:
+            return  # the profile's own calls of the model
+        if self.planner.executor is not None:
+            if self._measure_step is not None and self._measure_step >= 0:
+                self._measure_step = -1
+                self.planner.start_measure(module, (args, kwargs), self._optimizer)
+            return
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self._busy = True
+        try:
+            ex = self.planner.plan(module, (args, kwargs), _call_model, self._optimizer,
+                                   accumulation_steps=self._args.gradient_accumulation_steps)
+        finally:
+            self._busy = False
+        ex.begin_step(module)  # this call's own pre-hooks ran before the executor's was registered
+        s = self.summary
+        log.info("memplan: %s plan (%d recomputed, %d offloaded), predicted peak %d B under a budget of %d B "
+                 "(keeping everything: %d B)", s.solver, s.recomputed, s.offloaded, s.predicted_peak_bytes,
+                 s.budget_bytes, s.keep_all_peak_bytes)
+        self._pending_logs.update(s.logs())
+
+
+def _call_model(model: nn.Module, batch: tuple[tuple, dict]) -> torch.Tensor:
+    args, kwargs = batch
+    return model_loss(model(*args, **kwargs))
+

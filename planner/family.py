@@ -1,0 +1,88 @@
+"""Profiling a shape family: the same training step at a few batch shapes, fitted into one graph.
+
+    graph = profile_family(model, [({"seq": 128}, batch_128), ({"seq": 96}, batch_96),
+                                   ({"seq": 64}, batch_64)], loss_fn)
+    at_64 = memplan.planner.shapes.at_shape(graph, {"seq": 64})   # any shape up to the largest
+
+The first batch is the largest shape: it is profiled as :func:`memplan.planner.profiler.profile` profiles
+(its timings and measurement are the graph's). The others only need the step's structure and sizes: one
+warm-up and one traced step each, on a twin of the optimizer, with the model's parameters, buffers,
+gradients and random streams restored afterwards (:func:`restored`). The fit itself is
+:func:`memplan.planner.shapes.fit_family` (torch-free; its docstring states the size and time models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.planner.errors import MemplanError
+from memplan.planner.graph import Graph
+from memplan.planner.profiler import profile
+from memplan.planner.shapes import fit_family
+from memplan.planner.workloads import LossFn, default_optimizer
+
+
+@contextlib.contextmanager
+def restored(model: nn.Module) -> Iterator[None]:
+    """Run the block, then put back ``model``'s parameters, buffers and gradients (bit for bit) and the CPU
+    and CUDA random streams: whatever steps the block trains, training continues as if it had not run."""
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    saved = [t.detach().clone() for t in tensors]
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, v in zip(tensors, saved, strict=True):
+                    t.copy_(v)
+                for p, g in zip(model.parameters(), grads, strict=True):
+                    p.grad = g
+
+
+def twin_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``optimizer``'s class over the same parameters with the same per-group
+    settings and no state: profiling with it records the same optimizer memory and leaves the original's
+    state untouched. Raises :class:`MemplanError` when the class cannot be rebuilt from its groups."""
+    groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
+    try:
+        return type(optimizer)(groups)
+    except TypeError as e:
+        raise MemplanError(f"cannot make a twin of optimizer {type(optimizer).__name__} from its parameter "
+                           f"groups ({e}); pass a standard torch.optim optimizer") from None
+
+
+def profile_family(model: nn.Module, batches: Sequence[tuple[Mapping[str, int], Any]], loss_fn: LossFn, *,
+                   optimizer: torch.optim.Optimizer | None = None, warmup: int = 1, repeats: int = 3,
+                   device: str | torch.device | None = None, progress: bool = True, measure: bool = True,
+                   name: str = "graph") -> Graph:
+    """Profile ``model``'s training step at each ``(dimensions, batch)`` and return the largest shape's
+    graph with its shape family (``graph.meta["shape_family"]``).
+
+    ``batches[0]`` is the largest shape, profiled with ``optimizer``, ``warmup``, ``repeats`` and
+    ``measure`` as :func:`memplan.planner.profiler.profile` does (the model is trained by those steps, as
+    there); the others get a structure-only profile under :func:`restored`. Raises :class:`GraphError`
+    when the step's structure differs between shapes or a size is no polynomial of the dimensions (see
+    :func:`memplan.planner.shapes.fit_family`), :class:`MemplanError` as ``profile`` does.
+    """
+    if len(batches) < 2:
+        raise MemplanError("profile_family needs batches at two or more shapes (three for sizes such as "
+                           "seq - 1, which have two terms)")
+    optimizer = optimizer or default_optimizer(model)
+    graphs: list[tuple[Mapping[str, int], Graph]] = []
+    # fake profiling (#10) goes here: the smaller shapes need only the structure and sizes of a step
+    with restored(model):
+        for point, batch in batches[1:]:
+            g = profile(model, batch, loss_fn, optimizer=twin_optimizer(optimizer), warmup=1, repeats=1,
+                        device=device, progress=progress, measure=False, name=name)
+            graphs.append((point, g))
+    largest = profile(model, batches[0][1], loss_fn, optimizer=optimizer, warmup=warmup, repeats=repeats,
+                      device=device, progress=progress, measure=measure, name=name)
+    return fit_family([(batches[0][0], largest), *graphs])

@@ -1,0 +1,106 @@
+"""PyTorch Lightning with ``MemplanCallback``: a LightningModule (dropout on, ``self.log`` in its
+``training_step``) fits a few steps on CPU bitwise like the same Trainer without the callback, with
+gradient accumulation and clipping; the plan recomputes; predicted and measured peaks are logged, the
+measured at most the predicted; a budget below every plan stops the fit before any update."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+
+from memplan.api.integrations.lightning import MemplanCallback  # noqa: E402
+from memplan.planner.errors import Infeasible, MemplanError  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(6):
+            layers += [nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.1)]
+        self.net = nn.Sequential(*layers, nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@functools.cache
+def _base() -> Regressor:
+    torch.manual_seed(0)
+    return Regressor()
+
+
+def _fit(callback, **trainer_args):
+    module = copy.deepcopy(_base())
+    data = torch.utils.data.TensorDataset(torch.randn(512, 64, generator=torch.Generator().manual_seed(0)),
+                                          torch.randn(512, 1, generator=torch.Generator().manual_seed(1)))
+    torch.manual_seed(1)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", callbacks=[callback] if callback else [], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         **trainer_args)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=64))
+    return module, trainer
+
+
+@pytest.mark.parametrize("args", [{}, {"accumulate_grad_batches": 2, "gradient_clip_val": 1.0}],
+                         ids=["plain", "accumulation-clipping"])
+def test_fit_is_bitwise_with_the_peaks_logged(args):
+    # 80%: the previous step's gradients, alive through Lightning's forward, take part of the budget
+    callback = MemplanCallback(budget="80%")
+    planned, trainer = _fit(callback, **args)
+    plain, _ = _fit(None, **args)
+    assert all(torch.equal(a, b) for a, b in zip(planned.parameters(), plain.parameters(), strict=True))
+    assert callback.plan.count("recompute") > 0
+    logged = trainer.logged_metrics
+    predicted = int(logged["memplan_predicted_peak_bytes"])
+    assert predicted == callback.summary.predicted_peak_bytes <= int(logged["memplan_budget_bytes"])
+    assert int(logged["memplan_measured_peak_bytes"]) == callback.measured_peak_bytes <= predicted
+    assert "training_step" not in planned.__dict__  # the module's own training_step again
+
+
+def test_a_budget_below_every_plan_stops_the_fit_before_any_update():
+    module = copy.deepcopy(_base())
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", callbacks=[MemplanCallback(budget="10KiB")], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = torch.utils.data.TensorDataset(torch.randn(128, 64), torch.randn(128, 1))
+    with pytest.raises(Infeasible, match=r"^no plan fits budget 10.00 KiB \(10240 B\) for graph 'StepModule' "
+                                         r"with the 97.75 KiB of gradients the loop holds into the step; "
+                                         r"the minimum feasible budget memplan knows is "):
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=64))
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def test_manual_optimization_is_refused():
+    class Manual(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", callbacks=[MemplanCallback()], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 64), torch.randn(64, 1))
+    with pytest.raises(MemplanError, match="automatic_optimization = False"):
+        trainer.fit(Manual(), torch.utils.data.DataLoader(data, batch_size=64))
