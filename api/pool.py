@@ -115,6 +115,11 @@ class WorkerPool:
             w.kill()
         executor.shutdown(wait=self.kind == "thread" and self.busy == 0, cancel_futures=True)
 
+    @property
+    def ready(self) -> int:
+        """Workers waiting for a job now."""
+        return 0 if self._idle is None else self._idle.qsize()
+
     # ---- jobs -----------------------------------------------------------------------------------
     async def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` in a worker; return what it returns, raise what it raises (or

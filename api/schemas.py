@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -22,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
+    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     model_validator,
@@ -218,8 +220,43 @@ def parse_request(model: type[M], body: bytes, settings: Settings | None) -> M:
     """``body`` (JSON bytes) validated as ``model`` with the server's ``settings`` as context. JSON is
     parsed by pydantic-core: lone surrogates, nesting past its depth limit and malformed text are
     ``ValidationError`` s (``json_invalid``), as are values over the caps; the limits raise
-    :class:`LimitExceeded`. Runs off the event loop (it can take seconds on a maximal body)."""
+    :class:`LimitExceeded`."""
     return model.model_validate_json(body, strict=True, context={"settings": settings})
+
+
+@dataclass(frozen=True)
+class ReadRequest(Generic[M]):
+    """A request body as a parse worker read it (:func:`read_request`)."""
+
+    fields: dict[str, Any]
+    """The request model's fields but ``graph``, validated (a simulate request's plan is a ``Plan``)."""
+    graph_json: str
+    """The graph as canonical JSON text: what the plan cache key hashes and a worker process reads."""
+    graph: Graph | None
+    """The graph itself when it was read in this process (a thread pool shares objects), else None."""
+
+
+def read_request(model: type[M], body: bytes, settings: Settings | None, *, keep_graph: bool
+                 ) -> tuple[str, Any]:
+    """What a parse worker runs: ``("ok", ReadRequest)``, ``("invalid", [first error])`` (pydantic's error
+    dict, made plain so that it pickles) or ``("limit", (message, limit, limit_value))``.
+
+    A maximal body takes seconds to parse and pydantic-core holds the GIL meanwhile, so the server runs
+    this in a process of its own (:class:`memplan.api.pool.WorkerPool`): its event loop keeps answering.
+    """
+    try:
+        req = parse_request(model, body, settings)
+    except ValidationError as e:
+        err = e.errors(include_url=False, include_input=False)[0]
+        plain = {"type": err["type"], "loc": tuple(err["loc"]), "msg": err["msg"]}
+        if "ctx" in err:
+            plain["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
+        return "invalid", [plain]
+    except LimitExceeded as e:
+        return "limit", (str(e), e.limit, e.limit_value)
+    graph: Graph = req.graph  # type: ignore[attr-defined]  # every request model has one
+    fields = {name: value for name, value in req if name != "graph"}
+    return "ok", ReadRequest(fields, graph.model_dump_json(), graph if keep_graph else None)
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -322,6 +359,8 @@ class Health(_Out):
     pool: str
     workers: int
     busy: int = Field(description="workers running a job now")
+    ready: int = Field(description="workers waiting for a job now (fewer than workers - busy while a "
+                                   "stopped or dead worker's replacement starts)")
     queued: int = Field(description="requests waiting for a worker")
 
 

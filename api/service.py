@@ -18,7 +18,14 @@ from fastapi import Depends, Request
 from memplan.api import jobs
 from memplan.api.cache import PlanCache, content_hash, plan_key
 from memplan.api.pool import WorkerPool
-from memplan.api.schemas import EventOut, FrontierRequest, PlanRequest, SimulateRequest, SimulationResponse
+from memplan.api.schemas import (
+    EventOut,
+    FrontierRequest,
+    PlanRequest,
+    ReadRequest,
+    SimulateRequest,
+    SimulationResponse,
+)
 from memplan.api.settings import Settings
 from memplan.planner.graph import Graph
 
@@ -39,12 +46,16 @@ class Service:
         self.version = memplan_version()
         self.pool = WorkerPool(settings.pool, settings.workers, settings.max_queue,
                                queue_timeout_s=settings.queue_timeout_s, memory_bytes=settings.worker_memory_bytes)
+        # Bodies are read apart from solves: a 422 never waits behind a solve, nor a cache hit.
+        self.parsers = WorkerPool(settings.pool, settings.parse_workers, settings.max_queue,
+                                  queue_timeout_s=settings.queue_timeout_s, memory_bytes=settings.worker_memory_bytes)
         self.cache = PlanCache(settings.cache_path, max_bytes=settings.cache_max_bytes)
         self.solver_names: list[str] = []
         self._cache_context = ""
         self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}  # plan key -> the solve running
 
     async def start(self) -> None:
+        await self.parsers.start()  # first, then the solve pool: its processes are the newest (tests find them so)
         await self.pool.start()
         self.solver_names = jobs.warm_up()
         # What a solver name means: changes with memplan's version and the solvers it registers.
@@ -54,30 +65,33 @@ class Service:
         for task in self._inflight.values():
             task.cancel()
         self.pool.close()
+        self.parsers.close()
         self.cache.close()
 
-    def _graph_arg(self, graph: Graph) -> Graph | str:
-        # A worker process gets the JSON text (pydantic-core dumps it fast); a thread shares the object.
-        return graph.model_dump_json() if self.settings.pool == "process" else graph
+    @staticmethod
+    def _graph_arg(req: ReadRequest[Any]) -> Graph | str:
+        # A worker process gets the JSON text; a thread shares the object.
+        return req.graph if req.graph is not None else req.graph_json
 
     # ---- plans -----------------------------------------------------------------------------------
-    async def plan(self, req: PlanRequest) -> dict[str, Any]:
+    async def plan(self, read: ReadRequest[PlanRequest]) -> dict[str, Any]:
         """A ``PlanResponse`` as a dict: from the cache, from an identical request being solved now, or
         solved in the pool (and then cached)."""
-        time_limit_s = self.settings.time_limit_s(req.time_limit_s)
-        graph_json = await asyncio.to_thread(req.graph.model_dump_json)
-        key = plan_key(graph_sha256=content_hash(graph_json), budget=req.budget,
-                       budget_fraction=req.budget_fraction, solver=req.solver, time_limit_s=time_limit_s,
-                       offload=req.offload, host_budget=req.host_budget, context=self._cache_context)
+        req = read.fields
+        time_limit_s = self.settings.time_limit_s(req["time_limit_s"])
+        graph_sha256 = await asyncio.to_thread(content_hash, read.graph_json)
+        key = plan_key(graph_sha256=graph_sha256, budget=req["budget"], budget_fraction=req["budget_fraction"],
+                       solver=req["solver"], time_limit_s=time_limit_s, offload=req["offload"],
+                       host_budget=req["host_budget"], context=self._cache_context)
         stored = await asyncio.to_thread(self.cache.get, key)
         if stored is not None:
             return {"cache_hit": True, **json.loads(stored)}
         task = self._inflight.get(key)
         if task is None:  # else the same request is being solved now: share its answer
-            graph_arg = graph_json if self.settings.pool == "process" else req.graph
             task = asyncio.ensure_future(self._solve_and_cache(
-                key, graph_arg, budget=req.budget, budget_fraction=req.budget_fraction, solver=req.solver,
-                time_limit_s=time_limit_s, offload=req.offload, host_budget=req.host_budget))
+                key, self._graph_arg(read), budget=req["budget"], budget_fraction=req["budget_fraction"],
+                solver=req["solver"], time_limit_s=time_limit_s, offload=req["offload"],
+                host_budget=req["host_budget"]))
             self._inflight[key] = task
             task.add_done_callback(functools.partial(self._solved, key))
         # shield: a request that goes away leaves the solve running; its answer is still cached.
@@ -98,9 +112,9 @@ class Service:
             task.exception()  # retrieved: no "never retrieved" warning when every waiter went away
 
     # ---- simulate --------------------------------------------------------------------------------
-    async def simulate(self, req: SimulateRequest) -> dict[str, Any]:
+    async def simulate(self, read: ReadRequest[SimulateRequest]) -> dict[str, Any]:
         out = await self.pool.run(
-            jobs.simulate_job, self._graph_arg(req.graph), req.plan, timeline=req.timeline,
+            jobs.simulate_job, self._graph_arg(read), read.fields["plan"], timeline=read.fields["timeline"],
             timeout_s=self.settings.max_time_limit_s + self.settings.grace_s)
         # The wire form names its fields: a figure the simulator adds later is not sent until it is
         # added to the schema (rather than failing the response's validation).
@@ -110,12 +124,13 @@ class Service:
         return out
 
     # ---- frontier --------------------------------------------------------------------------------
-    async def frontier(self, req: FrontierRequest) -> dict[str, Any]:
-        solves = len(req.budgets) * len(req.solvers)
-        per_solve_s = self.settings.time_limit_s(req.time_limit_s, solves=solves)
+    async def frontier(self, read: ReadRequest[FrontierRequest]) -> dict[str, Any]:
+        req = read.fields
+        solves = len(req["budgets"]) * len(req["solvers"])
+        per_solve_s = self.settings.time_limit_s(req["time_limit_s"], solves=solves)
         return await self.pool.run(
-            jobs.frontier_job, self._graph_arg(req.graph), budgets=list(req.budgets), solvers=list(req.solvers),
-            time_limit_s=per_solve_s, offload=req.offload, timeout_s=per_solve_s * solves + self.settings.grace_s)
+            jobs.frontier_job, self._graph_arg(read), budgets=list(req["budgets"]), solvers=list(req["solvers"]),
+            time_limit_s=per_solve_s, offload=req["offload"], timeout_s=per_solve_s * solves + self.settings.grace_s)
 
 
 def get_service(request: Request) -> Service:

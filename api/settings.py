@@ -34,6 +34,11 @@ class Settings:
     ``thread``: in threads of the server process (CP-SAT and HiGHS release the GIL; cheaper to start)."""
     max_queue: int = 64
     """Requests allowed to wait for a worker; more get 503 with Retry-After."""
+    parse_workers: int = 1
+    """Processes that parse and validate request bodies (a maximal body takes seconds; the event loop
+    never does it). With ``pool="thread"``, threads."""
+    parse_timeout_s: float = 60.0
+    """How long reading one body may take before its parse worker is stopped (503)."""
     queue_timeout_s: float = 30.0
     """How long a request waits for a free worker; past it, 503 with Retry-After."""
     worker_memory_bytes: int = 8 * 2**30
@@ -65,15 +70,17 @@ class Settings:
     binds a loopback address, any host otherwise (see :meth:`hosts_for`)."""
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise MemplanError(f"settings: workers must be >= 1, got {self.workers}")
+        for name in ("workers", "parse_workers"):
+            if getattr(self, name) < 1:
+                raise MemplanError(f"settings: {name} must be >= 1, got {getattr(self, name)}")
         if self.pool not in ("process", "thread"):
             raise MemplanError(f"settings: pool must be 'process' or 'thread', got {self.pool!r}")
         for name in ("max_queue", "max_body_bytes", "max_ops", "max_frontier_points", "worker_memory_bytes",
                      "cache_max_bytes"):
             if getattr(self, name) < 0:
                 raise MemplanError(f"settings: {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_time_limit_s", "default_time_limit_s", "grace_s", "queue_timeout_s"):
+        for name in ("max_time_limit_s", "default_time_limit_s", "grace_s", "queue_timeout_s",
+                     "parse_timeout_s"):
             if not getattr(self, name) > 0:
                 raise MemplanError(f"settings: {name} must be > 0 seconds, got {getattr(self, name)}")
 

@@ -1,45 +1,44 @@
 """Request bodies read off the event loop: a dependency per request model, and its OpenAPI entry.
 
-FastAPI would parse and validate a body on the event loop, where a maximal graph (tens of MB, a million
-ops) takes seconds during which nothing else is answered, ``/healthz`` included. Here the bytes are
-handed to a thread that parses and validates them with the request model
-(:func:`memplan.api.schemas.parse_request`); a refusal is the same ``RequestValidationError`` FastAPI
-raises, so it is answered the same way (:mod:`memplan.api.errors`). The route documents the body with
-:func:`documented`, so the schema still says exactly what the model accepts.
+FastAPI would parse and validate a body on the event loop, where a maximal graph (tens of MB, a hundred
+thousand ops) takes seconds during which nothing else is answered, ``/healthz`` included; a thread would
+not help, as pydantic-core holds the GIL while it parses. So the bytes go to a parse worker process
+(``Service.parsers``), which validates them with the request model
+(:func:`memplan.api.schemas.read_request`) and sends back the fields and the graph's canonical JSON. A
+refusal is the same ``RequestValidationError`` FastAPI raises, so it is answered the same way
+(:mod:`memplan.api.errors`). The route documents the body with :func:`documented`, so the schema still
+says exactly what the model accepts.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from memplan.api.schemas import parse_request
-from memplan.api.settings import Settings
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def _parse(model: type[M], body: bytes, settings: Settings | None) -> M | list[dict[str, Any]]:
-    try:
-        return parse_request(model, body, settings)
-    except ValidationError as e:  # the first error only, worked out here too: a million of them is slow
-        return [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False, include_input=False)[:1]]
+from memplan.api.errors import LimitExceeded
+from memplan.api.schemas import ReadRequest, read_request
+from memplan.api.service import get_service
 
 
-def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
-    """A FastAPI dependency: the request's body validated as ``model`` in a thread."""
+def json_body(model: type[BaseModel]) -> Callable[[Request], Awaitable[ReadRequest[Any]]]:
+    """A FastAPI dependency: the request's body read as ``model`` by a parse worker."""
 
-    async def read(request: Request) -> M:
+    async def read(request: Request) -> ReadRequest[Any]:
         body = await request.body()
-        parsed = await asyncio.to_thread(_parse, model, body, getattr(request.app.state, "settings", None))
-        if isinstance(parsed, list):
-            raise RequestValidationError(parsed)
-        return parsed
+        service = get_service(request)
+        kind, value = await service.parsers.run(
+            read_request, model, body, service.settings, keep_graph=service.settings.pool == "thread",
+            timeout_s=service.settings.parse_timeout_s)
+        if kind == "invalid":
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in value])
+        if kind == "limit":
+            message, limit, limit_value = value
+            raise LimitExceeded(message, limit=limit, limit_value=limit_value)
+        return value
 
     return read
 
