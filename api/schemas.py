@@ -84,7 +84,25 @@ HostBudget = Annotated[
     WithJsonSchema(_budget_schema(_HOST_BUDGET_PATTERN, "pinned host bytes as an integer (at most 2^50) or a "
                                                         "string such as '8GiB' (not a percentage)", ["8GiB", 1048576])),
 ]
-SolverName = Annotated[str, Field(min_length=1, max_length=64, description="a name from GET /v1/solvers, or 'auto'")]
+def _solver_names() -> list[str]:
+    from memplan.solvers import solvers
+
+    return ["auto", *sorted(solvers())]
+
+
+def _known_solver(name: str) -> str:
+    names = _solver_names()
+    if name not in names:
+        raise ValueError(f"unknown solver {name!r}; known: {', '.join(names)}")
+    return name
+
+
+def _solver_enum(schema: dict[str, Any]) -> None:
+    schema["enum"] = _solver_names()  # at schema time: the solvers registered in this server
+
+
+SolverName = Annotated[str, AfterValidator(_known_solver),
+                       Field(description="a name from GET /v1/solvers, or 'auto'", json_schema_extra=_solver_enum)]
 TimeLimit = Annotated[float, Field(gt=0, allow_inf_nan=False, description="seconds; capped by the server "
                                                                           "(max_time_limit_s)")]
 

@@ -122,7 +122,7 @@ def test_bad_budget_and_unknown_solver_are_422(client):
     assert r.status_code == 422
     assert r.json()["detail"] == "budget: budget -1 is out of range: 0 to 2^50 bytes (1 PiB)"
     r = client.post("/v1/plans", json=body(solver="nope"))
-    assert r.status_code == 422 and r.json()["detail"].startswith("unknown solver 'nope'; known: ")
+    assert r.status_code == 422 and r.json()["detail"].startswith("solver: unknown solver 'nope'; known: auto, ")
 
 
 # ---- malformed input -----------------------------------------------------------------------------
