@@ -124,19 +124,18 @@ def _budget_list(text: str) -> list[str]:
 
 
 def _writable(*paths: Path | None) -> None:
-    """Refuse, before any long work, an output that cannot be written: a folder, a read-only file, or
-    one under a folder that cannot be written or created (missing folders are created when writing)."""
+    """Refuse, before any long work, an output that cannot be written: a folder, or a file whose folder
+    cannot be created or written (missing folders are created now)."""
     for path in paths:
         if path is None:
             continue
         if path.is_dir():
             raise MemplanError(f"cannot write {path}: it is a folder")
-        folder = path.absolute().parent
-        while not folder.exists():
-            folder = folder.parent
-        if not folder.is_dir():
-            raise MemplanError(f"cannot write {path}: {folder} is not a folder")
-        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MemplanError(f"cannot write {path}: cannot create folder {path.parent}: {e.strerror}") from None
+        if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise MemplanError(f"cannot write {path}: permission denied")
 
 
