@@ -41,7 +41,7 @@ class Settings:
     """How long reading one body may take before its parse worker is stopped (503)."""
     queue_timeout_s: float = 30.0
     """How long a request waits for a free worker; past it, 503 with Retry-After."""
-    worker_memory_bytes: int = 8 * 2**30
+    worker_memory_bytes: int = 4 * 2**30
     """Address space a worker process may use (``RLIMIT_AS``); a solve that needs more (the DP's table on
     a long chain) gets 422 naming this limit and its worker is replaced. 0: no cap."""
     max_body_bytes: int = 32 * 2**20

@@ -334,25 +334,94 @@ def test_pool_queue_limit_and_timeout():
 
 
 @pytest.mark.slow
-def test_pool_replaces_a_dead_worker_process():
-    """A worker killed under a job (out of memory, a native crash) is a 503 for that job, not a pool
-    that refuses every later one."""
+def test_pool_stops_overruns_and_replaces_dead_workers():
+    """A worker killed under a job (out of memory, a native crash) fails that job alone (503); a job past
+    its time is stopped at once and its worker replaced; a job past the memory cap is an
+    ``OutOfMemory`` naming the limit. After each, the pool answers the next job."""
     import os
 
-    from memplan.api.errors import WorkerLost
+    from memplan.api.errors import OutOfMemory, WorkerLost
 
     async def scenario():
-        pool = WorkerPool("process", workers=1, max_queue=4)
+        pool = WorkerPool("process", workers=1, max_queue=4, memory_bytes=2**30)
         await pool.start()
         try:
             with pytest.raises(WorkerLost, match="the worker process running this request died"):
                 await pool.run(os._exit, 3, timeout_s=30)
             assert pool.busy == 0
             assert await pool.run(sum, [1, 2], timeout_s=30) == 3
+            t0 = time.perf_counter()
+            with pytest.raises(SolveTimeout, match="was stopped"):
+                await pool.run(time.sleep, 60, timeout_s=0.5)
+            assert time.perf_counter() - t0 < 2.0  # answered at its limit, not after the job's 60 s
+            assert await pool.run(sum, [3, 4], timeout_s=30) == 7  # on the replacement
+            with pytest.raises(OutOfMemory) as e:
+                await pool.run(bytearray, 2 * 2**30, timeout_s=30)
+            assert e.value.limit == "worker_memory_bytes"
+            assert await pool.run(sum, [5, 6], timeout_s=30) == 11
+            assert pool.replaced == 3
         finally:
             pool.close()
 
     asyncio.run(scenario())
+
+
+def test_pool_queue_wait_is_bounded():
+    async def scenario():
+        pool = WorkerPool("thread", workers=1, max_queue=4, queue_timeout_s=0.2)
+        await pool.start()
+        try:
+            slow = asyncio.ensure_future(pool.run(time.sleep, 0.6, timeout_s=5))
+            await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            with pytest.raises(Overloaded, match="stayed busy for 0.2 s"):
+                await pool.run(sum, [1], timeout_s=5)
+            assert 0.15 < time.perf_counter() - t0 < 0.5
+            await slow
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())
+
+
+# ---- the plan cache heals itself and stays within its size ------------------------------------------
+@pytest.mark.parametrize("damage", ["garbage", "half", "header"])
+def test_a_damaged_cache_file_is_moved_aside_and_started_afresh(tmp_path, damage, caplog):
+    path = tmp_path / "plans.sqlite"
+    cache = PlanCache(str(path))
+    cache.put("k", {"graph_fingerprint": "f", "solver": {"name": "x", "status": "optimal"}, "pad": "x" * 5000})
+    cache.close()
+    good = path.read_bytes()
+    broken = {"garbage": b"not a database" * 500, "half": good[: len(good) // 2],
+              "header": b"\0" * 100 + good[100:]}[damage]
+    path.write_bytes(broken)
+    for side in ("-wal", "-shm"):
+        (tmp_path / f"plans.sqlite{side}").unlink(missing_ok=True)
+    with caplog.at_level("WARNING", "memplan.api"):
+        healed = PlanCache(str(path))
+    assert len(healed) == 0
+    assert healed.put("k2", {"graph_fingerprint": "f", "solver": {"name": "x", "status": "optimal"}})
+    assert [p.read_bytes() for p in tmp_path.glob("plans.sqlite.corrupt-*")] == [broken]
+    assert "moved it to" in caplog.text
+
+
+def test_an_unusable_cache_path_is_one_line():
+    from memplan.api.cache import CacheError
+
+    with pytest.raises(CacheError, match="cannot create the plan cache's folder /proc/nope"):
+        PlanCache("/proc/nope/plans.sqlite")
+
+
+def test_the_cache_evicts_the_least_recently_used(tmp_path):
+    cache = PlanCache(str(tmp_path / "plans.sqlite"), max_bytes=10_000)
+    answer = {"graph_fingerprint": "f", "solver": {"name": "x", "status": "optimal"}, "pad": "x" * 1900}
+    for i in range(4):
+        cache.put(f"k{i}", answer)
+    assert cache.get("k0") is not None  # k0 used: k1 is now the least recent
+    for i in range(4, 6):
+        cache.put(f"k{i}", answer)
+    assert cache.stored_bytes() <= 10_000
+    assert cache.get("k1") is None and cache.get("k0") is not None and cache.get("k5") is not None
 
 
 def test_settings_from_env():
