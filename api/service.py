@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from collections import OrderedDict
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
@@ -28,6 +29,8 @@ from memplan.api.schemas import (
 )
 from memplan.api.settings import Settings
 from memplan.planner.graph import Graph
+
+_MAX_BODY_KEYS = 65_536  # request bodies remembered for cached_for_body (~10 MiB)
 
 
 def memplan_version() -> str:
@@ -53,6 +56,7 @@ class Service:
         self.solver_names: list[str] = []
         self._cache_context = ""
         self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}  # plan key -> the solve running
+        self._body_keys: OrderedDict[str, str] = OrderedDict()  # request body's hash -> plan key
 
     async def start(self) -> None:
         await self.parsers.start()  # first, then the solve pool: its processes are the newest (tests find them so)
@@ -74,15 +78,33 @@ class Service:
         return req.graph if req.graph is not None else req.graph_json
 
     # ---- plans -----------------------------------------------------------------------------------
-    async def plan(self, read: ReadRequest[PlanRequest]) -> dict[str, Any]:
+    async def cached_for_body(self, body_key: str) -> dict[str, Any] | None:
+        """The cached ``PlanResponse`` of a request body seen before (``body_key``: the bytes' hash,
+        :func:`memplan.api.cache.content_hash`), or None. Reading a graph takes a parse worker
+        milliseconds to seconds; a client that repeats a request sends the same bytes, answered here from
+        their hash alone."""
+        key = self._body_keys.get(body_key)
+        stored = None if key is None else await asyncio.to_thread(self.cache.get, key)
+        return None if stored is None else {"cache_hit": True, **json.loads(stored)}
+
+    def _remember_body(self, body_key: str, key: str) -> None:
+        self._body_keys[body_key] = key
+        self._body_keys.move_to_end(body_key)
+        while len(self._body_keys) > _MAX_BODY_KEYS:  # bounded: the oldest bodies go first
+            self._body_keys.popitem(last=False)
+
+    async def plan(self, read: ReadRequest[PlanRequest], *, body_key: str | None = None) -> dict[str, Any]:
         """A ``PlanResponse`` as a dict: from the cache, from an identical request being solved now, or
-        solved in the pool (and then cached)."""
+        solved in the pool (and then cached). ``body_key``: the hash of the request's bytes, remembered so
+        that the same bytes again are answered without reading them (:meth:`cached_for_body`)."""
         req = read.fields
         time_limit_s = self.settings.time_limit_s(req["time_limit_s"])
         graph_sha256 = await asyncio.to_thread(content_hash, read.graph_json)
         key = plan_key(graph_sha256=graph_sha256, budget=req["budget"], budget_fraction=req["budget_fraction"],
                        solver=req["solver"], time_limit_s=time_limit_s, offload=req["offload"],
                        host_budget=req["host_budget"], context=self._cache_context)
+        if body_key is not None:
+            self._remember_body(body_key, key)
         stored = await asyncio.to_thread(self.cache.get, key)
         if stored is not None:
             return {"cache_hit": True, **json.loads(stored)}

@@ -431,3 +431,27 @@ def test_settings_from_env():
         Settings.from_env({"MEMPLAN_MAX_OPS": "many"})
     with pytest.raises(MemplanError, match="workers must be >= 1"):
         Settings(workers=0)
+
+
+def test_repeated_bytes_are_answered_without_reading_them_again(monkeypatch):
+    """The same request bytes again are answered from the cache without a parse worker; other bytes for
+    the same plan are read, then a hit too; a remembered body whose answer left the cache is solved."""
+    from memplan.api.routes import body as body_module
+
+    with TestClient(create_app(FAST)) as c:
+        raw = json.dumps(body(budget=700, solver="oracle")).encode()
+        headers = {"content-type": "application/json"}
+        first = c.post("/v1/plans", content=raw, headers=headers)
+        assert first.status_code == 200 and first.json()["cache_hit"] is False
+
+        def unreachable(*a, **kw):
+            raise AssertionError("read again")
+
+        with monkeypatch.context() as m:
+            m.setattr(body_module, "read_request", unreachable)
+            again = c.post("/v1/plans", content=raw, headers=headers)
+        assert again.status_code == 200 and again.json() == {**first.json(), "cache_hit": True}
+        spaced = c.post("/v1/plans", content=json.dumps(json.loads(raw), indent=2).encode(), headers=headers)
+        assert spaced.json() == again.json()
+        c.app.state.service.cache.clear()
+        assert c.post("/v1/plans", content=raw, headers=headers).json()["cache_hit"] is False

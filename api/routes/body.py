@@ -13,7 +13,7 @@ says exactly what the model accepts.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -21,24 +21,30 @@ from pydantic import BaseModel
 
 from memplan.api.errors import LimitExceeded
 from memplan.api.schemas import ReadRequest, read_request
-from memplan.api.service import get_service
+from memplan.api.service import Service, get_service
+
+M = TypeVar("M", bound=BaseModel)
 
 
-def json_body(model: type[BaseModel]) -> Callable[[Request], Awaitable[ReadRequest[Any]]]:
+async def read_body(service: Service, model: type[M], body: bytes) -> ReadRequest[M]:
+    """``body`` read as ``model`` by a parse worker; raises ``RequestValidationError`` (answered 422 like
+    FastAPI's own) or :class:`LimitExceeded`."""
+    kind, value = await service.parsers.run(
+        read_request, model, body, service.settings, keep_graph=service.settings.pool == "thread",
+        timeout_s=service.settings.parse_timeout_s)
+    if kind == "invalid":
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in value])
+    if kind == "limit":
+        message, limit, limit_value = value
+        raise LimitExceeded(message, limit=limit, limit_value=limit_value)
+    return value
+
+
+def json_body(model: type[M]) -> Callable[[Request], Awaitable[ReadRequest[M]]]:
     """A FastAPI dependency: the request's body read as ``model`` by a parse worker."""
 
-    async def read(request: Request) -> ReadRequest[Any]:
-        body = await request.body()
-        service = get_service(request)
-        kind, value = await service.parsers.run(
-            read_request, model, body, service.settings, keep_graph=service.settings.pool == "thread",
-            timeout_s=service.settings.parse_timeout_s)
-        if kind == "invalid":
-            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in value])
-        if kind == "limit":
-            message, limit, limit_value = value
-            raise LimitExceeded(message, limit=limit, limit_value=limit_value)
-        return value
+    async def read(request: Request) -> ReadRequest[M]:
+        return await read_body(get_service(request), model, await request.body())
 
     return read
 
