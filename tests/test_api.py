@@ -455,3 +455,23 @@ def test_repeated_bytes_are_answered_without_reading_them_again(monkeypatch):
         assert spaced.json() == again.json()
         c.app.state.service.cache.clear()
         assert c.post("/v1/plans", content=raw, headers=headers).json()["cache_hit"] is False
+
+
+def test_token_and_allowed_hosts():
+    settings = Settings(pool="thread", workers=1, token="t0k", allowed_hosts="localhost")
+    with TestClient(create_app(settings), base_url="http://localhost") as c:
+        assert c.get("/healthz").status_code == 200
+        r = c.get("/v1/solvers")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {"detail": "this server requires a token: send 'Authorization: Bearer <token>'",
+                            "error": "unauthorized"}
+        ok = {"Authorization": "Bearer t0k"}
+        assert c.get("/v1/solvers", headers=ok).status_code == 200
+        spec = c.get("/openapi.json", headers=ok).json()
+        assert spec["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+        assert spec["paths"]["/v1/plans"]["post"]["security"] == [{"bearer": []}]
+        assert "security" not in spec["paths"]["/healthz"]["get"]
+        assert c.get("/healthz", headers={"Host": "evil.example"}).status_code == 400
+    assert Settings().hosts_for("127.0.0.1") == ["127.0.0.1", "localhost", "::1", "[::1]"]
+    assert Settings().hosts_for("0.0.0.0") == ["*"]
+    assert Settings(allowed_hosts="a.example, b.example").hosts_for("127.0.0.1") == ["a.example", "b.example"]
