@@ -11,6 +11,7 @@ from memplan.api.schemas import ERROR_RESPONSES, PlanRequest, PlanResponse
 from memplan.api.service import ServiceDep
 
 router = APIRouter(prefix="/v1", tags=["plans"])
+_INLINE_HASH_BYTES = 1 << 20  # hashing a MiB takes about a millisecond: smaller bodies are hashed on the loop
 
 
 @router.post("/plans", response_model=PlanResponse, responses=ERROR_RESPONSES, openapi_extra=documented(PlanRequest),
@@ -23,7 +24,7 @@ async def create_plan(request: Request, service: ServiceDep) -> Any:
     """
     body = await request.body()
     # the same bytes as a request answered before: from the cache without reading them again
-    body_key = await asyncio.to_thread(content_hash, body)
+    body_key = content_hash(body) if len(body) < _INLINE_HASH_BYTES else await asyncio.to_thread(content_hash, body)
     answer = await service.cached_for_body(body_key)
     if answer is not None:
         return answer
