@@ -9,6 +9,8 @@ import json
 import math
 from typing import Any
 
+from pydantic import ValidationError
+
 from memplan.planner.errors import GraphError, MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
@@ -28,8 +30,15 @@ def warm_up() -> list[str]:
 
 
 def load_graph(graph: Graph | str) -> Graph:
-    """A validated graph from its JSON text (what travels to a worker process) or the object itself."""
-    g = graph if isinstance(graph, Graph) else Graph.from_json(graph, source="graph")
+    """A validated graph from its JSON text (what travels to a worker process: the canonical text of a
+    graph a parse worker has validated, read by pydantic-core directly) or the object itself."""
+    if isinstance(graph, Graph):
+        g = graph
+    else:
+        try:
+            g = Graph.model_validate_json(graph)
+        except ValidationError:  # not text the service made: say what is wrong as the CLI's loader does
+            g = Graph.from_json(graph, source="graph")
     check_finite(g)
     return g
 
