@@ -9,7 +9,8 @@ With ``kind="process"`` each worker is a process of its own (:mod:`memplan.api.w
 talks to over a pipe, so the pool can bound every job from outside, whatever the solver does:
 
 * a job past its ``timeout_s`` is answered ``SolveTimeout`` and its process is killed (SIGKILL) and
-  replaced, so its worker is free again within the limit plus the time a new process takes to start;
+  replaced by a spare process kept started for this (``spare=True``; a new spare starts in the
+  background), so its place is free again at once, not after the seconds a new process takes to start;
 * a worker that dies under a job (a native crash, killed by the OS) fails that job alone (``WorkerLost``)
   and is replaced; one found dead while idle is replaced before it is given a job;
 * a worker's address space is capped (``memory_bytes``): a job past it is ``OutOfMemory`` (422 naming
@@ -58,7 +59,7 @@ class _Worker:
 
 class WorkerPool:
     def __init__(self, kind: str, workers: int, max_queue: int, *, queue_timeout_s: float = 30.0,
-                 memory_bytes: int = 0):
+                 memory_bytes: int = 0, spare: bool = False):
         self.kind = kind
         self.workers = workers
         self.max_queue = max_queue
@@ -70,6 +71,8 @@ class WorkerPool:
         """Requests waiting for a worker."""
         self.replaced = 0
         """Worker processes replaced so far (killed for overrunning, dead, out of memory)."""
+        self.spare = spare and kind == "process"
+        self._standby: _Worker | None = None  # the spare process, started, waiting to replace a worker
         self._idle: asyncio.Queue[_Worker | None] | None = None  # thread kind: None tokens
         self._all: set[_Worker] = set()
         self._lock = threading.Lock()  # guards _all (the pipe threads add and remove workers)
@@ -96,6 +99,8 @@ class WorkerPool:
                                          for _ in range(self.workers)))
         for w in started:
             self._idle.put_nowait(w)
+        if self.spare:
+            self._standby = await self._loop.run_in_executor(self._executor, self._spawn)
 
     def close(self) -> None:
         """Stop every worker (a job still running is killed: the server is going away)."""
@@ -260,12 +265,20 @@ class WorkerPool:
         raise RuntimeError("the pool was closed while a worker process started")
 
     def _replace(self, worker: _Worker) -> _Worker | None:
-        """Kill ``worker`` (if it still runs) and start another in its place; None when the pool is
+        """Kill ``worker`` (if it still runs) and put another in its place: the spare when one is ready
+        (a new spare is then started in the background), else a new process; None when the pool is
         closing, or when three starts in a row failed (logged: the pool then has one worker fewer)."""
         worker.kill()
         with self._lock:
             self._all.discard(worker)
+            standby, self._standby = self._standby, None
         self.replaced += 1
+        executor = self._executor
+        if standby is not None and standby.process.is_alive() and executor is not None:
+            executor.submit(self._start_spare)
+            return standby
+        if standby is not None:  # the spare died meanwhile
+            standby.kill()
         for attempt in range(3):
             if self._closed:
                 return None
@@ -275,3 +288,18 @@ class WorkerPool:
                 if not self._closed:
                     log.error("starting a worker process failed (attempt %d of 3): %s", attempt + 1, e)
         return None
+
+    def _start_spare(self) -> None:
+        """On a pipe thread: start a new spare process (after the last one took a worker's place)."""
+        try:
+            w = self._spawn()
+        except (OSError, RuntimeError, EOFError) as e:
+            if not self._closed:
+                log.error("starting a spare worker process failed: %s", e)
+            return
+        with self._lock:
+            if self._standby is None and not self._closed:
+                self._standby = w
+                return
+            self._all.discard(w)
+        w.kill()

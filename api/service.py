@@ -48,7 +48,8 @@ class Service:
         self.settings = settings
         self.version = memplan_version()
         self.pool = WorkerPool(settings.pool, settings.workers, settings.max_queue,
-                               queue_timeout_s=settings.queue_timeout_s, memory_bytes=settings.worker_memory_bytes)
+                               queue_timeout_s=settings.queue_timeout_s, memory_bytes=settings.worker_memory_bytes,
+                               spare=True)
         # Bodies are read apart from solves: a 422 never waits behind a solve, nor a cache hit.
         self.parsers = WorkerPool(settings.pool, settings.parse_workers, settings.max_queue,
                                   queue_timeout_s=settings.queue_timeout_s, memory_bytes=settings.worker_memory_bytes)

@@ -343,7 +343,7 @@ def test_pool_stops_overruns_and_replaces_dead_workers():
     from memplan.api.errors import OutOfMemory, WorkerLost
 
     async def scenario():
-        pool = WorkerPool("process", workers=1, max_queue=4, memory_bytes=2**30)
+        pool = WorkerPool("process", workers=1, max_queue=4, memory_bytes=2**30, spare=True)
         await pool.start()
         try:
             with pytest.raises(WorkerLost, match="the worker process running this request died"):
@@ -354,7 +354,7 @@ def test_pool_stops_overruns_and_replaces_dead_workers():
             with pytest.raises(SolveTimeout, match="was stopped"):
                 await pool.run(time.sleep, 60, timeout_s=0.5)
             assert time.perf_counter() - t0 < 2.0  # answered at its limit, not after the job's 60 s
-            assert await pool.run(sum, [3, 4], timeout_s=30) == 7  # on the replacement
+            assert await pool.run(sum, [3, 4], timeout_s=30) == 7  # on the spare (or a new process)
             with pytest.raises(OutOfMemory) as e:
                 await pool.run(bytearray, 2 * 2**30, timeout_s=30)
             assert e.value.limit == "worker_memory_bytes"
