@@ -7,18 +7,24 @@ the worker functions in ``api/jobs.py``, and the mapping of errors to HTTP in ``
 
 from __future__ import annotations
 
-import hashlib
+import functools
+import hmac
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memplan.api import errors
 from memplan.api.errors import error_body
 from memplan.api.routes import frontier, health, maxbatch, plans, simulate, solvers
-from memplan.api.service import BODY_KEY, Service, memplan_version
+from memplan.api.schemas import FrontierRequest, PlanRequest, SimulateRequest
+from memplan.api.service import Service, memplan_version
 from memplan.api.settings import Settings
 
 
@@ -44,9 +50,45 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for module in (plans, simulate, frontier, solvers, health, maxbatch):
         app.include_router(module.router)
-    app.add_middleware(PlanCacheShortcut)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)  # the outer one: runs first
+    app.openapi = functools.partial(_openapi, app, settings)  # type: ignore[method-assign]
+    # Added last runs first: the Host check, then the token, then the body's size.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if settings.token:
+        app.add_middleware(BearerToken, token=settings.token)
+    hosts = [h.strip() for h in settings.allowed_hosts.split(",") if h.strip()]
+    if hosts and "*" not in hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
     return app
+
+
+REQUEST_MODELS = (PlanRequest, SimulateRequest, FrontierRequest, maxbatch.MaxBatchRequest)
+"""Read by ``memplan.api.routes.body`` in a thread, so FastAPI does not see them: added to the schema here."""
+
+
+def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
+    """FastAPI's OpenAPI document, with the request models' schemas (validation mode) in its components
+    and, when a token is set, the bearer scheme every route but ``/healthz`` requires."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+                                 ref_template="#/components/schemas/{model}")
+    for name, definition in defs.get("$defs", {}).items():
+        if name in components and _plain(components[name]) != _plain(definition):
+            raise RuntimeError(f"OpenAPI: two schemas named {name!r} (a request's and a response's)")
+        components[name] = definition
+    if settings.token:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, operations in schema["paths"].items():
+            if path not in BearerToken.OPEN_PATHS:
+                for operation in operations.values():
+                    operation["security"] = [{"bearer": []}]
+                    operation.setdefault("responses", {})["401"] = {
+                        "description": "no bearer token, or not this server's",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    app.openapi_schema = schema
+    return schema
 
 
 def create_app_from_env() -> FastAPI:
@@ -99,45 +141,43 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class PlanCacheShortcut:
-    """Answer a repeated ``POST /v1/plans`` from the plan cache before its body is parsed.
+class BearerToken:
+    """Require ``Authorization: Bearer <token>`` on every route but ``/healthz`` (401 without it).
 
-    Parsing and validating a graph costs milliseconds; a client that repeats a request sends the same
-    bytes. The body's hash (with its content type) is mapped to the plan cache key when the request is
-    first answered (:meth:`Service.plan`); the same bytes again are answered from the cache directly.
-    Anything else (another body, a key not in the cache: a timed-out answer) goes the normal way.
+    For a server shared by a team: the token is compared in constant time; ``/healthz`` stays open so
+    that a load balancer or a supervisor can probe it.
     """
 
-    PATH = "/v1/plans"
+    OPEN_PATHS = ("/healthz",)
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, token: str):
         self.app = app
+        self.expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.PATH:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:  # the body is already whole and within its limit (BodySizeLimit): usually one message
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        content_type = dict(scope.get("headers") or []).get(b"content-type", b"")
-        body_key = hashlib.sha256(content_type + b"\0" + body).hexdigest()
-        service = getattr(scope["app"].state, "service", None)
-        answer = service.cached_by_body(body_key) if service is not None else None
-        if answer is not None:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(answer)).encode())]})
-            await send({"type": "http.response.body", "body": answer})
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
             return
-        scope = {**scope, BODY_KEY: body_key}
-        await self.app(scope, _replay(body, receive), send)
+        detail = ("this server requires a token: send 'Authorization: Bearer <token>'" if not given
+                  else "the bearer token is not this server's")
+        body = json.dumps(error_body(detail, "unauthorized")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _plain(schema: Any) -> Any:
+    """A schema without what FastAPI's and pydantic's renderings differ in (``default: null``, 0.0 for 0)."""
+    if isinstance(schema, dict):
+        return {k: _plain(v) for k, v in schema.items() if not (k == "default" and v is None)}
+    if isinstance(schema, list):
+        return [_plain(v) for v in schema]
+    return int(schema) if isinstance(schema, float) and schema.is_integer() else schema
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -8,6 +8,10 @@ beside the key for inspection.
 
 Only complete answers are stored (status ``optimal`` or ``feasible``): a ``timeout`` answer depends on
 how busy the machine was, so the next identical request solves again.
+
+The cache looks after itself: a file that is not a readable SQLite database (garbage, cut short, a
+damaged header) is moved aside with a warning and a fresh one is started; past ``max_bytes`` of stored
+answers the least recently used are evicted.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from memplan.planner.errors import MemplanError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS plans (
@@ -28,9 +35,11 @@ CREATE TABLE IF NOT EXISTS plans (
     solver TEXT NOT NULL,
     status TEXT NOT NULL,
     response TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    used_at REAL NOT NULL DEFAULT 0
 )
 """
+_EVICT_TO = 0.9  # evicting stops at this share of max_bytes, so that not every put evicts
 
 CACHEABLE_STATUSES = ("optimal", "feasible")
 
@@ -53,21 +62,78 @@ def plan_key(*, graph_sha256: str, budget: int | str | None, solver: str, time_l
     return content_hash(json.dumps(body, sort_keys=True, separators=(",", ":")))
 
 
-class PlanCache:
-    """Response JSON text by key. Safe to share between threads; several processes may share a file."""
+class CacheError(MemplanError):
+    """The plan cache file cannot be opened or created (its folder is not writable, it is a folder)."""
 
-    def __init__(self, path: str = ":memory:"):
+
+class PlanCache:
+    """Response JSON text by key. Safe to share between threads; several processes may share a file.
+
+    ``max_bytes`` (0: no cap) bounds the stored answers' text; past it the least recently used go.
+    Raises :class:`CacheError` when ``path`` cannot be opened or created at all.
+    """
+
+    def __init__(self, path: str = ":memory:", *, max_bytes: int = 0):
         if path != ":memory:":
-            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
             path = str(Path(path).expanduser())
         self.path = path
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=5.0)
-        if path != ":memory:":
-            # WAL: readers do not wait for a writer; NORMAL sync is durable enough for a cache.
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(_SCHEMA)
+        try:
+            self._db = self._open()
+        except sqlite3.DatabaseError as e:  # garbage, cut short, a damaged header: start afresh
+            aside = self._move_aside(e)
+            log.warning("plan cache %s is not a readable SQLite database (%s); moved it to %s and started "
+                        "a fresh one", path, e, aside)
+            self._db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        if self.path != ":memory:":
+            target = Path(self.path)
+            if target.is_dir():
+                raise CacheError(f"plan cache {self.path} is a folder; give a file path (or ':memory:')")
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CacheError(f"cannot create the plan cache's folder {target.parent}: {e.strerror}") from None
+        try:
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=5.0)
+        except sqlite3.OperationalError as e:
+            raise CacheError(f"cannot open plan cache {self.path}: {e}") from None
+        try:
+            if self.path != ":memory:":
+                # WAL: readers do not wait for a writer; NORMAL sync is durable enough for a cache.
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                    raise sqlite3.DatabaseError("quick_check found damage")
+            db.execute(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(plans)")}
+            if "used_at" not in columns:  # a cache written before eviction existed
+                db.execute("ALTER TABLE plans ADD COLUMN used_at REAL NOT NULL DEFAULT 0")
+        except sqlite3.OperationalError as e:
+            db.close()
+            if "unable to open" in str(e) or "readonly" in str(e):
+                raise CacheError(f"cannot open plan cache {self.path}: {e}") from None
+            raise sqlite3.DatabaseError(str(e)) from None
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        return db
+
+    def _move_aside(self, why: Exception) -> str:
+        if self.path == ":memory:":
+            raise CacheError(f"in-memory plan cache failed: {why}")
+        aside = f"{self.path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+        try:
+            os.replace(self.path, aside)
+            for suffix in ("-wal", "-shm"):  # SQLite's side files belong to the damaged database
+                if os.path.exists(self.path + suffix):
+                    os.replace(self.path + suffix, aside + suffix)
+        except OSError as e:
+            raise CacheError(f"plan cache {self.path} is damaged ({why}) and cannot be moved aside: "
+                             f"{e.strerror}") from None
+        return aside
 
     def get(self, key: str) -> str | None:
         """The stored response text, or None (also when the database cannot be read: a cache that fails
@@ -75,6 +141,8 @@ class PlanCache:
         try:
             with self._lock:
                 row = self._db.execute("SELECT response FROM plans WHERE key = ?", (key,)).fetchone()
+                if row is not None and self.max_bytes:  # recency, for eviction
+                    self._db.execute("UPDATE plans SET used_at = ? WHERE key = ?", (time.time(), key))
         except sqlite3.Error as e:
             log.warning("plan cache %s: read failed (%s); solving instead", self.path, e)
             return None
@@ -89,14 +157,40 @@ class PlanCache:
         text = json.dumps(response, separators=(",", ":"), allow_nan=False)
         try:
             with self._lock:
+                now = time.time()
                 self._db.execute(
-                    "INSERT OR REPLACE INTO plans (key, graph_fingerprint, solver, status, response, created_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (key, response["graph_fingerprint"], response["solver"]["name"], status, text, time.time()))
+                    "INSERT OR REPLACE INTO plans (key, graph_fingerprint, solver, status, response, created_at, "
+                    "used_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (key, response["graph_fingerprint"], response["solver"]["name"], status, text, now, now))
+                if self.max_bytes:
+                    self._evict()
         except sqlite3.Error as e:  # full disk, a locked file: the answer still goes out, uncached
             log.warning("plan cache %s: write failed (%s); answer not cached", self.path, e)
             return False
         return True
+
+    def _evict(self) -> None:
+        """Delete the least recently used answers until the stored text is within ``max_bytes`` (to
+        ``_EVICT_TO`` of it, so that the next puts do not each evict). Called with the lock held."""
+        stored = self._db.execute("SELECT COALESCE(SUM(LENGTH(response)), 0) FROM plans").fetchone()[0]
+        if stored <= self.max_bytes:
+            return
+        target = int(self.max_bytes * _EVICT_TO)
+        rows = self._db.execute("SELECT key, LENGTH(response) FROM plans ORDER BY used_at ASC").fetchall()
+        doomed = []
+        for key, size in rows:
+            if stored <= target:
+                break
+            doomed.append((key,))
+            stored -= size
+        self._db.executemany("DELETE FROM plans WHERE key = ?", doomed)
+        log.info("plan cache %s: evicted %d least recently used plans (max_bytes %d)", self.path, len(doomed),
+                 self.max_bytes)
+
+    def stored_bytes(self) -> int:
+        """The stored answers' text, in bytes (what ``max_bytes`` bounds)."""
+        with self._lock:
+            return self._db.execute("SELECT COALESCE(SUM(LENGTH(response)), 0) FROM plans").fetchone()[0]
 
     def __len__(self) -> int:
         with self._lock:

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,7 +25,7 @@ from rich.table import Table
 from memplan.planner.errors import Infeasible, MemplanError, PlanMismatch
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
-from memplan.planner.units import format_bytes, parse_budget
+from memplan.planner.units import check_budget, format_bytes, parse_budget
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="memplan: plan what to keep, recompute or offload so a training step fits a memory budget.")
@@ -105,11 +106,48 @@ def _workload_options(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def _budget(text: str, graph: Graph) -> int:
-    from memplan.solvers import activation_bytes
+    from memplan.api.jobs import resolve_budget
 
-    if text.strip().endswith("%"):
-        return parse_budget(text, activation_bytes=activation_bytes(graph), fixed_bytes=graph.fixed.resident_bytes)
-    return parse_budget(text)
+    value = resolve_budget(text, graph)
+    assert value is not None  # a budget string always gives bytes
+    return value
+
+
+def _budget_list(text: str) -> list[str]:
+    """``--budgets 50%,6GiB``: the budgets, each checked (no graph needed); an empty list is refused."""
+    budgets = [b.strip() for b in text.split(",") if b.strip()]
+    if not budgets:
+        raise MemplanError(f"--budgets {text!r}: no budget in it; give e.g. --budgets 50%,70%,6GiB")
+    for b in budgets:
+        check_budget(b)
+    return budgets
+
+
+def _writable(*paths: Path | None) -> None:
+    """Refuse, before any long work, an output that cannot be written: a folder, or a file whose folder
+    cannot be created or written (missing folders are created now)."""
+    for path in paths:
+        if path is None:
+            continue
+        if path.is_dir():
+            raise MemplanError(f"cannot write {path}: it is a folder")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MemplanError(f"cannot write {path}: cannot create folder {path.parent}: {e.strerror}") from None
+        if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise MemplanError(f"cannot write {path}: permission denied")
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Any:
+    """Create ``path``'s folder, and turn a failed write (full disk, a folder removed meanwhile) into one
+    line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as e:
+        raise MemplanError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # ---- profile ------------------------------------------------------------------------------------
@@ -127,10 +165,12 @@ def profile(
     from memplan.planner.profiler import profile as run_profile
     from memplan.planner.workloads import load_workload
 
+    _writable(output)
     w = load_workload(workload, **_workload_options(options))
     graph = run_profile(w.model, w.batch, w.loss_fn, device=device, repeats=repeats, name=w.name,
                         progress=not json_out)
-    graph.save(str(output))
+    with _writing(output):
+        graph.save(str(output))
     summary = {"graph": str(output), "name": graph.name, "ops": len(graph.ops), "tensors": len(graph.tensors),
                "saved_activations": len(graph.saved_activations), "fingerprint": graph.fingerprint,
                "model_fingerprint": graph.model_fingerprint, "fixed_bytes": graph.fixed.resident_bytes,
@@ -213,6 +253,7 @@ def solve(
     from memplan.solvers import keep_all_report
     from memplan.solvers import solve as run_solve
 
+    _writable(output)
     graph = Graph.load(str(graph_file))
     b = _budget(budget, graph)
     host = parse_budget(host_budget) if host_budget else None
@@ -222,7 +263,8 @@ def solve(
     with _working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
         result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host,
                            **manual)
-    result.plan.save(str(output))
+    with _writing(output):
+        result.plan.save(str(output))
     base = keep_all_report(graph)
     summary = {
         "plan": str(output), "solver": result.plan.solver.name, "status": result.status,
@@ -257,8 +299,10 @@ def frontier(
     """Predicted step-time overhead at each budget: memory against time."""
     from memplan.solvers import keep_all_report, solve_frontier
 
+    texts = _budget_list(budgets)
+    _writable(plot)
     graph = Graph.load(str(graph_file))
-    pairs = [(text.strip(), _budget(text, graph)) for text in budgets.split(",") if text.strip()]
+    pairs = [(text, _budget(text, graph)) for text in texts]
     names = [n.strip() for n in solver.split(",") if n.strip()] or ["auto"]
     series: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     # One solve per (solver, budget): a bar on stderr (hidden under --json; rich draws none off a terminal).
@@ -274,8 +318,10 @@ def frontier(
     if plot is not None:
         from memplan.api.plots import frontier_png
 
-        frontier_png(plot, {n: [(r["budget_bytes"], r["overhead"]) for r in rows] for n, rows in series.items()},
-                     keep_all_peak_bytes=keep_all_report(graph).peak_bytes, title=f"{graph.name}: memory against overhead")
+        with _writing(plot):
+            frontier_png(plot, {n: [(r["budget_bytes"], r["overhead"]) for r in rows] for n, rows in series.items()},
+                         keep_all_peak_bytes=keep_all_report(graph).peak_bytes,
+                         title=f"{graph.name}: memory against overhead")
     rows = series[names[0]]
     if json_out:
         doc: dict[str, Any] = {"graph": graph.name, "solver": solver, "points": rows}
@@ -340,12 +386,16 @@ def plan_workload(
     from memplan.solvers import keep_all_report
     from memplan.solvers import solve as run_solve
 
+    check_budget(budget)  # before profiling: a typo is not found a minute later
+    _writable(output, graph_output)
     w = load_workload(workload, **_workload_options(options))
     graph = run_profile(w.model, w.batch, w.loss_fn, name=w.name, progress=not json_out)
-    graph.save(str(graph_output))
+    with _writing(graph_output):
+        graph.save(str(graph_output))
     b = _budget(budget, graph)
     result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload)
-    result.plan.save(str(output))
+    with _writing(output):
+        result.plan.save(str(output))
     base = keep_all_report(graph)
     summary = {"workload": w.name, "graph": str(graph_output), "plan": str(output), "solver": result.plan.solver.name,
                "status": result.status, "budget_bytes": b, "keep_all_peak_bytes": base.peak_bytes,
@@ -500,6 +550,9 @@ def run_workload(
         raise MemplanError(f"--fuse {fuse!r}: choose backward or forward")
     if graph_file is not None and plan_file is None:
         raise MemplanError("--graph is the graph of a --plan: give --plan too (without --plan, run profiles)")
+    if plan_file is None:
+        check_budget(budget)  # before profiling: a typo is not found a minute later
+    _writable(save_plan, save_graph, output)
     w = load_workload(workload, **_workload_options(options))
     if plan_file is not None:
         graph_file = graph_file or plan_file.with_name("graph.json")
@@ -515,17 +568,19 @@ def run_workload(
         with _working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
             plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload).plan
     if save_graph is not None:
-        graph.save(str(save_graph))
+        with _writing(save_graph):
+            graph.save(str(save_graph))
     if save_plan is not None:
-        plan.save(str(save_plan))
+        with _writing(save_plan):
+            plan.save(str(save_plan))
     with _working(f"training {warmup + 1 + steps} steps under the plan"
                   + (" and as many keeping everything" if keep_all else ""), quiet=json_out):
         report = run_plan(w.model, w.batch, w.loss_fn, None, plan, graph, steps=steps, warmup=warmup, fuse=fuse,
                           keep_all=keep_all, name=w.name)
     doc = report.as_dict()
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(doc, indent=1) + "\n")
+        with _writing(output):
+            output.write_text(json.dumps(doc, indent=1) + "\n")
     if json_out:
         _emit_json({k: v for k, v in doc.items() if k != "timeline"} | ({"report": str(output)} if output else {}))
         return
@@ -662,6 +717,7 @@ def show(
     from memplan.planner.simulator import simulate as run_sim
     from memplan.solvers import keep_all_report
 
+    _writable(output)
     graph = Graph.load(str(graph_file))
     plan = Plan.load(str(plan_file))
     report = run_sim(graph, plan)  # checks the plan against the graph (fingerprint, tensor ids)
@@ -670,8 +726,9 @@ def show(
     if measured and measured.graph_fingerprint and measured.graph_fingerprint != graph.fingerprint:
         raise PlanMismatch(f"run report {run_file} is of graph {measured.graph_fingerprint}, not of "
                            f"{graph_file} ({graph.fingerprint}); give the run of this graph")
-    timeline_png(output, report.timeline, budget_bytes=plan.budget_bytes, measured=measured,
-                 title=f"{graph.name}: {plan.solver.name} plan ({plan.solver.status})")
+    with _writing(output):
+        timeline_png(output, report.timeline, budget_bytes=plan.budget_bytes, measured=measured,
+                     title=f"{graph.name}: {plan.solver.name} plan ({plan.solver.status})")
     tensors = graph.tensors
     by_action: dict[str, dict[str, int]] = {}
     for d in plan.decisions:
@@ -738,16 +795,32 @@ def serve(
     cache: Annotated[str | None, typer.Option(help="SQLite plan cache file (':memory:' for none kept); "
                                                    "default ~/.cache/memplan/plans.sqlite")] = None,
     workers: Annotated[int, typer.Option(min=1, max=256, help="solves that run at once (worker processes)")] = 2,
+    token: Annotated[str | None, typer.Option(
+        envvar="MEMPLAN_TOKEN", show_envvar=True,
+        help="require 'Authorization: Bearer TOKEN' on every route but /healthz (for a shared server)")] = None,
+    allowed_hosts: Annotated[str | None, typer.Option(
+        "--allowed-hosts", envvar="MEMPLAN_ALLOWED_HOSTS", show_envvar=True,
+        help="comma-separated Host header values to answer ('*': any); default: the loopback names when "
+             "--host is a loopback address (against DNS rebinding), any otherwise")] = None,
 ) -> None:
     """Serve the REST API (OpenAPI docs at /docs). Other limits: MEMPLAN_* variables (see api/settings.py)."""
     import uvicorn
 
     from memplan.api.app import create_app
-    from memplan.api.settings import Settings, default_cache_path
+    from memplan.api.cache import PlanCache
+    from memplan.api.settings import Settings, default_cache_path, is_loopback
 
-    settings = Settings.from_env(cache_path=cache or default_cache_path(), workers=workers)
+    settings = Settings.from_env(cache_path=cache or default_cache_path(), workers=workers,
+                                 **({"token": token} if token is not None else {}))
+    settings = replace(settings, allowed_hosts=allowed_hosts if allowed_hosts is not None
+                       else ",".join(settings.hosts_for(host)))
+    PlanCache(settings.cache_path, max_bytes=settings.cache_max_bytes).close()  # heal it, or one line now
+    if not is_loopback(host) and not settings.token:
+        err.print(f"[yellow]warning:[/yellow] serving on {host} without --token: anyone who can reach this "
+                  f"address can use the server", highlight=False)
     err.print(f"memplan serving on http://{host}:{port} (docs at /docs), plan cache {settings.cache_path}, "
-              f"{settings.workers} {settings.pool} workers", highlight=False)
+              f"{settings.workers} {settings.pool} workers" + (", token required" if settings.token else ""),
+              highlight=False)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memplan.api.jobs import resolve_budget
 from memplan.executor.distributed import apply_distributed
 from memplan.planner import simulate
 from memplan.planner.distributed import (
@@ -39,9 +40,9 @@ from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
 from memplan.planner.profiler import move_batch, profile
-from memplan.planner.units import format_bytes, parse_budget
+from memplan.planner.units import format_bytes
 from memplan.planner.workloads import default_optimizer, load_workload
-from memplan.solvers import activation_bytes, solve
+from memplan.solvers import solve
 
 
 def block_prefixes(model: nn.Module) -> list[str]:
@@ -111,8 +112,7 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
             rank_graph = for_ddp(graph, world)
         else:
             rank_graph = for_fsdp(graph, fsdp_units(model0, prefixes, world), world, backend=dist.get_backend())
-        budget_bytes = parse_budget(budget, activation_bytes=activation_bytes(rank_graph),
-                                    fixed_bytes=rank_graph.fixed.resident_bytes)
+        budget_bytes = resolve_budget(budget, rank_graph)
         plan = solve(rank_graph, budget_bytes, solver, time_limit_s=time_limit_s).plan
         if engine == "fsdp":
             plan, _ = keep_within_units(rank_graph, plan, prefixes)

@@ -33,23 +33,26 @@ log = logging.getLogger("memplan.api")
 class LimitExceeded(MemplanError):
     """A request is over one of the server's limits (:class:`memplan.api.settings.Settings`)."""
 
-    def __init__(self, message: str, *, limit: str, limit_value: float, status_code: int = 422):
+    def __init__(self, message: str, *, limit: str, limit_value: float):
         super().__init__(message)
         self.limit = limit
         self.limit_value = limit_value
-        self.status_code = status_code
 
 
 class Overloaded(MemplanError):
-    """Every worker is busy and the queue is full."""
+    """Every worker is busy and the queue is full, or no worker became free within the queue timeout."""
 
 
 class SolveTimeout(MemplanError):
-    """A job ran past its time limit plus the grace period."""
+    """A job ran past its time limit plus the grace period (its worker process was stopped)."""
 
 
 class WorkerLost(MemplanError):
-    """A worker process died under a job (the pool has been restarted)."""
+    """The worker process running a job died (its replacement is started)."""
+
+
+class OutOfMemory(LimitExceeded):
+    """A job needed more memory than a worker may use (``worker_memory_bytes``)."""
 
 
 # ---- one table: error class -> (status, code), most specific first ----------------------------
@@ -74,7 +77,7 @@ def error_body(detail: str, error: str, **extra: Any) -> dict[str, Any]:
 def memplan_error_response(e: MemplanError) -> JSONResponse:
     if isinstance(e, LimitExceeded):
         return JSONResponse(error_body(str(e), "limit_exceeded", limit=e.limit, limit_value=e.limit_value),
-                            status_code=e.status_code)
+                            status_code=422)
     status, code = next((s, c) for cls, s, c in _STATUS if isinstance(e, cls))
     extra: dict[str, Any] = {}
     if isinstance(e, Infeasible):
@@ -96,8 +99,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if err.get("type") == "json_invalid":
         return f"request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}", None
     if not loc:
-        return (f"request body: {msg}" if err.get("type") != "missing"
-                else "request body is missing: expected a JSON object"), None
+        if err.get("type") == "missing":
+            return "request body is missing: expected a JSON object", None
+        # a model validator's own sentence names its fields already
+        return (msg if err.get("type") == "value_error" else f"request body: {msg}"), None
     field = ".".join(loc)
     head, rest = loc[0], ".".join(loc[1:])
     return (f"{head}: {rest}: {msg}" if rest else f"{head}: {msg}"), field

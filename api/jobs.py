@@ -9,11 +9,13 @@ import json
 import math
 from typing import Any
 
+from pydantic import ValidationError
+
 from memplan.planner.errors import GraphError, MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
 from memplan.planner.simulator import simulate
-from memplan.planner.units import parse_budget
+from memplan.planner.units import MAX_BUDGET_FRACTION, parse_budget
 
 # Step times beyond this are refused: sums of them (recompute replays included) must stay finite, or the
 # figures would not serialise.
@@ -28,8 +30,15 @@ def warm_up() -> list[str]:
 
 
 def load_graph(graph: Graph | str) -> Graph:
-    """A validated graph from its JSON text (what travels to a worker process) or the object itself."""
-    g = graph if isinstance(graph, Graph) else Graph.from_json(graph, source="graph")
+    """A validated graph from its JSON text (what travels to a worker process: the canonical text of a
+    graph a parse worker has validated, read by pydantic-core directly) or the object itself."""
+    if isinstance(graph, Graph):
+        g = graph
+    else:
+        try:
+            g = Graph.model_validate_json(graph)
+        except ValidationError:  # not text the service made: say what is wrong as the CLI's loader does
+            g = Graph.from_json(graph, source="graph")
     check_finite(g)
     return g
 
@@ -46,19 +55,20 @@ def check_finite(g: Graph) -> None:
 
 
 def resolve_budget(value: int | str | None, graph: Graph, *, fraction: float | None = None) -> int | None:
-    """Bytes from a request budget (``50%`` is of the keep-everything activation memory), or from
-    ``fraction`` of that memory (``0.5`` is ``50%``) when no ``value`` is given."""
+    """Bytes from a budget as given (:func:`memplan.planner.units.parse_budget`; ``50%`` is of ``graph``'s
+    keep-everything activation memory), or from ``fraction`` of that memory (``0.5`` is ``50%``) when no
+    ``value`` is given; None when neither is. The one place the CLI, the service and the distributed
+    launcher turn a budget into bytes."""
     from memplan.solvers import activation_bytes
 
+    fixed = graph.fixed.resident_bytes
     if value is None and fraction is not None:
-        if not (math.isfinite(fraction) and 0.0 <= fraction <= 10.0):
-            raise MemplanError(f"budget_fraction {fraction!r} is out of range (0 to 10)")
-        return int(graph.fixed.resident_bytes + fraction * activation_bytes(graph))
+        if not (math.isfinite(fraction) and 0.0 <= fraction <= MAX_BUDGET_FRACTION):
+            raise MemplanError(f"budget_fraction {fraction!r} is out of range (0 to {MAX_BUDGET_FRACTION:g})")
+        return int(fixed + fraction * activation_bytes(graph))
     if value is None:
         return None
-    if isinstance(value, str) and value.strip().endswith("%"):
-        return parse_budget(value, activation_bytes=activation_bytes(graph), fixed_bytes=graph.fixed.resident_bytes)
-    return parse_budget(value)
+    return parse_budget(value, activation_bytes=lambda: activation_bytes(graph), fixed_bytes=fixed)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -84,9 +94,7 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
 
     g = load_graph(graph)
     budget_bytes = resolve_budget(budget, g, fraction=budget_fraction)
-    if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
-        raise MemplanError(f"host_budget: {host_budget!r} is a percentage; give bytes such as '8GiB'")
-    host_bytes = resolve_budget(host_budget, g)
+    host_bytes = None if host_budget is None else parse_budget(host_budget)  # bytes: never a percentage
     result = solve(g, budget_bytes, solver, time_limit_s=time_limit_s, offload=offload,
                    host_budget_bytes=host_bytes)
     base = keep_all_report(g)

@@ -8,6 +8,7 @@ each PNG is exactly ``width_px`` x ``height_px``.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,8 @@ def read_run_report(data: Mapping[str, Any], *, source: str = "run report") -> M
     for i, p in enumerate(raw):
         t = _first(p, ("time_s", "start_s", "t_s")) if isinstance(p, Mapping) else None
         b = _first(p, ("bytes", "allocated_bytes", "live_bytes")) if isinstance(p, Mapping) else None
-        if not isinstance(t, (int, float)) or not isinstance(b, (int, float)):
+        if not (isinstance(t, (int, float)) and isinstance(b, (int, float)) and math.isfinite(t)
+                and math.isfinite(b)):
             raise MemplanError(f"{source}: timeline[{i}] needs a time (time_s) and a size (bytes), got {p!r}")
         points.append((float(t), int(b)))
     if peak is None and not points:
@@ -70,11 +72,11 @@ def read_run_report(data: Mapping[str, Any], *, source: str = "run report") -> M
 
 def load_run_report(path: str | Path) -> MeasuredRun:
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_bytes())
     except OSError as e:
         raise MemplanError(f"cannot read run report {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise MemplanError(f"run report {path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's depth
+        raise MemplanError(f"run report {path}: not valid JSON ({type(e).__name__}: {e})") from None
     return read_run_report(data, source=str(path))
 
 

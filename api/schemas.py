@@ -3,29 +3,163 @@
 The graph and the plan travel in their file formats (``memplan.graph/1``, ``memplan.plan/1``): those are
 memplan's public exchange formats. Everything else here is the wire form of the service, kept separate
 from the internal types (``SolveResult``, ``Report``, ``SolverSpec``) so that either can change alone.
+
+The request models are where a request is refused: types are strict (the OpenAPI schema says exactly
+what is accepted: ``timeline: 0`` is not a boolean), byte counts and budgets are capped at 2^50, and the
+server's limits (:class:`memplan.api.settings.Settings`, handed in as the validation context under
+``"settings"``) are checked in model validators. :func:`parse_request` is how the routes read a body.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
 
+from memplan.api.errors import LimitExceeded
+from memplan.api.jobs import check_finite
+from memplan.api.settings import Settings
+from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
+from memplan.planner.units import MAX_BUDGET_FRACTION, MAX_BYTES, check_budget
 
+# The string form of a budget, as a pattern: the schema documents it and the validator applies it, then
+# reads the string with the CLI's parser (planner/units.py).
+_SIZE_PATTERN = r"[0-9]*\.?[0-9]+([eE][+-]?[0-9]+)?\s*(([kKmMgGtT][iI]?)?[bB]|[kKmMgG])?"
+_BUDGET_PATTERN = rf"^\s*({_SIZE_PATTERN}|[0-9]*\.?[0-9]+\s*%)\s*$"
+_HOST_BUDGET_PATTERN = rf"^\s*{_SIZE_PATTERN}\s*$"
+_MAX_BUDGET_CHARS = 64
+
+
+def _budget_validator(pattern: str, what: str) -> Callable[[Any], int | str]:
+    def validate(value: Any) -> int | str:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected {what}, got {type(value).__name__}")
+        if isinstance(value, str) and not (1 <= len(value) <= _MAX_BUDGET_CHARS and re.match(pattern, value)):
+            shown = value if len(value) <= _MAX_BUDGET_CHARS else f"a string of {len(value)} characters"
+            raise ValueError(f"cannot read {shown!r} as {what} (at most {_MAX_BUDGET_CHARS} characters)")
+        try:
+            check_budget(value)
+        except MemplanError as e:
+            raise ValueError(str(e)) from None
+        return value
+
+    return validate
+
+
+def _budget_schema(pattern: str, description: str, examples: list[Any]) -> dict[str, Any]:
+    return {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_BYTES},
+                      {"type": "string", "minLength": 1, "maxLength": _MAX_BUDGET_CHARS, "pattern": pattern}],
+            "description": description, "examples": examples}
+
+
+# One validator per field, refusing with one sentence (a union would report a failure for each member).
 Budget = Annotated[
-    int | Annotated[str, Field(min_length=1, max_length=64)],
-    Field(description="device bytes (fixed memory included) as an integer, or a string: '6GiB', '512MB', "
-                      "'123456', or '50%' (fixed memory plus that share of the keep-everything activation "
-                      "memory)", examples=["50%", "6GiB", 1048576]),
+    int | str,
+    PlainValidator(_budget_validator(_BUDGET_PATTERN, "a budget: bytes (an integer) or a string such as '6GiB' "
+                                                      "or '50%'")),
+    WithJsonSchema(_budget_schema(
+        _BUDGET_PATTERN, "device bytes (fixed memory included) as an integer (at most 2^50), or a string: '6GiB', "
+                         "'512MB', '123456', or '50%' (fixed memory plus that share of the keep-everything "
+                         "activation memory, 0% to 1000%)", ["50%", "6GiB", 1048576])),
 ]
-SolverName = Annotated[str, Field(min_length=1, max_length=64, description="a name from GET /v1/solvers, or 'auto'")]
-TimeLimit = Annotated[float, Field(gt=0, allow_inf_nan=False, description="seconds; capped by the server")]
+HostBudget = Annotated[
+    int | str,
+    PlainValidator(_budget_validator(_HOST_BUDGET_PATTERN, "host bytes: an integer or a string such as '8GiB' "
+                                                           "(not a percentage)")),
+    WithJsonSchema(_budget_schema(_HOST_BUDGET_PATTERN, "pinned host bytes as an integer (at most 2^50) or a "
+                                                        "string such as '8GiB' (not a percentage)", ["8GiB", 1048576])),
+]
+def _solver_names() -> list[str]:
+    from memplan.solvers import solvers
+
+    return ["auto", *sorted(solvers())]
+
+
+def _known_solver(name: str) -> str:
+    names = _solver_names()
+    if name not in names:
+        raise ValueError(f"unknown solver {name!r}; known: {', '.join(names)}")
+    return name
+
+
+def _solver_enum(schema: dict[str, Any]) -> None:
+    schema["enum"] = _solver_names()  # at schema time: the solvers registered in this server
+
+
+SolverName = Annotated[str, AfterValidator(_known_solver),
+                       Field(description="a name from GET /v1/solvers, or 'auto'", json_schema_extra=_solver_enum)]
+TimeLimit = Annotated[float, Field(gt=0, allow_inf_nan=False, description="seconds; capped by the server "
+                                                                          "(max_time_limit_s)")]
+
+# Integer fields of a graph that hold bytes: each is capped, so that no sum of them overflows the solvers'
+# 64-bit arrays (the graph format itself bounds them below only).
+_TENSOR_BYTES = ("bytes",)
+_OP_BYTES = ("backward_workspace_bytes", "backward_grad_alloc_bytes", "backward_grad_free_bytes")
+
+
+def _check_graph_sizes(graph: Graph) -> Graph:
+    """Refuse byte counts over :data:`MAX_BYTES` (naming the first), and figures too large to add up."""
+    def over(where: str, value: int | None) -> None:
+        if value is not None and value > MAX_BYTES:
+            raise ValueError(f"{where} is {value if len(str(value)) <= 30 else f'a {len(str(value))}-digit number'}; "
+                             f"memplan reads sizes up to 2^50 bytes (1 PiB)")
+
+    for t in graph.tensors:
+        over(f"tensors.{t.id}.bytes", t.bytes)
+    for op in graph.ops:
+        for name in _OP_BYTES:
+            over(f"ops.{op.id}.{name}", getattr(op, name))
+    for name, value in graph.fixed:
+        over(f"fixed.{name}", value)
+    over("measured.peak_bytes", graph.measured.peak_bytes)
+    try:
+        check_finite(graph)
+    except MemplanError as e:
+        raise ValueError(str(e).removeprefix("graph: ")) from None
+    return graph
+
+
+CheckedGraph = Annotated[Graph, AfterValidator(_check_graph_sizes),
+                         Field(description="the training step, in memplan.graph/1 form (memplan profile)")]
+
+
+def settings_of(info: ValidationInfo) -> Settings | None:
+    return (info.context or {}).get("settings")
+
+
+def check_ops(graph: Graph, settings: Settings) -> None:
+    if len(graph.ops) > settings.max_ops:
+        raise LimitExceeded(f"graph has {len(graph.ops)} ops; this server plans graphs of at most "
+                            f"{settings.max_ops} ops (max_ops)", limit="max_ops", limit_value=settings.max_ops)
+
+
+def check_time_limit(requested_s: float | None, settings: Settings, *, solves: int = 1) -> None:
+    if requested_s is None or requested_s * solves <= settings.max_time_limit_s:
+        return
+    what = (f"time_limit_s {requested_s:g} s" if solves == 1
+            else f"{solves} solves of time_limit_s {requested_s:g} s ({requested_s * solves:g} s)")
+    raise LimitExceeded(f"{what} is over this server's cap of {settings.max_time_limit_s:g} s (max_time_limit_s)",
+                        limit="max_time_limit_s", limit_value=settings.max_time_limit_s)
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: what the schema says is what is accepted (no "1" for 1, no 0 for false)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Out(BaseModel):
@@ -34,35 +168,113 @@ class _Out(BaseModel):
 
 # ---- requests -------------------------------------------------------------------------------------
 class PlanRequest(_In):
-    graph: Graph = Field(description="the training step, in memplan.graph/1 form (memplan profile)")
+    graph: CheckedGraph
     budget: Budget | None = Field(default=None, description="None (and no budget_fraction): no limit (the "
                                                           "keep-everything peak)")
     budget_fraction: float | None = Field(
-        default=None, ge=0, le=10, allow_inf_nan=False,
+        default=None, ge=0, le=MAX_BUDGET_FRACTION, allow_inf_nan=False,
         description="the budget as a fraction of the keep-everything activation memory, fixed memory added "
                     "back (0.5 is the same as budget '50%'); give this or budget, not both")
     solver: SolverName = "auto"
     time_limit_s: TimeLimit | None = Field(default=None, description="None: the server's default")
     offload: bool = Field(default=False, description="let the solver offload activations to host memory")
-    host_budget: Budget | None = Field(default=None, description="pinned host memory cap for offload")
+    host_budget: HostBudget | None = Field(default=None, description="pinned host memory cap for offload")
+
+    @model_validator(mode="after")
+    def _one_budget_within_limits(self, info: ValidationInfo) -> PlanRequest:
+        if self.budget is not None and self.budget_fraction is not None:
+            raise ValueError("budget and budget_fraction: give one of them, not both")
+        settings = settings_of(info)
+        if settings is not None:
+            check_ops(self.graph, settings)
+            check_time_limit(self.time_limit_s, settings)
+        return self
 
 
 class SimulateRequest(_In):
-    graph: Graph
+    graph: CheckedGraph
     plan: Plan | None = Field(default=None, description="memplan.plan/1; None: keep everything")
     timeline: bool = Field(default=False, description="include the per-step memory timeline")
+
+    @model_validator(mode="after")
+    def _within_limits(self, info: ValidationInfo) -> SimulateRequest:
+        settings = settings_of(info)
+        if settings is not None:
+            check_ops(self.graph, settings)
+        return self
 
 
 DEFAULT_FRONTIER_BUDGETS = ["30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"]
 
 
 class FrontierRequest(_In):
-    graph: Graph
+    graph: CheckedGraph
     budgets: list[Budget] = Field(default_factory=lambda: list(DEFAULT_FRONTIER_BUDGETS), min_length=1,
                                   max_length=64)
     solvers: list[SolverName] = Field(default_factory=lambda: ["auto"], min_length=1, max_length=8)
     time_limit_s: TimeLimit | None = Field(default=None, description="per solve; None: the server's default")
     offload: bool = False
+
+    @model_validator(mode="after")
+    def _within_limits(self, info: ValidationInfo) -> FrontierRequest:
+        settings = settings_of(info)
+        if settings is None:
+            return self
+        check_ops(self.graph, settings)
+        solves = len(self.budgets) * len(self.solvers)
+        if solves > settings.max_frontier_points:
+            raise LimitExceeded(
+                f"{len(self.budgets)} budgets x {len(self.solvers)} solvers = {solves} solves; this server computes "
+                f"at most {settings.max_frontier_points} per request (max_frontier_points)",
+                limit="max_frontier_points", limit_value=settings.max_frontier_points)
+        check_time_limit(self.time_limit_s, settings, solves=solves)
+        return self
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_request(model: type[M], body: bytes, settings: Settings | None) -> M:
+    """``body`` (JSON bytes) validated as ``model`` with the server's ``settings`` as context. JSON is
+    parsed by pydantic-core: lone surrogates, nesting past its depth limit and malformed text are
+    ``ValidationError`` s (``json_invalid``), as are values over the caps; the limits raise
+    :class:`LimitExceeded`."""
+    return model.model_validate_json(body, strict=True, context={"settings": settings})
+
+
+@dataclass(frozen=True)
+class ReadRequest(Generic[M]):
+    """A request body as a parse worker read it (:func:`read_request`)."""
+
+    fields: dict[str, Any]
+    """The request model's fields but ``graph``, validated (a simulate request's plan is a ``Plan``)."""
+    graph_json: str
+    """The graph as canonical JSON text: what the plan cache key hashes and a worker process reads."""
+    graph: Graph | None
+    """The graph itself when it was read in this process (a thread pool shares objects), else None."""
+
+
+def read_request(model: type[M], body: bytes, settings: Settings | None, *, keep_graph: bool
+                 ) -> tuple[str, Any]:
+    """What a parse worker runs: ``("ok", ReadRequest)``, ``("invalid", [first error])`` (pydantic's error
+    dict, made plain so that it pickles) or ``("limit", (message, limit, limit_value))``.
+
+    A maximal body takes seconds to parse and pydantic-core holds the GIL meanwhile, so the server runs
+    this in a process of its own (:class:`memplan.api.pool.WorkerPool`): its event loop keeps answering.
+    """
+    try:
+        req = parse_request(model, body, settings)
+    except ValidationError as e:
+        err = e.errors(include_url=False, include_input=False)[0]
+        plain = {"type": err["type"], "loc": tuple(err["loc"]), "msg": err["msg"]}
+        if "ctx" in err:
+            plain["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
+        return "invalid", [plain]
+    except LimitExceeded as e:
+        return "limit", (str(e), e.limit, e.limit_value)
+    graph: Graph = req.graph  # type: ignore[attr-defined]  # every request model has one
+    fields = {name: value for name, value in req if name != "graph"}
+    return "ok", ReadRequest(fields, graph.model_dump_json(), graph if keep_graph else None)
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -165,6 +377,8 @@ class Health(_Out):
     pool: str
     workers: int
     busy: int = Field(description="workers running a job now")
+    ready: int = Field(description="workers waiting for a job now (fewer than workers - busy while a "
+                                   "stopped or dead worker's replacement starts)")
     queued: int = Field(description="requests waiting for a worker")
 
 

@@ -9,6 +9,11 @@ names one, profiles a built-in workload into a graph (or reads ``--graph``), the
    budget and keep-everything), so each is solved;
 2. **hit**: the same requests again, in another order: each is answered from the plan cache.
 
+3. **saturated**: for ``--saturate-seconds``, ``--overrun-concurrency`` requests at a time that overrun
+   their time limit (budget 0 on a 2,000-op chain with ``time_limit_s`` 0.3: the solver gives up at once
+   and the minimum-budget search would run ~10 s), so every worker is busy until the server stops the
+   job and replaces its process; meanwhile ``/healthz`` and cache hits are sent one at a time and timed.
+
 Each answer is classed by its ``cache_hit`` flag, not by phase. Both phases are bounded: by
 ``--requests`` and by ``--max-seconds`` (requests not started by then are not sent and are counted as
 such). Prints a markdown table; ``--update-doc`` also replaces the table in docs/benchmarks.md (between
@@ -143,6 +148,79 @@ async def run_phase(name: str, client: httpx.AsyncClient, bodies: list[bytes], c
     return phase
 
 
+@dataclass
+class Saturated:
+    """What the saturated phase saw."""
+
+    wall_s: float = 0.0
+    overrun_status: dict[int, int] = field(default_factory=dict)
+    """Status code -> count of the over-limit requests (504: stopped at its limit; 503: no worker free)."""
+    overrun_s: list[float] = field(default_factory=list)
+    healthz_s: list[float] = field(default_factory=list)
+    hit_s: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """/healthz or cache-hit requests that failed or were not hits."""
+
+
+async def run_saturated(client: httpx.AsyncClient, hit_bodies: list[bytes], overrun_body: bytes, seconds: float,
+                        overrun_concurrency: int) -> Saturated:
+    out = Saturated()
+    stop = time.monotonic() + seconds
+    json_type = {"content-type": "application/json"}
+
+    async def overrun() -> None:
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            try:
+                r = await client.post("/v1/plans", content=overrun_body, headers=json_type)
+                out.overrun_status[r.status_code] = out.overrun_status.get(r.status_code, 0) + 1
+                out.overrun_s.append(time.perf_counter() - t0)
+            except httpx.HTTPError as e:
+                out.errors.append(f"overrun: {type(e).__name__}: {e}")
+
+    async def probe() -> None:
+        await asyncio.sleep(1.0)  # let the overruns fill the workers first
+        i = 0
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            try:
+                h = await client.get("/healthz")
+                out.healthz_s.append(time.perf_counter() - t0)
+                if h.status_code != 200:
+                    out.errors.append(f"/healthz {h.status_code}")
+                t0 = time.perf_counter()
+                r = await client.post("/v1/plans", content=hit_bodies[i % len(hit_bodies)], headers=json_type)
+                out.hit_s.append(time.perf_counter() - t0)
+                if r.status_code != 200 or not r.json().get("cache_hit"):
+                    out.errors.append(f"hit: {r.status_code} {r.text[:100]}")
+            except httpx.HTTPError as e:
+                out.errors.append(f"probe: {type(e).__name__}: {e}")
+            i += 1
+            await asyncio.sleep(0.05)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(probe(), *(overrun() for _ in range(overrun_concurrency)))
+    out.wall_s = time.perf_counter() - t0
+    return out
+
+
+def saturated_markdown(sat: Saturated, overrun_concurrency: int, workers: int) -> str:
+    def row(what: str, values: list[float]) -> str:
+        if not values:
+            return f"| {what} | 0 | - | - | - |"
+        return (f"| {what} | {len(values)} | {percentile(values, 50) * 1e3:.1f} ms | "
+                f"{percentile(values, 99) * 1e3:.1f} ms | {max(values) * 1e3:.1f} ms |")
+
+    statuses = ", ".join(f"{n} x {code}" for code, n in sorted(sat.overrun_status.items()))
+    return "\n".join([
+        f"Saturated: {sat.wall_s:.0f} s with {overrun_concurrency} over-limit requests in flight against "
+        f"{workers} workers (answers: {statuses}); /healthz and a cache hit sent one at a time meanwhile "
+        f"({len(sat.errors)} of them failed or were not hits).", "",
+        "| request | count | p50 | p99 | max |", "|---|--:|--:|--:|--:|",
+        row("over-limit plan (stopped)", sat.overrun_s), row("/healthz", sat.healthz_s),
+        row("cache hit", sat.hit_s)])
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (``q`` in 0..100) of a non-empty list."""
     ordered = sorted(values)
@@ -182,7 +260,7 @@ def update_doc(text: str) -> None:
     update_section("load", "Service load: concurrent plan requests on loopback", text, DOC)
 
 
-async def main_async(args: argparse.Namespace, url: str, graph: dict) -> list[Phase]:
+async def main_async(args: argparse.Namespace, url: str, graph: dict) -> tuple[list[Phase], Saturated | None]:
     budgets = budgets_for(graph, args.requests)
     graph_text = json.dumps(graph, separators=(",", ":"))
     bodies = [(f'{{"graph":{graph_text},"budget":{b},"solver":"{args.solver}",'
@@ -196,7 +274,15 @@ async def main_async(args: argparse.Namespace, url: str, graph: dict) -> list[Ph
         # hits one at a time: the latency of a lookup itself, without waiting behind other requests
         serial = await run_phase("hit, 1 in flight", client, shuffled[: min(len(bodies), 100)], 1,
                                  time.monotonic() + args.max_seconds)
-    return [miss, hit, serial]
+        sat = None
+        if args.saturate_seconds > 0:
+            from memplan.planner.synthetic import linear_chain
+
+            overrun = json.dumps({"graph": linear_chain(2000).model_dump(mode="json"), "budget": 0,
+                                  "solver": "auto", "time_limit_s": 0.3}).encode()
+            sat = await run_saturated(client, shuffled[:20], overrun, args.saturate_seconds,
+                                      args.overrun_concurrency)
+    return [miss, hit, serial], sat
 
 
 def main() -> None:
@@ -209,6 +295,9 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=5.0, help="time_limit_s of each request")
     ap.add_argument("--workers", type=int, default=2, help="solve workers of the server started")
     ap.add_argument("--max-seconds", type=float, default=120.0, help="bound on each phase")
+    ap.add_argument("--saturate-seconds", type=float, default=30.0,
+                    help="length of the saturated phase (over-limit requests on every worker); 0: none")
+    ap.add_argument("--overrun-concurrency", type=int, default=4, help="over-limit requests in flight then")
     ap.add_argument("--url", help="an already running server instead of starting one")
     ap.add_argument("--json", action="store_true", help="rows as JSON instead of a markdown table")
     ap.add_argument("--update-doc", action="store_true", help="write the table into docs/benchmarks.md")
@@ -224,7 +313,7 @@ def main() -> None:
         else:
             proc, url = start_server(args.workers, Path(tmp) / "plans.sqlite")
         try:
-            phases = asyncio.run(main_async(args, url, graph))
+            phases, sat = asyncio.run(main_async(args, url, graph))
         finally:
             if proc is not None:
                 proc.terminate()
@@ -237,6 +326,10 @@ def main() -> None:
              f"flight, server with {args.workers} worker processes, client and server on one machine "
              f"({os.cpu_count()} cores, Python {platform.python_version()}).")
     text = markdown(rows, setup)
+    if sat is not None:
+        text += "\n\n" + saturated_markdown(sat, args.overrun_concurrency, args.workers)
+        for e in sorted(set(sat.errors))[:5]:
+            print(f"saturated: {e}", file=sys.stderr)
     if not args.json:
         print(text)
     for phase in phases:

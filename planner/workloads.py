@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.planner.errors import WorkloadError
+from memplan.planner.errors import MemplanError, WorkloadError
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -56,8 +57,16 @@ class Workload:
 
 def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
     """``loss_fn(model, batch)``, checked: raises :class:`WorkloadError` unless it is a one-element tensor
-    that requires grad (what ``loss.backward()`` needs)."""
-    loss = loss_fn(model, batch)
+    that requires grad (what ``loss.backward()`` needs), and when ``loss_fn`` (the user's code, or the
+    model it calls) raises or calls ``sys.exit``: the message names what it raised."""
+    try:
+        loss = loss_fn(model, batch)
+    except (MemplanError, KeyboardInterrupt):
+        raise
+    except SystemExit as e:
+        raise WorkloadError(f"loss_fn(model, batch) called sys.exit({e.code!r})") from None
+    except Exception as e:
+        raise WorkloadError(f"loss_fn(model, batch) raised {type(e).__name__}: {_one_line(e)}") from e
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
         got = (f"a tensor of shape {list(loss.shape)}{'' if loss.requires_grad else ' that does not require grad'}"
                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
@@ -277,19 +286,62 @@ def load_workload(spec: str, **overrides: Any) -> Workload:
     presets = SIZES[spec]
     if size not in presets:
         raise WorkloadError(f"workload {spec!r} has no size {size!r}; sizes: {', '.join(presets)}")
-    _check_overrides(spec, builder, overrides)
-    return builder(**{**presets[size], **overrides})
+    overrides = _check_overrides(spec, builder, overrides)
+    return _call_user(f"workload {spec!r}", builder, {**presets[size], **overrides})
 
 
-def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str, Any]) -> None:
+def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` checked against ``builder``'s signature: each name must be a parameter, and each
+    value must fit its annotation (``--set hidden_sizes=8`` for a tuple, ``--set depth=abc`` for an int
+    are refused naming the option). Returns the values as the annotations read them (``8.0`` -> ``8``)."""
+    from pydantic import TypeAdapter, ValidationError
+
     params = inspect.signature(builder).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return
-    unknown = sorted(set(overrides) - set(params))
-    if unknown:
-        takes = [*params, "size"] if spec in BUILTINS else list(params)
-        raise WorkloadError(f"workload {spec!r} has no option {', '.join(unknown)}; "
-                            f"it takes {', '.join(takes) or 'none'}")
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(overrides) - set(params))
+        if unknown:
+            takes = [*params, "size"] if spec in BUILTINS else list(params)
+            raise WorkloadError(f"workload {spec!r} has no option {', '.join(unknown)}; "
+                                f"it takes {', '.join(takes) or 'none'}")
+    try:
+        hints = typing.get_type_hints(builder)
+    except Exception:  # noqa: BLE001 - a user's annotation that does not resolve: take the values as given
+        return overrides
+    checked = dict(overrides)
+    for name, value in overrides.items():
+        hint = hints.get(name)
+        if hint is None:
+            continue
+        try:
+            checked[name] = TypeAdapter(hint).validate_python(value)
+        except ValidationError as e:
+            wanted = getattr(hint, "__name__", None) if not typing.get_args(hint) else None
+            wanted = wanted or str(hint).replace("typing.", "")
+            example = f" (a list: --set {name}=8,16)" if typing.get_origin(hint) in (tuple, list) else ""
+            raise WorkloadError(f"workload {spec!r}: option {name}={value!r} does not fit {wanted}{example}: "
+                                f"{e.errors()[0]['msg']}") from None
+        except Exception:  # noqa: BLE001 - an annotation pydantic cannot check: take the value as given
+            continue
+    return checked
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _call_user(what: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """``fn(**kwargs)``: a workload's builder or function. What it raises (or a ``sys.exit``) becomes a
+    :class:`WorkloadError` naming ``what``: a bad combination of options or a bug in the user's file is
+    the user's to fix."""
+    try:
+        return fn(**kwargs)
+    except (MemplanError, KeyboardInterrupt):
+        raise
+    except SystemExit as e:
+        raise WorkloadError(f"{what} called sys.exit({e.code!r}) instead of returning") from None
+    except Exception as e:
+        raise WorkloadError(f"{what} raised {type(e).__name__}: {_one_line(e)}") from e
 
 
 def _from_file(spec: str, overrides: dict[str, Any]) -> Workload:
@@ -307,14 +359,16 @@ def _from_file(spec: str, overrides: dict[str, Any]) -> Workload:
     sys.modules[module_name] = module
     try:
         loader_spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[module_name]
+        raise WorkloadError(f"importing workload file {path_text} called sys.exit({e.code!r})") from None
     except Exception as e:  # the user's file: report what went wrong in one line
         del sys.modules[module_name]
-        raise WorkloadError(f"importing workload file {path_text} failed: {type(e).__name__}: {e}") from e
+        raise WorkloadError(f"importing workload file {path_text} failed: {type(e).__name__}: {_one_line(e)}") from e
     func = getattr(module, func_name, None)
     if not callable(func):
         raise WorkloadError(f"workload file {path_text} has no function {func_name!r}")
-    _check_overrides(spec, func, overrides)
-    result = func(**overrides)
+    result = _call_user(spec, func, _check_overrides(spec, func, overrides))
     if not (isinstance(result, tuple) and len(result) == 3):
         raise WorkloadError(f"{spec} must return (model, example_batch, loss_fn), "
                             f"got {type(result).__name__}")

@@ -88,34 +88,6 @@ def test_identical_request_is_a_cache_hit_with_the_same_plan(client):
     assert r["predicted"]["keep_all_step_time_s"] == 40.0
 
 
-def test_repeated_bytes_are_answered_before_parsing(monkeypatch):
-    """The same request bytes again are answered from the cache without parsing the graph (the
-    ``PlanCacheShortcut``); other bytes for the same plan go the normal way and are hits too."""
-    from memplan.api.service import Service
-
-    with TestClient(create_app(FAST)) as c:
-        raw = json.dumps(body(budget=700, solver="oracle")).encode()
-        headers = {"content-type": "application/json"}
-        first = c.post("/v1/plans", content=raw, headers=headers)
-        assert first.status_code == 200 and first.json()["cache_hit"] is False
-
-        def unreachable(*a, **kw):
-            raise AssertionError("parsed and planned again")
-
-        with monkeypatch.context() as m:
-            m.setattr(Service, "plan", unreachable)
-            again = c.post("/v1/plans", content=raw, headers=headers)
-        assert again.status_code == 200 and again.headers["content-type"] == "application/json"
-        assert again.json() == {**first.json(), "cache_hit": True}
-        spaced = c.post("/v1/plans", content=json.dumps(json.loads(raw), indent=2).encode(), headers=headers)
-        assert spaced.json() == again.json()  # other bytes, same request: parsed, then a hit
-        # a remembered body whose answer left the cache is solved again, not answered from memory
-        c.app.state.service.cache.clear()
-        assert c.post("/v1/plans", content=raw, headers=headers).json()["cache_hit"] is False
-        # other routes and methods are not touched
-        assert c.get("/v1/plans").status_code == 405
-
-
 def test_concurrent_identical_requests_share_one_solve(client):
     req = body(budget=801, solver="oracle")
     results = []
@@ -144,12 +116,13 @@ def test_infeasible_budget_names_the_minimum(client):
 
 def test_bad_budget_and_unknown_solver_are_422(client):
     r = client.post("/v1/plans", json=body(budget="6 bananas"))
-    assert r.status_code == 422 and r.json()["error"] == "invalid_request"
-    assert r.json()["detail"].startswith("cannot read size '6 bananas'")
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request" and r.json()["field"] == "budget"
+    assert r.json()["detail"].startswith("budget: cannot read '6 bananas' as a budget")
     r = client.post("/v1/plans", json=body(budget=-1))
-    assert r.status_code == 422 and r.json()["detail"] == "budget must not be negative, got -1"
+    assert r.status_code == 422
+    assert r.json()["detail"] == "budget: budget -1 is out of range: 0 to 2^50 bytes (1 PiB)"
     r = client.post("/v1/plans", json=body(solver="nope"))
-    assert r.status_code == 422 and r.json()["detail"].startswith("unknown solver 'nope'; known: ")
+    assert r.status_code == 422 and r.json()["detail"].startswith("solver: unknown solver 'nope'; known: auto, ")
 
 
 # ---- malformed input -----------------------------------------------------------------------------
@@ -166,8 +139,7 @@ def _graph_dict(**edits):
 
 @pytest.mark.parametrize("edits, detail, field", [
     ({"ops__3__time_s": -1.0}, "graph: ops.3.time_s: Input should be greater than or equal to 0", "graph.ops.3.time_s"),
-    ({"tensors__2__bytes": "lots"}, "graph: tensors.2.bytes: Input should be a valid integer, unable to parse string "
-                                    "as an integer", "graph.tensors.2.bytes"),
+    ({"tensors__2__bytes": "lots"}, "graph: tensors.2.bytes: Input should be a valid integer", "graph.tensors.2.bytes"),
     ({"ops__3__inputs": [99]}, "graph: dangling edge: op 3 (synthetic.layer) inputs names tensor 99, but the graph "
                                "has 9 tensors", "graph"),
     ({"format": "memplan.graph/9"}, "graph: format: unknown graph format version 'memplan.graph/9'; this memplan "
@@ -362,25 +334,94 @@ def test_pool_queue_limit_and_timeout():
 
 
 @pytest.mark.slow
-def test_pool_replaces_a_dead_worker_process():
-    """A worker killed under a job (out of memory, a native crash) is a 503 for that job, not a pool
-    that refuses every later one."""
+def test_pool_stops_overruns_and_replaces_dead_workers():
+    """A worker killed under a job (out of memory, a native crash) fails that job alone (503); a job past
+    its time is stopped at once and its worker replaced; a job past the memory cap is an
+    ``OutOfMemory`` naming the limit. After each, the pool answers the next job."""
     import os
 
-    from memplan.api.errors import WorkerLost
+    from memplan.api.errors import OutOfMemory, WorkerLost
 
     async def scenario():
-        pool = WorkerPool("process", workers=1, max_queue=4)
+        pool = WorkerPool("process", workers=1, max_queue=4, memory_bytes=2**30, spare=True)
         await pool.start()
         try:
-            with pytest.raises(WorkerLost, match="a worker process died"):
+            with pytest.raises(WorkerLost, match="the worker process running this request died"):
                 await pool.run(os._exit, 3, timeout_s=30)
             assert pool.busy == 0
             assert await pool.run(sum, [1, 2], timeout_s=30) == 3
+            t0 = time.perf_counter()
+            with pytest.raises(SolveTimeout, match="was stopped"):
+                await pool.run(time.sleep, 60, timeout_s=0.5)
+            assert time.perf_counter() - t0 < 2.0  # answered at its limit, not after the job's 60 s
+            assert await pool.run(sum, [3, 4], timeout_s=30) == 7  # on the spare (or a new process)
+            with pytest.raises(OutOfMemory) as e:
+                await pool.run(bytearray, 2 * 2**30, timeout_s=30)
+            assert e.value.limit == "worker_memory_bytes"
+            assert await pool.run(sum, [5, 6], timeout_s=30) == 11
+            assert pool.replaced == 3
         finally:
             pool.close()
 
     asyncio.run(scenario())
+
+
+def test_pool_queue_wait_is_bounded():
+    async def scenario():
+        pool = WorkerPool("thread", workers=1, max_queue=4, queue_timeout_s=0.2)
+        await pool.start()
+        try:
+            slow = asyncio.ensure_future(pool.run(time.sleep, 0.6, timeout_s=5))
+            await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            with pytest.raises(Overloaded, match="stayed busy for 0.2 s"):
+                await pool.run(sum, [1], timeout_s=5)
+            assert 0.15 < time.perf_counter() - t0 < 0.5
+            await slow
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())
+
+
+# ---- the plan cache heals itself and stays within its size ------------------------------------------
+@pytest.mark.parametrize("damage", ["garbage", "half", "header"])
+def test_a_damaged_cache_file_is_moved_aside_and_started_afresh(tmp_path, damage, caplog):
+    path = tmp_path / "plans.sqlite"
+    cache = PlanCache(str(path))
+    cache.put("k", {"graph_fingerprint": "f", "solver": {"name": "x", "status": "optimal"}, "pad": "x" * 5000})
+    cache.close()
+    good = path.read_bytes()
+    broken = {"garbage": b"not a database" * 500, "half": good[: len(good) // 2],
+              "header": b"\0" * 100 + good[100:]}[damage]
+    path.write_bytes(broken)
+    for side in ("-wal", "-shm"):
+        (tmp_path / f"plans.sqlite{side}").unlink(missing_ok=True)
+    with caplog.at_level("WARNING", "memplan.api"):
+        healed = PlanCache(str(path))
+    assert len(healed) == 0
+    assert healed.put("k2", {"graph_fingerprint": "f", "solver": {"name": "x", "status": "optimal"}})
+    assert [p.read_bytes() for p in tmp_path.glob("plans.sqlite.corrupt-*")] == [broken]
+    assert "moved it to" in caplog.text
+
+
+def test_an_unusable_cache_path_is_one_line():
+    from memplan.api.cache import CacheError
+
+    with pytest.raises(CacheError, match="cannot create the plan cache's folder /proc/nope"):
+        PlanCache("/proc/nope/plans.sqlite")
+
+
+def test_the_cache_evicts_the_least_recently_used(tmp_path):
+    cache = PlanCache(str(tmp_path / "plans.sqlite"), max_bytes=10_000)
+    answer = {"graph_fingerprint": "f", "solver": {"name": "x", "status": "optimal"}, "pad": "x" * 1900}
+    for i in range(4):
+        cache.put(f"k{i}", answer)
+    assert cache.get("k0") is not None  # k0 used: k1 is now the least recent
+    for i in range(4, 6):
+        cache.put(f"k{i}", answer)
+    assert cache.stored_bytes() <= 10_000
+    assert cache.get("k1") is None and cache.get("k0") is not None and cache.get("k5") is not None
 
 
 def test_settings_from_env():
@@ -390,3 +431,47 @@ def test_settings_from_env():
         Settings.from_env({"MEMPLAN_MAX_OPS": "many"})
     with pytest.raises(MemplanError, match="workers must be >= 1"):
         Settings(workers=0)
+
+
+def test_repeated_bytes_are_answered_without_reading_them_again(monkeypatch):
+    """The same request bytes again are answered from the cache without a parse worker; other bytes for
+    the same plan are read, then a hit too; a remembered body whose answer left the cache is solved."""
+    from memplan.api.routes import body as body_module
+
+    with TestClient(create_app(FAST)) as c:
+        raw = json.dumps(body(budget=700, solver="oracle")).encode()
+        headers = {"content-type": "application/json"}
+        first = c.post("/v1/plans", content=raw, headers=headers)
+        assert first.status_code == 200 and first.json()["cache_hit"] is False
+
+        def unreachable(*a, **kw):
+            raise AssertionError("read again")
+
+        with monkeypatch.context() as m:
+            m.setattr(body_module, "read_request", unreachable)
+            again = c.post("/v1/plans", content=raw, headers=headers)
+        assert again.status_code == 200 and again.json() == {**first.json(), "cache_hit": True}
+        spaced = c.post("/v1/plans", content=json.dumps(json.loads(raw), indent=2).encode(), headers=headers)
+        assert spaced.json() == again.json()
+        c.app.state.service.cache.clear()
+        assert c.post("/v1/plans", content=raw, headers=headers).json()["cache_hit"] is False
+
+
+def test_token_and_allowed_hosts():
+    settings = Settings(pool="thread", workers=1, token="t0k", allowed_hosts="localhost")
+    with TestClient(create_app(settings), base_url="http://localhost") as c:
+        assert c.get("/healthz").status_code == 200
+        r = c.get("/v1/solvers")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {"detail": "this server requires a token: send 'Authorization: Bearer <token>'",
+                            "error": "unauthorized"}
+        ok = {"Authorization": "Bearer t0k"}
+        assert c.get("/v1/solvers", headers=ok).status_code == 200
+        spec = c.get("/openapi.json", headers=ok).json()
+        assert spec["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+        assert spec["paths"]["/v1/plans"]["post"]["security"] == [{"bearer": []}]
+        assert "security" not in spec["paths"]["/healthz"]["get"]
+        assert c.get("/healthz", headers={"Host": "evil.example"}).status_code == 400
+    assert Settings().hosts_for("127.0.0.1") == ["127.0.0.1", "localhost", "::1", "[::1]"]
+    assert Settings().hosts_for("0.0.0.0") == ["*"]
+    assert Settings(allowed_hosts="a.example, b.example").hosts_for("127.0.0.1") == ["a.example", "b.example"]

@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from typer.testing import CliRunner
 
+from memplan.api import cli
 from memplan.planner.plan import Plan
 from memplan.planner.synthetic import linear_chain
 
@@ -93,3 +95,55 @@ def test_manual_plan_from_the_command_line(graph_file, tmp_path):
     assert r.returncode == 2 and "use them with --solver manual" in r.stderr
     r = run("solve", graph_file, "--budget", "100%", "--solver", "manual", "--checkpoint", "nosuch")
     assert r.returncode == 2 and "no op of graph" in r.stderr and "nosuch" in r.stderr
+
+
+# ---- user-side failures: exit 2 and one line (issue #14) -------------------------------------------
+WORKLOADS = '''
+import sys
+import torch
+from torch import nn
+
+
+def raises():
+    raise ValueError("my model is broken")
+
+
+def exits():
+    sys.exit(0)
+
+
+def bad_loss():
+    def loss_fn(model, batch):
+        raise RuntimeError("shapes do not match in my loss")
+    return nn.Linear(4, 4), torch.randn(2, 4), loss_fn
+'''
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("profile", "{workloads}:raises", "-o", "{tmp}/g.json"), "raised ValueError: my model is broken"),
+    (("profile", "{workloads}:exits", "-o", "{tmp}/g.json"), "called sys.exit(0)"),
+    (("profile", "{workloads}:bad_loss", "-o", "{tmp}/g.json"), "loss_fn(model, batch) raised RuntimeError: shapes"),
+    (("profile", "mlp", "--set", "depth=abc", "-o", "{tmp}/g.json"), "option depth='abc' does not fit int"),
+    (("profile", "resnet", "--set", "hidden_sizes=8", "-o", "{tmp}/g.json"), "option hidden_sizes=8 does not fit"),
+    (("profile", "mlp", "-o", "/proc/nope/graph.json"), "cannot write /proc/nope/graph.json: cannot create folder"),
+    (("solve", "{graph}", "--budget", "50%", "-o", "{tmp}"), "it is a folder"),
+    (("show", "{plan}", "--graph", "{graph}", "--run", "{garbage}", "-o", "{tmp}/t.png"), "not valid JSON"),
+    (("frontier", "{graph}", "--budgets", ",,"), "no budget in it"),
+    (("run", "mlp", "--budget", "abc"), "cannot read size 'abc'"),
+    (("serve", "--cache", "/proc/nope/x.sqlite"), "cannot create the plan cache's folder /proc/nope"),
+    (("serve", "--cache", "{tmp}"), "is a folder"),
+])
+def test_user_side_failures_exit_2_with_one_line(args, message, graph_file, tmp_path):
+    (tmp_path / "workloads.py").write_text(WORKLOADS)
+    (tmp_path / "garbage.json").write_bytes(b"\xff\xfe garbage \x00")
+    plan = tmp_path / "plan.json"
+    Plan.keep_all(linear_chain(8)).save(str(plan))
+    paths = {"workloads": tmp_path / "workloads.py", "tmp": tmp_path, "graph": graph_file, "plan": plan,
+             "garbage": tmp_path / "garbage.json"}
+    # in this process (typer's runner): a subprocess per case would import torch a dozen times
+    r = CliRunner().invoke(cli.app, [a.format(**paths) for a in args], env={"MEMPLAN_DEBUG": ""})
+    assert r.exit_code == 2, (r.stdout, r.stderr, r.exception)
+    assert message in " ".join(r.stderr.split()), r.stderr
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 3  # one logical line, maybe wrapped
+    assert not (tmp_path / "g.json").exists()

@@ -11,4 +11,5 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz", response_model=Health, summary="Liveness and load")
 async def healthz(service: ServiceDep) -> Health:
     pool = service.pool
-    return Health(version=service.version, pool=pool.kind, workers=pool.workers, busy=pool.busy, queued=pool.queued)
+    return Health(version=service.version, pool=pool.kind, workers=pool.workers, busy=pool.busy,
+                  ready=pool.ready, queued=pool.queued)

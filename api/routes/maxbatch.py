@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-from memplan.api.errors import LimitExceeded
-from memplan.api.schemas import ERROR_RESPONSES, Budget
+from memplan.api.jobs import load_graph
+from memplan.api.routes.body import documented, json_body
+from memplan.api.schemas import ERROR_RESPONSES, Budget, ReadRequest, check_ops, check_time_limit, settings_of
 from memplan.api.service import ServiceDep
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan
@@ -54,7 +55,7 @@ class MaxBatchRequest(BaseModel):
                                                            "graph the plan is for)")
 
     @model_validator(mode="after")
-    def _checks(self) -> MaxBatchRequest:
+    def _checks(self, info: ValidationInfo) -> MaxBatchRequest:
         if isinstance(self.budget, str) and self.budget.strip().endswith("%"):
             raise ValueError("maxbatch takes a budget in bytes (e.g. '24GiB'), not a percentage of one shape's "
                              "activation memory")
@@ -64,6 +65,10 @@ class MaxBatchRequest(BaseModel):
                              "(memplan maxbatch WORKLOAD, or memplan.planner.family.profile_family)")
         if self.dim not in fam.dims:
             raise ValueError(f"the graph's shape family varies {', '.join(fam.dims)}, not {self.dim!r}")
+        settings = settings_of(info)
+        if settings is not None:  # the server's limits: the search's whole work must fit its time cap
+            check_ops(self.graph, settings)
+            check_time_limit(self.time_limit_s, settings, solves=candidates(self.max_value))
         return self
 
 
@@ -91,12 +96,12 @@ class MaxBatchResponse(BaseModel):
     graph: Graph | None = None
 
 
-def maxbatch_job(graph: Graph, budget_bytes: int, *, dim: str, max_overhead: float | None, solver: str,
+def maxbatch_job(graph: Graph | str, budget_bytes: int, *, dim: str, max_overhead: float | None, solver: str,
                  time_limit_s: float, offload: bool, max_value: int, include_graph: bool) -> dict[str, Any]:
     """The search, in a worker: the response body as a dict."""
     from memplan.solvers.maxbatch import max_dim
 
-    a = max_dim(graph, budget_bytes, dim=dim, max_overhead=max_overhead, method=solver,
+    a = max_dim(load_graph(graph), budget_bytes, dim=dim, max_overhead=max_overhead, method=solver,
                 time_limit_s=time_limit_s, offload=offload, max_value=max_value)
     return {"dim": dim, "value": a.value, "budget_bytes": budget_bytes, "plan": a.result.plan.model_dump(mode="json"),
             "predicted": {"peak_bytes": a.result.report.peak_bytes, "step_time_s": a.result.report.time_s,
@@ -107,23 +112,18 @@ def maxbatch_job(graph: Graph, budget_bytes: int, *, dim: str, max_overhead: flo
 
 
 @router.post("/maxbatch", response_model=MaxBatchResponse, response_model_exclude_none=True,
-             responses=ERROR_RESPONSES, summary="The largest batch (or sequence) whose best plan fits a budget")
-async def maxbatch(req: MaxBatchRequest, service: ServiceDep) -> Any:
+             responses=ERROR_RESPONSES, openapi_extra=documented(MaxBatchRequest),
+             summary="The largest batch (or sequence) whose best plan fits a budget")
+async def maxbatch(read: Annotated[ReadRequest[MaxBatchRequest], Depends(json_body(MaxBatchRequest))],
+                   service: ServiceDep) -> Any:
     """Searches the graph's shape family along ``dim``; the plan is for the family evaluated at the answer
     (``include_graph`` returns that graph). A budget that not even ``dim = 1`` fits is 422 with
-    ``min_feasible_bytes``."""
-    s = service.settings
-    if len(req.graph.ops) > s.max_ops:
-        raise LimitExceeded(f"graph has {len(req.graph.ops)} ops; this server plans graphs of at most {s.max_ops} "
-                            f"ops (max_ops)", limit="max_ops", limit_value=s.max_ops)
-    n = candidates(req.max_value)
-    if req.time_limit_s * n > s.max_time_limit_s:
-        raise LimitExceeded(f"up to {n} candidates x time_limit_s {req.time_limit_s:g} s is over this server's cap "
-                            f"of {s.max_time_limit_s:g} s (max_time_limit_s); lower time_limit_s or max_value",
-                            limit="max_time_limit_s", limit_value=s.max_time_limit_s)
-    budget_bytes = parse_budget(req.budget)
+    ``min_feasible_bytes``. The body is read by a parse worker (limits checked by the request model)."""
+    req = read.fields
+    n = candidates(req["max_value"])
+    budget_bytes = parse_budget(req["budget"])
+    graph = read.graph if read.graph is not None else read.graph_json
     return await service.pool.run(
-        maxbatch_job, req.graph, budget_bytes, dim=req.dim, max_overhead=req.max_overhead, solver=req.solver,
-        time_limit_s=req.time_limit_s, offload=req.offload, max_value=req.max_value,
-        include_graph=req.include_graph, timeout_s=req.time_limit_s * n + s.grace_s)
-
+        maxbatch_job, graph, budget_bytes, dim=req["dim"], max_overhead=req["max_overhead"], solver=req["solver"],
+        time_limit_s=req["time_limit_s"], offload=req["offload"], max_value=req["max_value"],
+        include_graph=req["include_graph"], timeout_s=req["time_limit_s"] * n + service.settings.grace_s)

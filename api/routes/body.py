@@ -1,0 +1,56 @@
+"""Request bodies read off the event loop: a dependency per request model, and its OpenAPI entry.
+
+FastAPI would parse and validate a body on the event loop, where a maximal graph (tens of MB, a hundred
+thousand ops) takes seconds during which nothing else is answered, ``/healthz`` included; a thread would
+not help, as pydantic-core holds the GIL while it parses. So the bytes go to a parse worker process
+(``Service.parsers``), which validates them with the request model
+(:func:`memplan.api.schemas.read_request`) and sends back the fields and the graph's canonical JSON. A
+refusal is the same ``RequestValidationError`` FastAPI raises, so it is answered the same way
+(:mod:`memplan.api.errors`). The route documents the body with :func:`documented`, so the schema still
+says exactly what the model accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
+
+from memplan.api.errors import LimitExceeded
+from memplan.api.schemas import ReadRequest, read_request
+from memplan.api.service import Service, get_service
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_body(service: Service, model: type[M], body: bytes) -> ReadRequest[M]:
+    """``body`` read as ``model`` by a parse worker; raises ``RequestValidationError`` (answered 422 like
+    FastAPI's own) or :class:`LimitExceeded`."""
+    kind, value = await service.parsers.run(
+        read_request, model, body, service.settings, keep_graph=service.settings.pool == "thread",
+        timeout_s=service.settings.parse_timeout_s)
+    if kind == "invalid":
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in value])
+    if kind == "limit":
+        message, limit, limit_value = value
+        raise LimitExceeded(message, limit=limit, limit_value=limit_value)
+    return value
+
+
+def json_body(model: type[M]) -> Callable[[Request], Awaitable[ReadRequest[M]]]:
+    """A FastAPI dependency: the request's body read as ``model`` by a parse worker."""
+
+    async def read(request: Request) -> ReadRequest[M]:
+        return await read_body(get_service(request), model, await request.body())
+
+    return read
+
+
+def documented(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose body ``model`` is read by :func:`json_body` (the model's schema
+    is added to the components by ``memplan.api.app``)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
