@@ -1,0 +1,33 @@
+"""Options of the ILP (``solve(graph, budget, "ilp", **options)``), validated once at the entry."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from memplan.solvers.registry import CONFIG
+
+BACKENDS = ("cpsat", "cbc", "highs")
+Count = int | None
+
+
+@dataclass(frozen=True, kw_only=True, config=CONFIG)
+class Config:
+    """Options of :func:`memplan.solvers.ilp.driver.solve_ilp`."""
+
+    backend: Literal["cpsat", "cbc", "highs"] = "cpsat"
+    # choose: the ILP picks prefetch points; default: the simulator's
+    prefetch: Literal["choose", "default"] = "choose"
+    # producers a replay may go back; None: unlimited on small graphs
+    max_replay_depth: int | None = Field(default=None, ge=0)
+    # ops after last forward use within which a D2H copy must end; None: unlimited on small graphs (a copy
+    # may then run into backward)
+    copy_window_ops: int | None = Field(default=None, ge=0)
+    # candidate prefetch points after the first backward use
+    prefetch_window_ops: int | None = Field(default=None, ge=0)
+    workers: int = Field(default=2, ge=1)        # CP-SAT search workers
+    max_rounds: int = Field(default=20, ge=0)    # lazy-constraint rounds (re-solves after a cut)
+    warm_start: bool = True                      # hint the faster of the greedy and Capuchin plans
+    small_saved: int = Field(default=40, ge=0)   # graphs with at most this many saved activations get no windows
