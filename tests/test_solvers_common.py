@@ -268,3 +268,11 @@ def test_auto_on_a_large_graph_keeps_the_fastest_of_dp_and_the_heuristics(monkey
     assert r.report.time_s == pytest.approx(min(tried.values()))
     for name, t in tried.items():
         assert t == pytest.approx(solve(g, budget, name).report.time_s)
+
+
+@pytest.mark.parametrize("bad", [2**50 + 1, 2**63])
+def test_budget_beyond_any_device_is_refused(bad):
+    with pytest.raises(MemplanError, match=r"budget .* beyond any device"):
+        solve(linear_chain(3), bad, "greedy")
+    with pytest.raises(MemplanError, match=r"host budget .* beyond any device"):
+        solve(linear_chain(3), None, "greedy", offload=True, host_budget_bytes=bad)
