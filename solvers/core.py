@@ -91,7 +91,13 @@ def propose(graph: Graph, spec: SolverSpec, budget: int, *, time_limit_s: float,
     proposal = spec.call(graph, budget, time_limit_s=time_limit_s, offload=offload,
                          host_budget_bytes=host_budget_bytes, config=config)
     if proposal.status == "infeasible":
-        raise infeasible(graph, budget, smallest_known_peak(graph, offload=offload), method=method)
+        floor = smallest_known_peak(graph, offload=offload)
+        if proposal.stats.get("stopped") == "time limit" and floor > budget:
+            # not a proof: say what happened rather than call the budget infeasible
+            raise Infeasible(f"solver {method!r} found no plan within its time limit of {time_limit_s:g} s at "
+                             f"{_both(budget)}; the least peak memplan knows is {_both(floor)}: try a longer "
+                             f"time limit", budget_bytes=budget, min_feasible_bytes=floor)
+        raise infeasible(graph, budget, floor, method=method)
     report = simulate_actions(graph, proposal.actions, prefetch_at=proposal.prefetch_at, timeline=False)
     if report.peak_bytes > budget:
         raise Infeasible(

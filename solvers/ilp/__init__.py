@@ -26,17 +26,29 @@ the simulator's boolean logic exactly, as linear constraints:
 * objective: the simulated step time (replays + exposed waits; forward, backward and optimizer time
   are constants). Host memory: ``sum(o[u] * bytes) <= host_budget_bytes``.
 
-The model is formulated once (:class:`~memplan.solvers.ilp.linear.LinearModel`: variables, linear rows, objective, with integer
-coefficients: time in integer ticks, memory in units of the gcd of all sizes, so the budget row is
-exact) and handed to OR-Tools CP-SAT (``backend="cpsat"``, default) or to PuLP's CBC (``"cbc"``) or
-HiGHS (``"highs"``; in a child process when the installed highspy cannot load beside OR-Tools' own HiGHS
-library, see :func:`~memplan.solvers.ilp.backends.solve_highs`).
+The model is formulated once (:class:`~memplan.solvers.ilp.linear.LinearModel`: variables, linear
+rows, objective, all with integer coefficients) and handed to OR-Tools CP-SAT (``backend="cpsat"``,
+default) or to PuLP's CBC (``"cbc"``) or HiGHS (``"highs"``; in a child process when the installed
+highspy cannot load beside OR-Tools' own HiGHS library, see
+:func:`~memplan.solvers.ilp.backends.solve_highs`). CBC and HiGHS run with a zero relative gap.
 
-Where the model is not exact it is conservative (it never under-estimates memory or time), and
-``solve_ilp`` re-simulates every proposal; a proposal over budget gets a no-good cut and the model is
-re-solved (a small lazy-constraint loop), and so does a proposal the model priced below its simulated
-time (a tie that integer ticks round the other way), after it is kept as the incumbent. The
-conservative parts:
+**Sound numerics.** Memory is counted in one unit per graph: the gcd of every size when the rows then
+stay below ``max_memory_units`` (2^20 by default; the model is byte-exact), otherwise a coarser unit with
+every size and the budget rounded *down*. Replay times are integer ticks (~1e-9 of the step) rounded
+down. The memory and replay rows are then a *relaxation* of the exact problem: every plan that fits in
+bytes is in the model, at a time no higher than the simulator's, so the solver's bound and its
+"infeasible" hold for the exact problem. Byte-exact coefficients of GPU tensors (1e10 and more) made
+CP-SAT report plans up to 10% off the optimum as optimal and CBC report "infeasible" where plans exist;
+a relaxation with small coefficients does not. ``solve_ilp`` simulates every proposal exactly: one over
+budget (possible after rounding) gets a no-good cut and the model is re-solved (a lazy-constraint loop
+that keeps the relaxation valid: a cut removes only plans the simulator refused, or plans recorded as
+the incumbent). ``optimal`` is reported only when a simulated plan meets the proven bound (to 1e-9
+relative plus a tick per op); the bound is the best over the rounds, capped by the incumbent.
+
+With offload the copy stream's clock mixes rounded-up copy durations, rounded backward steps and
+rounded-down replays, so a plan's model time can differ from the simulator's by a counted number of
+ticks (``Built.time_err_s``); bounds are lowered by it. The offload parts of the model are otherwise
+conservative or exact:
 
 * copy durations are rounded up to ticks and forward op starts down, so a copy is never modelled as
   ending earlier than it does;
@@ -45,14 +57,12 @@ conservative parts:
   may run into backward, modelled exactly: the forward copy chain is an exact max, and per backward step
   a binary says whether the copy is still running (the tensor still on device, a prefetch then moving
   nothing);
-* a replayed multi-output op may not re-create an offloaded output that is not yet back on device;
-* on large graphs (see :class:`~memplan.solvers.ilp.config.Config`) replays are limited to ``max_replay_depth`` producers deep
-  and prefetch points to a window after the first backward use; plans needing more are excluded, not
-  mis-modelled.
+* a replayed multi-output op may not re-create an offloaded output that is not yet back on device.
 
-``Proposal.lower_bound_s`` is the solver's best bound (a bound under the model, so over the plans the
-model admits), ``status`` is ``optimal`` only when the solver proved it and the simulator agrees with the
-model's time, ``timeout`` with the incumbent (or the warm start) otherwise.
+On large graphs (see :class:`~memplan.solvers.ilp.config.Config`) replays are limited to
+``max_replay_depth`` producers deep and prefetch points to a window after the first backward use: plans
+needing more are excluded, so that model's bound and "optimal" hold only over the plans it admits and
+are reported in ``stats['model_bound_s']`` / ``stats['model_status']``, not as the method's.
 
 Modules: :mod:`.linear` (the backend-free linear model), :mod:`.formulation` (the rows, from a graph),
 :mod:`.backends` (CP-SAT, CBC, HiGHS), :mod:`.driver` (warm start, lazy cuts, the registered ``ilp``

@@ -87,8 +87,9 @@ def solve_cbc(model: LinearModel, hint: dict[int, int], time_limit_s: float) -> 
         xs[v].setInitialValue(val)
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "cbc.log")
+        # gapRel=0: "optimal" must mean proved, not within CBC's default gap
         cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, math.ceil(time_limit_s)), warmStart=bool(hint),
-                                logPath=log, threads=1)
+                                logPath=log, threads=1, gapRel=0.0)
         prob.solve(cmd)
         text = open(log).read() if os.path.exists(log) else ""
     bound = cbc_bound(text)
@@ -131,7 +132,8 @@ def solve_highs_here(model: LinearModel, time_limit_s: float) -> Answer:
     import pulp
 
     prob, xs = pulp_problem(model)
-    prob.solve(pulp.HiGHS(msg=False, timeLimit=max(0.01, time_limit_s), threads=1))
+    # gapRel=0: HiGHS stops at a 1e-4 relative gap by default and calls that optimal
+    prob.solve(pulp.HiGHS(msg=False, timeLimit=max(0.01, time_limit_s), threads=1, gapRel=0.0))
     h = getattr(prob, "solverModel", None)
     bound = None
     if h is not None:
@@ -153,7 +155,9 @@ def pulp_answer(prob, xs, bound: float | None) -> Answer:
     values = [round(x.value() or 0) for x in xs]
     obj = pulp.value(prob.objective) or 0.0
     optimal = prob.sol_status == pulp.LpSolutionOptimal
-    return Answer("optimal" if optimal else "feasible", values, obj, obj if optimal else bound, {})
+    if optimal:  # the backend's own bound when it reports one (an optimum within its tolerances)
+        bound = obj if bound is None else min(bound, obj)
+    return Answer("optimal" if optimal else "feasible", values, obj, bound, {})
 
 
 def solve_child(model: LinearModel, hint: dict[int, int], time_limit_s: float, backend: str, workers: int) -> Answer:

@@ -10,7 +10,6 @@ from pydantic.dataclasses import dataclass
 from memplan.solvers.registry import CONFIG
 
 BACKENDS = ("cpsat", "cbc", "highs")
-Count = int | None
 
 
 @dataclass(frozen=True, kw_only=True, config=CONFIG)
@@ -31,3 +30,6 @@ class Config:
     max_rounds: int = Field(default=20, ge=0)    # lazy-constraint rounds (re-solves after a cut)
     warm_start: bool = True                      # hint the faster of the greedy and Capuchin plans
     small_saved: int = Field(default=40, ge=0)   # graphs with at most this many saved activations get no windows
+    # memory rows are kept below this many units: past it, sizes are rounded down to a coarser unit (a
+    # relaxation whose plans the simulator confirms); byte-exact coefficients of GPU tensors break solvers
+    max_memory_units: int = Field(default=2**20, ge=1)

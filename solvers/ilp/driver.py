@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from memplan.planner.errors import MemplanError
@@ -120,21 +121,28 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
     status = "timeout"
     cuts = mismatches = time_cuts = 0
     rounds = 0
+
+    def tol(time_s: float) -> float:
+        # what separates "equal" from "faster": float noise, the rounded-down replay ticks of one plan,
+        # and (with offload) the model's timing error
+        return 1e-9 * time_s + built.tick_s * (2 * len(graph.ops) + 2) + 2 * built.time_err_s
+
     for _ in range(cfg.max_rounds):
         rounds += 1
         left = deadline - time.perf_counter()
         if left <= 0.05:
             break
         ans = run_backend(cfg, model, hint, left)
-        if ans.bound is not None and (cuts == 0 or ans.status == "optimal"):
-            # cuts only remove plans the simulator refused, so the bound stays valid across rounds
-            bound_s = built.time_s(ans.bound)
+        if ans.bound is not None and math.isfinite(ans.bound):
+            # The model is a relaxation of the exact problem (memory rounded down, replays rounded down,
+            # offload timing within time_err_s), and cuts only remove plans the simulator refused or plans
+            # recorded in `best`: so the optimum is at least min(best, this bound), in every round.
+            round_bound = built.time_s(ans.bound) - built.time_err_s
+            bound_s = round_bound if bound_s is None else max(bound_s, round_bound)
         if ans.status == "infeasible":
-            # nothing the model admits fits: the warm start (if any) lies outside the model -- unless
-            # only time cuts removed plans, from an exact model: then the best of them is the optimum
-            status = "infeasible" if best is None else "feasible"
-            if best is not None and time_cuts and cuts == time_cuts and built.exact:
-                status = "optimal"
+            # nothing left in the relaxation: every plan it admitted was refused by the simulator or is
+            # recorded, so `best` is the optimum, or no plan fits -- when the model leaves no plan out
+            status = "infeasible" if best is None else ("optimal" if built.exact else "feasible")
             break
         if ans.values is None:
             break  # no solution within the time left
@@ -142,20 +150,19 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         rep = simulate_actions(graph, actions, prefetch_at=prefetch)
         model_s = built.time_s(ans.objective or 0.0)
         if not fits(rep):
-            cuts += 1
+            cuts += 1  # over budget in bytes (the relaxation rounds sizes down): cut it, solve again
             cut(model, built.decision_vars, ans.values)
             continue
-        tol = 1e-6 * max(1.0, rep.time_s) + 2 * built.tick_s * (len(graph.ops) + 1)
-        if abs(rep.time_s - model_s) > tol:
+        if abs(rep.time_s - model_s) > tol(rep.time_s):
             mismatches += 1
         if best is None or rep.time_s < best[0]:
             best = (rep.time_s, actions, prefetch)
-        if ans.status == "optimal" and best[0] <= model_s + tol:
-            status = "optimal"  # nothing the model admits is faster than a plan the simulator confirmed
+        if bound_s is not None and best[0] <= bound_s + tol(best[0]):
+            status = "optimal"  # a plan the simulator confirmed meets a bound valid for the exact problem
             break
-        if ans.status == "optimal" and rep.time_s > model_s + tol:
-            # the model under-estimated this plan (a tie the integer ticks round the other way): it is
-            # recorded in `best` at its simulated time; cut it and ask again for the next best
+        if ans.status == "optimal" and rep.time_s > model_s + tol(rep.time_s):
+            # the model under-priced this plan (a rounding tie): it is recorded in `best` at its simulated
+            # time; cut it and ask again for the next best
             cuts += 1
             cut(model, built.decision_vars, ans.values)
             time_cuts += 1
@@ -163,6 +170,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         hint = {v: ans.values[v] for v in built.decision_vars}
         break
     stats.update(cuts=cuts, time_cuts=time_cuts, rounds=rounds, model_mismatches=mismatches,
+                 memory_unit_bytes=built.unit_bytes, memory_exact=built.memory_exact,
                  solve_s=time.perf_counter() - t0)
     if best is None:
         stats["stopped"] = "model infeasible" if status == "infeasible" else "time limit"

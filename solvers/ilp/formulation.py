@@ -39,8 +39,15 @@ class Built:
     default_prefetch: bool
     exact: bool  # no window or depth limit: every plan of the simulator's space is in the model
 
+    memory_exact: bool = True  # memory in units is byte-exact (else a relaxation, rounded down)
+    time_err_ticks: float = 0.0  # |model time - simulated time| of any plan the model admits, at most
+
     def time_s(self, objective_ticks: float) -> float:
         return self.const_time_s + (objective_ticks + self.obj_offset) * self.tick_s
+
+    @property
+    def time_err_s(self) -> float:
+        return self.time_err_ticks * self.tick_s
 
 
 class Builder:
@@ -61,13 +68,30 @@ class Builder:
         # finds it on device (nothing moves back). Modelled exactly (see _linger), small graphs only.
         self.linger = cfg.copy_window_ops is None and small and offload
 
-        # Units: memory in the gcd of every size (exact), time in ticks of ~1e-9 of the step.
-        sizes = [t.bytes for t in tensors] + [budget, graph.fixed.resident_bytes]
+        # Units. Memory: the gcd of every size when that keeps the rows' magnitudes below
+        # cfg.max_memory_units (the model is then byte-exact); otherwise a coarser unit with every size and
+        # the budget rounded *down*, so that the model is a relaxation: every plan that fits in bytes fits
+        # in units, its bound and its "infeasible" hold for the exact problem, and the plans it proposes
+        # are confirmed (or cut) by the exact simulator. Byte-exact coefficients of GPU tensors (1e10 and
+        # more) made CP-SAT's presolve and CBC report false optima, bounds and infeasibility.
+        # Time: ticks of ~1e-9 of the step (model and simulator differ by at most time_err_ticks).
+        sizes = [t.bytes for t in tensors] + [budget, graph.fixed.resident_bytes, graph.fixed.optimizer_step_bytes]
         sizes += [x for op in ops for x in (op.workspace_bytes, op.backward_workspace_bytes,
                                              op.backward_grad_alloc_bytes, op.backward_grad_free_bytes)]
-        self.unit = reduce(math.gcd, [s for s in sizes if s], 0) or 1
+        scale = sum(sizes) + (0 if host_budget is None else host_budget)
+        exact_unit = reduce(math.gcd, [s for s in sizes if s], 0) or 1
+        if scale // exact_unit <= cfg.max_memory_units:
+            self.unit = exact_unit
+        else:
+            self.unit = -(-scale // cfg.max_memory_units)
+        self.memory_exact = all(x % self.unit == 0 for x in sizes)
         self.budget = budget // self.unit
         self.host_budget = None if host_budget is None else host_budget // self.unit
+        # Replay times are rounded down, so without offload the model never over-prices a plan (its bound
+        # holds as it is). With offload the copy-stream clock mixes rounded-up copies, rounded backward
+        # steps and rounded-down replays, so any plan's model time may differ from the simulator's by up
+        # to time_err_ticks (counted as the rows are built); bounds are lowered by that much.
+        self.time_err_ticks = 0.0 if not offload else 0.5 * n + 2
         fwd_total = sum(op.time_s for op in ops)
         bwd_total = sum(op.backward_time_s for op in ops)
         base = max(fwd_total + bwd_total + graph.optimizer_time_s, 1e-12)
@@ -85,7 +109,7 @@ class Builder:
         init_s = [sum(ops[m].time_s for u in op.outputs for m in graph.tensors[u].rebuilt_by) for op in ops]
         self.replay_ws = [max([op.workspace_bytes] + [ops[m].workspace_bytes for u in op.outputs
                                                       for m in graph.tensors[u].rebuilt_by]) for op in ops]
-        self.op_ticks = [round((op.time_s + extra) / self.tick) for op, extra in zip(ops, init_s, strict=True)]
+        self.op_ticks = [math.floor((op.time_s + extra) / self.tick) for op, extra in zip(ops, init_s, strict=True)]
         self.bwd_ticks = [round(op.backward_time_s / self.tick) for op in ops]
 
         # Decisions.
@@ -102,10 +126,9 @@ class Builder:
                 self.o[u] = self.m.var(f"o[{u}]")
             if u in self.r and u in self.o:
                 self.m.row(lin(0, (self.r[u], 1), (self.o[u], 1)), hi=1)
-        self.b = {t.id: t.bytes // self.unit if t.bytes % self.unit == 0 else -(-t.bytes // self.unit)
-                  for t in tensors}
+        self.b = {t.id: t.bytes // self.unit for t in tensors}  # rounded down: a relaxation (see above)
         self.held_bytes = sum(self.b[t.id] for t in tensors if t.kind == "activation" and t.held_by_caller)
-        self.fixed = -(-graph.fixed.resident_bytes // self.unit)
+        self.fixed = self._units(graph.fixed.resident_bytes)
         self.d = {u: max(1, math.ceil(tensors[u].bytes / self.bw / self.tick - 1e-6)) for u in self.o}
         self.slots: dict[int, list[Slot]] = {u: [] for u in self.o}
         self.made: dict[int, list[tuple[tuple[int, int], int]]] = {u: [] for u in saved}  # (key, var)
@@ -167,7 +190,8 @@ class Builder:
         decision += [sl.var for u in self.o for sl in self.slots[u] if sl.start]
         exact = self.depth is None and (not self.o or (self.linger and self.pf_window >= self.n))
         return Built(self.m, self.r, self.o, self.slots, decision, self.tick, self.const_time_s, self.unit,
-                      self.obj_offset, self.cfg.prefetch == "default", exact)
+                      self.obj_offset, self.cfg.prefetch == "default", exact, self.memory_exact,
+                      self.time_err_ticks)
 
     def _forward(self) -> None:
         g, st, m = self.g, self.st, self.m
@@ -222,7 +246,7 @@ class Builder:
         produced = self._produced()
         for op in g.ops:
             i = op.id
-            e = lin(self.fixed + self._ceil(op.workspace_bytes))
+            e = lin(self.fixed + self._units(op.workspace_bytes))
             for u in produced[i]:
                 if tensors[u].held_by_caller or i <= st.fwd_free_at[u]:
                     e.const += self.b[u]  # in forward use (or held): live whatever the plan
@@ -372,7 +396,7 @@ class Builder:
                         m.row(lin(0, (tau_d, 1), (sl.cf, -1), (sl.active, -big_t)), lo=-big_t)
                     tau = tau_d
             # the backward step itself
-            e = lin(self.fixed + self.held_bytes + self._ceil(grads[s]) + self._ceil(
+            e = lin(self.fixed + self.held_bytes + self._units(grads[s]) + self._units(
                 op.backward_grad_alloc_bytes + op.backward_workspace_bytes))
             e.plus(self.resident_saved(s, (-s, 10**9)))
             m.row(e, hi=self.budget)
@@ -387,18 +411,20 @@ class Builder:
         else:
             m.objective = dict(objective.terms)
         # optimizer step: constant
-        opt = self.fixed + self.held_bytes + self._ceil(max(grads_after[0], 0)) + self._ceil(
+        opt = self.fixed + self.held_bytes + self._units(max(grads_after[0], 0)) + self._units(
             g.fixed.optimizer_step_bytes)
         if opt > self.budget:
             raise ConstantlyViolated
 
-    def _ceil(self, nbytes: int) -> int:
-        return -(-nbytes // self.unit)
+    def _units(self, nbytes: int) -> int:
+        """``nbytes`` in memory units, rounded down (the model is a relaxation; see ``__init__``)."""
+        return nbytes // self.unit
 
     def _copy(self, sl: Slot, u: int, cf: int, tau: int, big_t: int, active: int) -> int:
         """One potential copy on the FIFO copy stream, run when ``active`` is 1 (the slot fired and the
         tensor is not still on device)."""
         m, d = self.m, self.d[u]
+        self.time_err_ticks += 1
         new = m.var(f"cf[{u},{sl.key}]", 0, big_t, binary=False)
         m.row(lin(0, (new, 1), (cf, -1)), lo=0)
         m.row(lin(0, (new, 1), (cf, -1), (active, -d)), lo=0)
@@ -456,6 +482,8 @@ class Builder:
         # the target: replayed when not on device (recomputed, not made by an earlier pass)
         miss = lin(1).plus(avail[t], -1)
         rp: dict[int, int] = {q: m.var(f"rp[{q},{s},{k}]") for q in rep_ops}
+        if self.o:
+            self.time_err_ticks += len(rep_ops)  # each replay rounded down by under a tick
         for u in closure:
             if u == t:
                 vis[u] = miss
@@ -532,11 +560,11 @@ class Builder:
             self.made[u].append((key, v))
         # memory of each replayed op: pass-start residents, fetched ones, this op's outputs, earlier
         # outputs still read by this or a later replayed op
-        base = lin(self.fixed + self.held_bytes + self._ceil(grads_s))
+        base = lin(self.fixed + self.held_bytes + self._units(grads_s))
         base.plus(self.resident_saved(s, key))
         for q in rep_ops:
             e = base.copy()
-            e.const += self._ceil(self.replay_ws[q])
+            e.const += self._units(self.replay_ws[q])
             for u in ops[q].outputs:
                 if u in made and u not in retained:
                     e.plus(made[u], self.b[u])
