@@ -108,3 +108,74 @@ def test_gpu_scale_every_trade_off_point(backend, kind, n, seed):
     for k, (peak, optimum_s) in enumerate(points):
         check(g, peak, optimum_s, backend)
         check(g, peak - 1, points[k - 1][1] if k > 0 else None, backend)
+
+
+# ---- the full-graph retention-interval model (large graphs) -------------------------------------------
+def _rows_hold(im, actions) -> tuple[bool, float]:
+    """Whether the plan ``actions`` satisfies every row of the interval model (each replay indicator at
+    its least value), and the model's time for it."""
+    m = im.model
+    x = [0] * len(m.lb)
+    for u, v in im.r.items():
+        x[v] = int(u in actions)
+    for terms, lo, hi in m.rows:  # y[p] - r[u] >= 0: set y[p] when u is recomputed
+        if lo == 0 and hi is None and len(terms) == 2 and sorted(terms.values()) == [-1, 1]:
+            (y,) = [v for v, c in terms.items() if c == 1]
+            (r,) = [v for v, c in terms.items() if c == -1]
+            x[y] |= x[r]
+    ok = all((lo is None or sum(c * x[v] for v, c in terms.items()) >= lo)
+             and (hi is None or sum(c * x[v] for v, c in terms.items()) <= hi) for terms, lo, hi in m.rows)
+    return ok, im.time_s(sum(c * x[v] for v, c in m.objective.items()))
+
+
+@pytest.mark.parametrize("scale", list(SCALES))
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases)
+def test_interval_model_is_a_relaxation(scale, case):
+    """Every plan that fits the budget in the simulator satisfies the interval model's rows, at a model
+    time no higher than its simulated time: so the model's bound and 'infeasible' hold."""
+    from memplan.solvers.ilp.config import Config
+    from memplan.solvers.ilp.intervals import build_intervals
+    from memplan.solvers.ilp.linear import ConstantlyViolated
+
+    kind, n, seed, pick, below = case
+    g = scaled_graph(kind, n, seed, scale)
+    points = frontier(g)
+    budget = points[pick % len(points)][0] - int(below)
+    try:
+        im = build_intervals(g, budget, Config())
+    except ConstantlyViolated:
+        assert budget < points[0][0], "a plan fits, yet the model calls a row constantly violated"
+        return
+    for actions, prefetch in _plans(g, False, "choose"):
+        rep = simulate_actions(g, actions, prefetch_at=prefetch)
+        if rep.peak_bytes > budget:
+            continue
+        ok, model_s = _rows_hold(im, actions)
+        assert ok, f"a plan peaking at {rep.peak_bytes} <= {budget} B violates the interval model"
+        assert model_s <= rep.time_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", ["KiB", "GPU"])
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases)
+def test_interval_formulation_claims_hold(backend, scale, case):
+    kind, n, seed, pick, below = case
+    g = scaled_graph(kind, n, seed, scale)
+    points = frontier(g)
+    k = pick % len(points)
+    budget, optimum_s = (points[k][0] - 1, points[k - 1][1] if k else None) if below else points[k]
+    try:
+        r = solve(g, budget, "ilp", backend=backend, formulation="intervals", time_limit_s=20)
+    except Infeasible as e:
+        # a miss is allowed (the relaxation's plans may all be over budget), a false claim is not: the
+        # error must name a feasible minimum exactly when a plan exists
+        assert (e.min_feasible_bytes <= budget) == (optimum_s is not None), str(e)
+        return
+    assert optimum_s is not None and r.report.peak_bytes <= budget
+    assert r.report.time_s >= optimum_s * (1 - REL)
+    if r.lower_bound_s is not None:
+        assert r.lower_bound_s <= optimum_s * (1 + REL)
+    if r.status == "optimal":
+        assert r.report.time_s == pytest.approx(optimum_s, rel=REL)

@@ -17,6 +17,10 @@ class Config:
     """Options of :func:`memplan.solvers.ilp.driver.solve_ilp`."""
 
     backend: Literal["cpsat", "cbc", "highs"] = "cpsat"
+    # replay: the exact model of the simulator's lazy replays (windowed past small_saved); intervals: the
+    # full-graph retention-interval relaxation with simulated plans (recompute only); auto: replay on
+    # small graphs and with offload, intervals otherwise
+    formulation: Literal["auto", "replay", "intervals"] = "auto"
     # choose: the ILP picks prefetch points; default: the simulator's
     prefetch: Literal["choose", "default"] = "choose"
     # producers a replay may go back; None: unlimited on small graphs

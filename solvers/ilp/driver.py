@@ -14,7 +14,8 @@ from memplan.solvers.greedy import solve_greedy
 from memplan.solvers.ilp.backends import run_backend
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.formulation import Builder, Built
-from memplan.solvers.ilp.linear import ConstantlyViolated, LinearModel
+from memplan.solvers.ilp.intervals import solve_intervals
+from memplan.solvers.ilp.linear import ConstantlyViolated, no_good
 from memplan.solvers.registry import Proposal, register
 
 MAX_SAVED = 400
@@ -53,19 +54,6 @@ def hint_for(built: Built, graph: Graph, actions: dict[int, Action], prefetch: d
             if sl.start:
                 hint[sl.var] = int(off and sl.step == q)
     return hint
-
-
-def cut(model: LinearModel, decision: list[int], values: list[int]) -> None:
-    """A no-good cut: forbid exactly this assignment of the decision variables."""
-    terms: dict[int, int] = {}
-    ones = 0
-    for v in decision:
-        if values[v]:
-            terms[v] = -1
-            ones += 1
-        else:
-            terms[v] = 1
-    model.rows.append((terms, 1 - ones, None))
 
 
 @register("ilp", description="Checkmate-style MILP over keep / recompute / offload and prefetch points, "
@@ -110,6 +98,20 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                 best = (rep.time_s, dict(prop.actions), dict(prop.prefetch_at))
                 stats["warm_start"] = name
         stats["warm_start_s"] = None if best is None else best[0]
+    formulation = cfg.formulation
+    if formulation == "auto":
+        formulation = "replay" if offload or len(graph.saved_activations) <= cfg.small_saved else "intervals"
+    if formulation == "intervals":
+        if offload:
+            raise MemplanError("ilp: formulation 'intervals' plans recompute only; use formulation='replay' "
+                               "(or 'auto') with offload")
+        incumbent = None if best is None else (best[0], best[1])
+        status, bound_s, found, more = solve_intervals(graph, budget_bytes, cfg, deadline, incumbent, fits)
+        stats.update(more, solve_s=time.perf_counter() - t0)
+        if found is None:
+            stats["stopped"] = "model infeasible" if status == "infeasible" else "time limit"
+            return Proposal(status="infeasible", stats=stats)
+        return Proposal(found[1], {}, status, bound_s, stats)
     try:
         built = Builder(graph, budget_bytes, offload=offload, host_budget=host_budget_bytes, cfg=cfg).build()
     except ConstantlyViolated:
@@ -151,7 +153,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         model_s = built.time_s(ans.objective or 0.0)
         if not fits(rep):
             cuts += 1  # over budget in bytes (the relaxation rounds sizes down): cut it, solve again
-            cut(model, built.decision_vars, ans.values)
+            no_good(model, built.decision_vars, ans.values)
             continue
         if abs(rep.time_s - model_s) > tol(rep.time_s):
             mismatches += 1
@@ -164,7 +166,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
             # the model under-priced this plan (a rounding tie): it is recorded in `best` at its simulated
             # time; cut it and ask again for the next best
             cuts += 1
-            cut(model, built.decision_vars, ans.values)
+            no_good(model, built.decision_vars, ans.values)
             time_cuts += 1
             continue
         hint = {v: ans.values[v] for v in built.decision_vars}

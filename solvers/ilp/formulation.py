@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import reduce
 
 from memplan.planner.graph import Graph
 from memplan.planner.simulator import _static, default_prefetch_at
 from memplan.solvers.ilp.config import Config
-from memplan.solvers.ilp.linear import ConstantlyViolated, Expr, LinearModel, lin
+from memplan.solvers.ilp.linear import ConstantlyViolated, Expr, LinearModel, choose_unit, lin
 
 
 @dataclass
@@ -78,13 +77,9 @@ class Builder:
         sizes = [t.bytes for t in tensors] + [budget, graph.fixed.resident_bytes, graph.fixed.optimizer_step_bytes]
         sizes += [x for op in ops for x in (op.workspace_bytes, op.backward_workspace_bytes,
                                              op.backward_grad_alloc_bytes, op.backward_grad_free_bytes)]
-        scale = sum(sizes) + (0 if host_budget is None else host_budget)
-        exact_unit = reduce(math.gcd, [s for s in sizes if s], 0) or 1
-        if scale // exact_unit <= cfg.max_memory_units:
-            self.unit = exact_unit
-        else:
-            self.unit = -(-scale // cfg.max_memory_units)
-        self.memory_exact = all(x % self.unit == 0 for x in sizes)
+        if host_budget is not None:
+            sizes.append(host_budget)
+        self.unit, self.memory_exact = choose_unit(sizes, cfg.max_memory_units)
         self.budget = budget // self.unit
         self.host_budget = None if host_budget is None else host_budget // self.unit
         # Replay times are rounded down, so without offload the model never over-prices a plan (its bound

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import reduce
 
 
 @dataclass
@@ -83,3 +84,25 @@ def lin(const: int = 0, *pairs: tuple[int | None, int]) -> Expr:
         e.add(v, c)
     return e
 
+
+def choose_unit(sizes: list[int], max_units: int) -> tuple[int, bool]:
+    """The memory unit for a model whose byte figures are ``sizes``: their gcd when the total stays
+    within ``max_units`` of it (then every figure is exact), else the total over ``max_units`` (figures
+    are then rounded down by the caller: a relaxation). Returns (unit, every figure a multiple of it)."""
+    scale = sum(sizes)
+    exact_unit = reduce(math.gcd, [s for s in sizes if s], 0) or 1
+    unit = exact_unit if scale // exact_unit <= max_units else -(-scale // max_units)
+    return unit, all(x % unit == 0 for x in sizes)
+
+
+def no_good(model: LinearModel, decision: list[int], values: list[int]) -> None:
+    """A no-good row: forbid exactly this assignment of the (binary) decision variables."""
+    terms: dict[int, int] = {}
+    ones = 0
+    for v in decision:
+        if values[v]:
+            terms[v] = -1
+            ones += 1
+        else:
+            terms[v] = 1
+    model.rows.append((terms, 1 - ones, None))
