@@ -19,7 +19,8 @@ class Config:
     backend: Literal["cpsat", "cbc", "highs"] = "cpsat"
     # replay: the exact model of the simulator's lazy replays (windowed past small_saved); intervals: the
     # full-graph retention-interval relaxation with simulated plans (recompute only); auto: replay on
-    # small graphs and with offload, intervals otherwise
+    # small graphs and with offload, otherwise intervals (its bound decides the status) and, unless that
+    # proves its plan optimal, the windowed replay model in the last 40% of the time
     formulation: Literal["auto", "replay", "intervals"] = "auto"
     # choose: the ILP picks prefetch points; default: the simulator's
     prefetch: Literal["choose", "default"] = "choose"
