@@ -132,8 +132,11 @@ def solve_highs_here(model: LinearModel, time_limit_s: float) -> Answer:
     import pulp
 
     prob, xs = pulp_problem(model)
-    # gapRel=0: HiGHS stops at a 1e-4 relative gap by default and calls that optimal
-    prob.solve(pulp.HiGHS(msg=False, timeLimit=max(0.01, time_limit_s), threads=1, gapRel=0.0))
+    # gapRel=0: HiGHS stops at a 1e-4 relative gap by default and calls that optimal. Its default
+    # integrality tolerance (1e-6) lets big-M rows slip, and its presolve mis-handled the offload clock's
+    # big-M rows (false optima and "infeasible" on MiB-scale offload graphs): tighter on both
+    opts = {"mip_feasibility_tolerance": 1e-9, **({"presolve": "off"} if model.timed else {})}
+    prob.solve(pulp.HiGHS(msg=False, timeLimit=max(0.01, time_limit_s), threads=1, gapRel=0.0, **opts))
     h = getattr(prob, "solverModel", None)
     bound = None
     if h is not None:
@@ -192,7 +195,7 @@ def child_main(src: str, dst: str) -> None:
     mj = job["model"]
     model = LinearModel(lb=mj["lb"], ub=mj["ub"], binary=mj["binary"], names=[f"x{i}" for i in range(len(mj["lb"]))],
                    rows=[({int(v): int(c) for v, c in t}, lo, hi) for t, lo, hi in mj["rows"]],
-                   objective={int(v): int(c) for v, c in mj["objective"]})
+                   objective={int(v): int(c) for v, c in mj["objective"]}, timed=mj.get("timed", False))
     hint = {int(v): int(c) for v, c in job["hint"]}
     if job["backend"] == "highs":
         ans = solve_highs_here(model, job["time_limit_s"])

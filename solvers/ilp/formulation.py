@@ -90,7 +90,9 @@ class Builder:
         fwd_total = sum(op.time_s for op in ops)
         bwd_total = sum(op.backward_time_s for op in ops)
         base = max(fwd_total + bwd_total + graph.optimizer_time_s, 1e-12)
-        self.tick = 10.0 ** math.floor(math.log10(base)) / 1e9
+        # HiGHS mis-solves the offload clock's big-M rows at 1e9 ticks per step (false optima): 1e6 there
+        per_step = 1e6 if offload and cfg.backend == "highs" else 1e9
+        self.tick = 10.0 ** math.floor(math.log10(base)) / per_step
         self.const_time_s = fwd_total + bwd_total + graph.optimizer_time_s
         starts, acc = [], 0.0
         for op in ops:
@@ -339,6 +341,7 @@ class Builder:
             for op in ops) + max(grads + [0]) // self.unit + 1
 
         timing = bool(self.o)
+        self.m.timed = timing
         objective = Expr()
         tau = m.var("tau[start]", 0, 0, binary=False) if timing else None
         cf = tau  # copy stream free (relative to the start of backward)

@@ -21,6 +21,7 @@ class LinearModel:
     names: list[str] = field(default_factory=list)
     rows: list[tuple[dict[int, int], int | None, int | None]] = field(default_factory=list)
     objective: dict[int, int] = field(default_factory=dict)
+    timed: bool = False  # has big-M clock rows (offload timing): backends solve it with tighter settings
 
     def var(self, name: str, lb: int = 0, ub: int = 1, binary: bool = True) -> int:
         self.lb.append(lb)
@@ -43,7 +44,7 @@ class LinearModel:
     def to_json(self) -> dict:
         return {"lb": self.lb, "ub": self.ub, "binary": self.binary,
                 "rows": [[list(t.items()), lo, hi] for t, lo, hi in self.rows],
-                "objective": list(self.objective.items())}
+                "objective": list(self.objective.items()), "timed": self.timed}
 
 
 class ConstantlyViolated(Exception):
