@@ -72,6 +72,4 @@ strategy), :mod:`.config` (its options).
 from memplan.solvers.ilp.config import BACKENDS, Config
 from memplan.solvers.ilp.driver import solve_ilp
 
-IlpConfig = Config  # the name callers used before the package split
-
-__all__ = ["BACKENDS", "Config", "IlpConfig", "solve_ilp"]
+__all__ = ["BACKENDS", "Config", "solve_ilp"]
