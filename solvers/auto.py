@@ -16,7 +16,7 @@ from memplan.planner.graph import Graph
 from memplan.planner.simulator import Report, simulate_actions
 from memplan.solvers.core import propose
 from memplan.solvers.min_memory import min_memory_actions
-from memplan.solvers.registry import NoOptions, Proposal, register, solvers
+from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register, solvers
 
 ORACLE_MAX_SAVED = 12
 ILP_MAX_OPS = 400
@@ -37,7 +37,6 @@ def choose_method(graph: Graph, *, offload: bool = False) -> str:
 
 
 Scored = tuple[Proposal, Report, str]
-DEFAULT = NoOptions()
 
 
 @register("auto", description="by size: the oracle on tiny graphs, the ILP on small ones, the DP (and the "
@@ -45,7 +44,7 @@ DEFAULT = NoOptions()
                               "when its method misses a plan",
           graphs="dag", exact=False, offload=True, config=NoOptions)
 def solve_auto(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
-               host_budget_bytes: int | None = None, config: NoOptions = DEFAULT) -> Proposal:
+               host_budget_bytes: int | None = None, config: NoOptions = NO_OPTIONS) -> Proposal:
     """Run :func:`choose_method`'s strategy; past the ILP's size keep the fastest of it and the
     heuristics' plans (their step times in ``stats['portfolio_s']``); when it finds nothing, fall back
     (``stats['fallback_from']``). The plan's strategy is in ``Proposal.method``; its status and bound are

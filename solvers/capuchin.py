@@ -10,7 +10,7 @@ import heapq
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
 from memplan.solvers.evict import EPS, Actions, Facts, copy_stream, run_eviction
-from memplan.solvers.registry import Proposal, register
+from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register
 
 
 def _replay_cost(graph: Graph, facts: Facts, missing: set[int], t: int) -> float:
@@ -78,9 +78,9 @@ def pick_capuchin(graph: Graph, facts: Facts, actions: Actions, cands: list[int]
 
 @register("capuchin", description="Capuchin-style: swap what hides in its access gap, recompute the most "
                                   "bytes per second of replay; recompute-only without offload",
-          graphs="dag", exact=False, offload=True)
+          graphs="dag", exact=False, offload=True, config=NoOptions)
 def solve_capuchin(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
-                   host_budget_bytes: int | None = None, config: None = None) -> Proposal:
+                   host_budget_bytes: int | None = None, config: NoOptions = NO_OPTIONS) -> Proposal:
     """Peng et al. 2020's policy: among the activations live at the simulated peak, swap (offload) those
     whose round trip ``2 x bytes / bandwidth`` fits in their access gap (time from last forward use to
     first backward use), longest gap first; then recompute by memory saved per second of replay. Without

@@ -11,7 +11,7 @@ import heapq
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
 from memplan.solvers.evict import EPS, Actions, Components, Facts, copy_stream, run_eviction
-from memplan.solvers.registry import Proposal, register
+from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register
 
 
 def pick_dtr(graph: Graph, facts: Facts, actions: Actions, cands: list[int], target_bytes: int,
@@ -57,9 +57,9 @@ def pick_dtr(graph: Graph, facts: Facts, actions: Actions, cands: list[int], tar
 
 @register("greedy", description="DTR-style eviction (cost / bytes x staleness) at the simulated peak, "
                                 "recompute or hidden offload; fast on any graph",
-          graphs="dag", exact=False, offload=True)
+          graphs="dag", exact=False, offload=True, config=NoOptions)
 def solve_greedy(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
-                 host_budget_bytes: int | None = None, config: None = None) -> Proposal:
+                 host_budget_bytes: int | None = None, config: NoOptions = NO_OPTIONS) -> Proposal:
     """Kirisame et al. 2021's eviction heuristic, offline: from keep-everything, evict the activations
     live at the simulated peak with the least ``recompute cost / (bytes x access gap)`` (cost includes
     the evicted neighbourhood it would replay), offloading instead when the copy hides in the gap; then

@@ -59,6 +59,9 @@ class NoOptions:
     """The ``Config`` of a strategy that takes no options."""
 
 
+NO_OPTIONS = NoOptions()
+
+
 @dataclass(frozen=True)
 class SolverSpec:
     name: str
