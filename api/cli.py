@@ -271,7 +271,7 @@ def solve(
         "budget_bytes": b, "peak_bytes": result.report.peak_bytes, "time_s": result.report.time_s,
         "keep_all_peak_bytes": base.peak_bytes, "keep_all_time_s": base.time_s,
         "overhead": result.report.time_s / base.time_s - 1.0 if base.time_s else 0.0,
-        "solve_time_s": result.solve_time_s, "gap": result.gap,
+        "solve_time_s": result.solve_time_s, "gap": result.gap, "lower_bound_s": result.lower_bound_s,
         "recompute": result.plan.count("recompute"), "offload": result.plan.count("offload"),
         "keep": result.plan.count("keep"),
     }
@@ -283,6 +283,8 @@ def solve(
     out.print(f"keep-all: {format_bytes(base.peak_bytes)}, {base.time_s * 1e3:.2f} ms -> overhead "
               f"{summary['overhead'] * 100:.1f}%; {summary['recompute']} recomputed, {summary['offload']} "
               f"offloaded, {summary['keep']} kept; wrote [bold]{output}[/bold]")
+    if result.lower_bound_s is not None and result.gap is not None:  # a proven bound on the step time
+        out.print(f"proven lower bound {result.lower_bound_s * 1e3:.2f} ms: gap {result.gap * 100:.2f}%")
 
 
 # ---- frontier -----------------------------------------------------------------------------------

@@ -18,13 +18,31 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from memplan.planner.errors import GraphError
 
 GRAPH_FORMAT = "memplan.graph/1"
 
-NonNegBytes = Annotated[int, Field(ge=0, description="bytes, >= 0")]
+MAX_BYTES = 2**50  # 1 PiB: no device holds more; a larger figure is a unit or overflow mistake
+MAX_TOTAL_BYTES = 2**56  # all of a graph's byte figures together (sums stay far from int64's 2^63)
+
+
+def _device_sized(v: int) -> int:
+    if v > MAX_BYTES:
+        raise ValueError(f"{v} B is beyond any device (over 2^50 B = 1 PiB); check its unit")
+    return v
+
+
+NonNegBytes = Annotated[int, Field(ge=0, description="bytes, >= 0 and <= 2^50"), AfterValidator(_device_sized)]
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False, description="seconds, finite, >= 0")]
 TensorKind = Literal["activation", "param", "buffer", "input"]
 
@@ -255,6 +273,10 @@ def _check_graph(g: Graph) -> None:
         if op.id != i:
             raise ValueError(f"ops[{i}] has id {op.id}; op ids must be 0..n-1 in execution order")
     n_o = len(g.ops)
+    total = g.fixed.resident_bytes + g.fixed.optimizer_step_bytes + sum(t.bytes for t in g.tensors) + sum(
+        op.workspace_bytes + op.backward_workspace_bytes + op.backward_grad_alloc_bytes for op in g.ops)
+    if total > MAX_TOTAL_BYTES:
+        raise ValueError(f"the graph's byte figures add up to {total} B, beyond any device (over 2^56 B)")
     for t in g.tensors:
         if t.kind == "activation":
             if t.producer is None:

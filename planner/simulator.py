@@ -146,7 +146,6 @@ def static_facts(graph: Graph) -> StaticFacts:
     return st
 
 
-_static = static_facts  # the solvers' modules still import this name (being moved on another branch)
 
 
 def default_prefetch_at(graph: Graph, tensor: int, bandwidth_bytes_per_s: float) -> int:

@@ -483,7 +483,7 @@ def _stage_candidates(graph: Graph, scorer: _Scorer, budgets: list[int], deadlin
         return
     _chen_candidates(graph, stages, scorer)
     try:
-        from memplan.solvers.heuristics import every_k_search
+        from memplan.solvers.every_k import every_k_search
     except ImportError:
         pass
     else:

@@ -15,15 +15,31 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
+from typing import Literal
+
+from pydantic.dataclasses import dataclass
 
 from memplan.planner.errors import MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action
-from memplan.planner.simulator import _static, simulate_actions
-from memplan.solvers.base import Proposal, register
+from memplan.planner.simulator import simulate_actions, static_facts
+from memplan.solvers.registry import CONFIG, Proposal, register
 
 MAX_SAVED = 14
 PREFETCH_MODES = ("choose", "default")
+
+
+
+@dataclass(frozen=True, kw_only=True, config=CONFIG)
+class Config:
+    """Options of ``oracle``."""
+
+    # choose: every legal prefetch point of each offloaded tensor; default: the simulator's only
+    prefetch: Literal["choose", "default"] = "choose"
+
+
+DEFAULT = Config()
+
 
 Choice = tuple[Action, int | None]  # an action and, for offload, its prefetch point (None: the default)
 
@@ -32,7 +48,7 @@ def _choices(graph: Graph, offload: bool, prefetch: str) -> list[list[Choice]]:
     """Per saved activation, every (action, prefetch point) the plan space allows."""
     if prefetch not in PREFETCH_MODES:
         raise MemplanError(f"oracle: prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
-    st = _static(graph)
+    st = static_facts(graph)
     n = len(graph.ops)
     out = []
     for t in graph.saved_activations:
@@ -62,13 +78,15 @@ def _plans(graph: Graph, offload: bool, prefetch: str) -> Iterator[tuple[dict[in
 
 
 @register("oracle", description="exhaustive search over every plan, prefetch points included (tiny graphs "
-                                "only; the reference)", exact=True, offload=True, max_ops=MAX_SAVED)
+                                "only; the reference)", exact=True, offload=True, max_ops=MAX_SAVED,
+          config=Config)
 def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
-                 host_budget_bytes: int | None = None, prefetch: str = "choose", **_: object) -> Proposal:
+                 host_budget_bytes: int | None = None, config: Config = DEFAULT) -> Proposal:
     """Minimise simulated step time subject to simulated peak <= budget (and host peak <= host budget);
     ties: lower peak, then fewer non-keep actions, then fewer explicit prefetch points. ``prefetch``:
     ``choose`` enumerates every legal prefetch point of each offloaded tensor, ``default`` only the
     simulator's default. ``status`` is ``optimal`` when the enumeration finished, ``timeout`` otherwise."""
+    prefetch = config.prefetch
     best: tuple[float, int, int, int] | None = None
     best_plan: tuple[dict[int, Action], dict[int, int]] = ({}, {})
     deadline = time.perf_counter() + time_limit_s

@@ -32,6 +32,10 @@ def test_fingerprint_ignores_timings_but_not_structure():
 @pytest.mark.parametrize(("mutate", "expected"), [
     (lambda d: d.update(format="memplan.graph/2"), "unknown graph format version 'memplan.graph/2'"),
     (lambda d: d["tensors"][1].update(bytes=-5), "tensors.1.bytes"),
+    (lambda d: d["tensors"][1].update(bytes=2**63), "tensors.1.bytes: 9223372036854775808 B is beyond any device"),
+    (lambda d: d["tensors"][2].update(bytes=2**50 + 1), "tensors.2.bytes: 1125899906842625 B is beyond any device"),
+    (lambda d: d["fixed"].update(params_bytes=2**51), "fixed.params_bytes: 2251799813685248 B is beyond any"),
+    (lambda d: d["ops"][0].update(workspace_bytes=2**60), "ops.0.workspace_bytes: 1152921504606846976 B is beyond"),
     (lambda d: d["ops"][1].update(time_s=float("inf")), "ops.1.time_s"),
     (lambda d: d["ops"][1]["inputs"].append(99), "dangling edge: op 1 (synthetic.layer) inputs names tensor 99"),
     (lambda d: d["tensors"][2].update(producer=7), "dangling edge: tensor 2 names producer op 7"),
@@ -95,3 +99,11 @@ def test_coarsen_groups_consecutive_ops_by_module():
 def test_schema_is_exported():
     schema = Graph.model_json_schema()
     assert "ops" in schema["properties"] and "tensors" in schema["properties"]
+
+
+def test_byte_figures_that_add_up_beyond_any_device_are_refused():
+    d = json.loads(linear_chain(70).model_dump_json())
+    for t in d["tensors"]:
+        t["bytes"] = 2**50  # each figure allowed; together over 2^56
+    with pytest.raises(GraphError, match="the graph's byte figures add up to .* beyond any device"):
+        Graph.from_json(json.dumps(d))

@@ -16,7 +16,7 @@ from memplan.planner.errors import Infeasible, MemplanError
 from memplan.planner.plan import Action
 from memplan.planner.simulator import simulate_actions
 from memplan.planner.synthetic import linear_chain, random_dag
-from memplan.solvers.base import activation_bytes, keep_all_report, solve, solvers
+from memplan.solvers import activation_bytes, keep_all_report, solve, solvers
 from memplan.solvers.oracle import oracle_min_peak
 
 BACKENDS = ["cpsat", "cbc"]
@@ -108,10 +108,10 @@ def _brute_force_with_prefetch(g, budget):
     n = len(g.ops)
     best = None
     for combo in itertools.product([Action.KEEP, Action.RECOMPUTE, Action.OFFLOAD], repeat=len(saved)):
-        acts = {t: a for t, a in zip(saved, combo) if a != Action.KEEP}
+        acts = {t: a for t, a in zip(saved, combo, strict=True) if a != Action.KEEP}
         points = [range(max(g.savers[t]), n) if acts.get(t) == Action.OFFLOAD else [None] for t in saved]
         for pf in itertools.product(*points):
-            pre = {t: q for t, q in zip(saved, pf) if q is not None}
+            pre = {t: q for t, q in zip(saved, pf, strict=True) if q is not None}
             r = simulate_actions(g, acts, prefetch_at=pre)
             if r.peak_bytes <= budget and (best is None or r.time_s < best):
                 best = r.time_s
@@ -199,8 +199,10 @@ def test_unknown_option_and_backend_are_named():
     g = random_dag(4, seed=0)
     with pytest.raises(MemplanError, match="backend"):
         solve(g, None, "ilp", backend="gurobi")
-    with pytest.raises(MemplanError, match="unknown option"):
+    with pytest.raises(MemplanError, match="solver 'ilp' has no option 'colour'; its options: backend"):
         solve(g, None, "ilp", colour="red")
+    with pytest.raises(MemplanError, match="option workers=1.5"):
+        solve(g, None, "ilp", workers=1.5)
 
 
 def test_highs_backend_agrees_with_cpsat_in_one_process():
@@ -236,7 +238,7 @@ def test_small_gpt2_fits_and_is_no_slower_than_greedy():
     pytest.importorskip("transformers")
     from memplan.planner.profiler import profile
     from memplan.planner.workloads import load_workload
-    from memplan.solvers.base import keep_all_report, smallest_known_peak
+    from memplan.solvers import keep_all_report, smallest_known_peak
 
     w = load_workload("gpt2", n_layer=2, n_embd=64, n_head=2, vocab_size=512, seq_len=32, batch_size=1)
     g = profile(w.model, w.batch, w.loss_fn, progress=False, measure=False)

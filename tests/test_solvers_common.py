@@ -145,7 +145,8 @@ def test_plan_round_trips_through_its_file(method, tmp_path):
     path = tmp_path / "plan.json"
     r.plan.save(str(path))
     loaded = Plan.load(str(path))
-    assert loaded.solver.name == method and loaded.budget_bytes == budget
+    # auto names the strategy whose plan it returns, and records that auto was asked
+    assert method in (loaded.solver.name, loaded.solver.settings.get("requested")) and loaded.budget_bytes == budget
     assert simulate(g, loaded).peak_bytes == r.report.peak_bytes
     assert loaded.predicted.peak_bytes == r.report.peak_bytes
 
@@ -234,14 +235,14 @@ def test_solvers_never_choose_recompute_for_what_cannot_be_recomputed():
 
 
 def test_auto_falls_back_when_its_method_misses_a_plan_memplan_knows(monkeypatch):
-    from memplan.solvers import base
+    from memplan.solvers import auto, registry
 
     def always_fails(graph, budget_bytes, **_):
         return Proposal(status="infeasible")
 
-    monkeypatch.setitem(base._REGISTRY, "always-fails",
+    monkeypatch.setitem(registry._REGISTRY, "always-fails",
                         SolverSpec("always-fails", always_fails, "test: finds nothing", "dag", False, False, None))
-    monkeypatch.setattr(base, "choose_method", lambda graph, offload=False: "always-fails")
+    monkeypatch.setattr(auto, "choose_method", lambda graph, offload=False: "always-fails")
     g = random_dag(10, seed=3)
     budget = smallest_known_peak(g)  # a plan exists at exactly this budget
     with pytest.raises(Infeasible):
@@ -256,9 +257,9 @@ def test_auto_falls_back_when_its_method_misses_a_plan_memplan_knows(monkeypatch
 
 
 def test_auto_on_a_large_graph_keeps_the_fastest_of_dp_and_the_heuristics(monkeypatch):
-    from memplan.solvers import base
+    from memplan.solvers import auto
 
-    monkeypatch.setattr(base, "choose_method", lambda graph, offload=False: "dp")  # as past the ILP's size
+    monkeypatch.setattr(auto, "choose_method", lambda graph, offload=False: "dp")  # as past the ILP's size
     g = random_dag(40, seed=2, max_bytes=800)
     budget = smallest_known_peak(g) + (keep_all_report(g).peak_bytes - smallest_known_peak(g)) // 2
     r = solve(g, budget, "auto")
@@ -267,3 +268,11 @@ def test_auto_on_a_large_graph_keeps_the_fastest_of_dp_and_the_heuristics(monkey
     assert r.report.time_s == pytest.approx(min(tried.values()))
     for name, t in tried.items():
         assert t == pytest.approx(solve(g, budget, name).report.time_s)
+
+
+@pytest.mark.parametrize("bad", [2**50 + 1, 2**63])
+def test_budget_beyond_any_device_is_refused(bad):
+    with pytest.raises(MemplanError, match=r"budget .* beyond any device"):
+        solve(linear_chain(3), bad, "greedy")
+    with pytest.raises(MemplanError, match=r"host budget .* beyond any device"):
+        solve(linear_chain(3), None, "greedy", offload=True, host_budget_bytes=bad)

@@ -1,0 +1,110 @@
+"""``auto``: pick a strategy by the graph's size, and make sure a plan memplan knows is returned.
+
+Exhaustive on tiny graphs (``oracle``), the ILP on small ones, the chain DP (on the coarsened chain) on
+large ones, the greedy heuristic on huge ones. Past the ILP's size it also runs the greedy and Capuchin
+heuristics and keeps the fastest simulated plan (the DP keeps or recomputes a whole stage; the per-tensor
+heuristics often do better there, in a fraction of a second). When the chosen method finds no plan, it
+falls back to the greedy heuristic, then to the least-peak plan memplan finds (``min-memory``), before calling the budget
+infeasible. An ordinary strategy: it delegates through the registry and names the strategy whose plan it
+returns in ``Proposal.method``.
+"""
+
+from __future__ import annotations
+
+from memplan.planner.errors import Infeasible
+from memplan.planner.graph import Graph
+from memplan.planner.simulator import Report, simulate_actions
+from memplan.solvers.core import propose
+from memplan.solvers.min_memory import min_memory_actions
+from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register, solvers
+
+ORACLE_MAX_SAVED = 12
+ILP_MAX_OPS = 400
+DP_MAX_OPS = 20_000
+PORTFOLIO = ("capuchin", "greedy")
+
+
+def choose_method(graph: Graph, *, offload: bool = False) -> str:
+    """The strategy ``auto`` runs first on ``graph`` (see the module docstring)."""
+    reg = solvers()
+    if len(graph.saved_activations) <= ORACLE_MAX_SAVED and "oracle" in reg:
+        return "oracle"
+    if len(graph.ops) <= ILP_MAX_OPS and "ilp" in reg:
+        return "ilp"
+    if len(graph.ops) <= DP_MAX_OPS and "dp" in reg:
+        return "dp"
+    return "greedy"
+
+
+Scored = tuple[Proposal, Report, str]
+
+
+@register("auto", description="by size: the oracle on tiny graphs, the ILP on small ones, the DP (and the "
+                              "fastest of it and the heuristics) on large ones; falls back to a heuristic "
+                              "when its method misses a plan",
+          graphs="dag", exact=False, offload=True, config=NoOptions)
+def solve_auto(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
+               host_budget_bytes: int | None = None, config: NoOptions = NO_OPTIONS) -> Proposal:
+    """Run :func:`choose_method`'s strategy; past the ILP's size keep the fastest of it and the
+    heuristics' plans (their step times in ``stats['portfolio_s']``); when it finds nothing, fall back
+    (``stats['fallback_from']``). The plan's strategy is in ``Proposal.method``; its status and bound are
+    that strategy's. ``infeasible`` only when no fallback fits either."""
+    method = choose_method(graph, offload=offload)
+    common = dict(time_limit_s=time_limit_s, offload=offload, host_budget_bytes=host_budget_bytes)
+    try:
+        spec = solvers()[method]
+        best: Scored = (*propose(graph, spec, budget_bytes, config=spec.default_config(), **common), method)
+    except Infeasible:
+        # "auto" promises a plan whenever memplan knows one: near the minimum budget the exact methods
+        # can miss it (their large-graph models are restricted), so fall back to the heuristics
+        found = _fallback(graph, budget_bytes, method, common)
+        if found is None:
+            return Proposal(status="infeasible", stats={"fallback_from": method})
+        best = found
+    else:
+        if method not in ("oracle", "ilp"):
+            best = _best_of(graph, best, budget_bytes, common)
+    proposal, _, made_by = best
+    proposal.method = made_by
+    return proposal
+
+
+def _best_of(graph: Graph, first: Scored, budget: int, common: dict) -> Scored:
+    """The fastest simulated plan among ``first`` and the portfolio heuristics' (each under the same
+    budgets); every one's step time goes to ``stats['portfolio_s']``."""
+    reg = solvers()
+    best = first
+    times = {first[2]: first[1].time_s}
+    for name in PORTFOLIO:
+        if name == first[2] or name not in reg or (common["offload"] and not reg[name].offload):
+            continue
+        try:
+            proposal, report = propose(graph, reg[name], budget, config=reg[name].default_config(), **common)
+        except Infeasible:
+            continue
+        times[name] = report.time_s
+        if report.time_s < best[1].time_s:
+            best = (proposal, report, name)
+    best[0].stats["portfolio_s"] = times
+    return best
+
+
+def _fallback(graph: Graph, budget: int, failed: str, common: dict) -> Scored | None:
+    """``auto``'s second try after ``failed`` found no plan: the greedy heuristic, then the plan of
+    :func:`~memplan.solvers.min_memory.min_memory_actions` (named ``min-memory``). None when neither fits."""
+    reg = solvers()
+    if failed != "greedy" and "greedy" in reg:
+        try:
+            proposal, report = propose(graph, reg["greedy"], budget, config=reg["greedy"].default_config(),
+                                       **common)
+            proposal.stats["fallback_from"] = failed
+            return proposal, report, "greedy"
+        except Infeasible:
+            pass
+    offload, host_budget = common["offload"], common["host_budget_bytes"]
+    actions, prefetch_at = min_memory_actions(graph, offload=offload)
+    report = simulate_actions(graph, actions, prefetch_at=prefetch_at, timeline=False)
+    host_ok = not offload or host_budget is None or report.host_peak_bytes <= host_budget
+    if report.peak_bytes <= budget and host_ok:
+        return Proposal(actions, prefetch_at, "feasible", stats={"fallback_from": failed}), report, "min-memory"
+    return None

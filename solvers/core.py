@@ -1,0 +1,129 @@
+"""The entry every caller uses: ``solve(graph, budget_bytes, method=...) -> SolveResult``.
+
+It validates the request once (budget, time limit, the strategy's typed options), runs the strategy,
+scores its proposal with the simulator (the single source of truth), refuses one that does not fit the
+budget there, and wraps it in a Plan with its prediction and statistics. :func:`propose` is the scoring
+step alone, for strategies that run others (``auto``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.planner.errors import Infeasible, MemplanError
+from memplan.planner.graph import Graph
+from memplan.planner.plan import Plan, Prediction, SolverInfo
+from memplan.planner.simulator import Report, simulate, simulate_actions
+from memplan.planner.units import format_bytes
+from memplan.solvers.bounds import keep_all_report, memory_lower_bound
+from memplan.solvers.min_memory import smallest_known_peak
+from memplan.solvers.registry import Proposal, SolverSpec, get
+
+MAX_BYTES = 2**50  # a budget beyond any device (1 PiB) is refused: it is a unit mistake, not a plan
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    plan: Plan
+    report: Report
+    status: str
+    solve_time_s: float
+    lower_bound_s: float | None
+    gap: float | None
+    stats: dict[str, Any]
+
+
+def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,
+          offload: bool = False, host_budget_bytes: int | None = None, **options: Any) -> SolveResult:
+    """Plan ``graph`` under ``budget_bytes`` (device peak, fixed memory included; None: no limit).
+
+    ``method`` names a registered strategy (see :func:`memplan.solvers.registry.solvers`; ``auto`` picks
+    one). ``offload`` lets the strategy move activations to host memory (``host_budget_bytes`` caps them);
+    ``options`` are the strategy's ``Config`` fields. Raises :class:`Infeasible` (with
+    ``min_feasible_bytes``) when no plan fits, and :class:`MemplanError` for an unknown method, a bad
+    option or a budget out of range. Every returned plan has been simulated and fits the budget there.
+    """
+    for name, value in (("budget", budget_bytes), ("host budget", host_budget_bytes)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MemplanError(f"{name} must be a non-negative number of bytes, got {value!r}")
+        if value > MAX_BYTES:
+            raise MemplanError(f"{name} {value} B is beyond any device (over 2^50 B = 1 PiB); "
+                               f"check its unit")
+    if not (isinstance(time_limit_s, (int, float)) and math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise MemplanError(f"time limit must be a positive number of seconds, got {time_limit_s!r}")
+    spec = get(method)
+    spec.check(graph, offload)
+    config = spec.config_for(options) if spec.config is not None else options
+    budget = budget_bytes if budget_bytes is not None else keep_all_report(graph).peak_bytes
+    if budget < memory_lower_bound(graph):
+        raise infeasible(graph, budget, smallest_known_peak(graph, offload=offload))
+    t0 = time.perf_counter()
+    proposal, report = propose(graph, spec, budget, time_limit_s=time_limit_s, offload=offload,
+                               host_budget_bytes=host_budget_bytes, config=config)
+    elapsed = time.perf_counter() - t0
+    gap = None
+    if proposal.lower_bound_s is not None and report.time_s > 0:
+        gap = max(0.0, (report.time_s - proposal.lower_bound_s) / report.time_s)
+    made_by = proposal.method or spec.name
+    settings = {"time_limit_s": time_limit_s, "offload": offload, **options,
+                **({"requested": spec.name} if made_by != spec.name else {})}
+    plan = Plan.for_graph(
+        graph, proposal.actions, proposal.prefetch_at, budget_bytes=budget, host_budget_bytes=host_budget_bytes,
+        solver=SolverInfo(name=made_by, settings=settings, status=proposal.status, solve_time_s=elapsed,
+                          lower_bound_s=proposal.lower_bound_s, gap=gap),
+        predicted=Prediction(peak_bytes=report.peak_bytes, step_time_s=report.time_s,
+                             recompute_time_s=report.recompute_time_s,
+                             exposed_transfer_s=report.exposed_transfer_s))
+    full = simulate(graph, plan)  # the plan as a user will load it, with its timeline
+    return SolveResult(plan, full, proposal.status, elapsed, proposal.lower_bound_s, gap, proposal.stats)
+
+
+def propose(graph: Graph, spec: SolverSpec, budget: int, *, time_limit_s: float, offload: bool,
+            host_budget_bytes: int | None, config: Any) -> tuple[Proposal, Report]:
+    """Run one strategy and score its proposal; :class:`Infeasible` unless it fits the device and host
+    budgets in the simulator."""
+    method = spec.name
+    proposal = spec.call(graph, budget, time_limit_s=time_limit_s, offload=offload,
+                         host_budget_bytes=host_budget_bytes, config=config)
+    if proposal.status == "infeasible":
+        floor = smallest_known_peak(graph, offload=offload)
+        if proposal.stats.get("stopped") == "time limit" and floor > budget:
+            # not a proof: say what happened rather than call the budget infeasible
+            raise Infeasible(f"solver {method!r} found no plan within its time limit of {time_limit_s:g} s at "
+                             f"{_both(budget)}; the least peak memplan knows is {_both(floor)}: try a longer "
+                             f"time limit", budget_bytes=budget, min_feasible_bytes=floor)
+        raise infeasible(graph, budget, floor, method=method)
+    report = simulate_actions(graph, proposal.actions, prefetch_at=proposal.prefetch_at, timeline=False)
+    if report.peak_bytes > budget:
+        raise Infeasible(
+            f"solver {method!r} found no plan whose simulated peak fits {format_bytes(budget)} "
+            f"(its best peaks at {format_bytes(report.peak_bytes)}); try another solver or a larger budget",
+            budget_bytes=budget, min_feasible_bytes=smallest_known_peak(graph, offload=offload))
+    if offload and host_budget_bytes is not None and report.host_peak_bytes > host_budget_bytes:
+        raise Infeasible(f"solver {method!r} offloads {format_bytes(report.host_peak_bytes)}, over the host "
+                         f"budget {format_bytes(host_budget_bytes)}", budget_bytes=budget)
+    return proposal, report
+
+
+def _both(n: int) -> str:
+    return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n} B)"
+
+
+def infeasible(graph: Graph, budget: int, floor: int, method: str | None = None) -> Infeasible:
+    """The :class:`Infeasible` error for ``budget``, quoting ``floor`` (the least peak memplan knows) as
+    the minimum feasible budget; when ``floor`` fits, it blames the method rather than the budget."""
+    who = f"solver {method!r}: " if method else ""
+    if floor <= budget:  # the method failed, yet a plan exists: say so rather than blame the budget
+        return Infeasible(
+            f"{who}found no plan within {_both(budget)}, but memplan's minimum-memory "
+            f"plan peaks at {_both(floor)}: try another solver or a longer time limit",
+            budget_bytes=budget, min_feasible_bytes=floor)
+    return Infeasible(
+        f"{who}no plan fits budget {_both(budget)} for graph {graph.name!r}; the minimum "
+        f"feasible budget memplan knows is {_both(floor)} (fixed memory alone is "
+        f"{format_bytes(graph.fixed.resident_bytes)})", budget_bytes=budget, min_feasible_bytes=floor)

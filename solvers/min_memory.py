@@ -1,0 +1,201 @@
+"""The least peak memplan can find cheaply: :func:`min_memory_actions` (a search combining the
+segmentations of the finest chain, every-k, the eviction loops driven to budget 0, and single-tensor
+descent), :func:`smallest_known_peak` (what :class:`~memplan.planner.errors.Infeasible` errors quote as
+the minimum feasible budget). ``auto`` falls back to that plan (naming it ``min-memory``) when its
+methods find none near the minimum budget.
+"""
+
+from __future__ import annotations
+
+import time
+
+from memplan.planner.graph import Graph, coarsen
+from memplan.planner.plan import Action
+from memplan.planner.simulator import Report, simulate_actions
+from memplan.solvers.capuchin import pick_capuchin
+from memplan.solvers.every_k import every_k_search
+from memplan.solvers.evict import Actions, Facts, Site, candidates, graph_facts, peak_site, shrink, simulate
+from memplan.solvers.greedy import pick_dtr
+from memplan.solvers.oracle import oracle_min_peak, plan_count
+
+MAX_EXACT_SAVED = 10      # smallest_known_peak enumerates every plan of graphs this small ...
+MAX_EXACT_PLANS = 20_000  # ... when there are at most this many
+
+
+def _finest_chain(graph: Graph):
+    """The chain at the deepest module depth: as many boundaries to choose from as the names allow."""
+    max_depth = max((len([p for p in op.module.split(".") if p]) for op in graph.ops), default=0)
+    return coarsen(graph, max_depth)
+
+
+def _segment_actions(graph: Graph, chain, limit_bytes: int, count_kept: bool) -> Actions:
+    """Cut the chain into segments and keep only the activations crossing into each segment (and all of
+    the last one); the rest is recomputed. A segment grows while its saved bytes (plus, with
+    ``count_kept``, the boundaries kept before it, which are live when it is rebuilt) stay within
+    ``limit_bytes``: Chen et al. 2016's budgeted greedy, and with ``count_kept`` its refinement into
+    REVOLVE's shape, where early segments are longer because fewer checkpoints sit below them."""
+    saved = set(graph.saved_activations)
+    tensors = graph.tensors
+    keep: set[int] = set()
+    segment = kept = 0
+    last_start = 0
+    for stage in chain.stages:
+        if segment > 0 and (kept if count_kept else 0) + segment + stage.saved_bytes > limit_bytes:
+            boundary = [t for t in stage.input_tensors if t in saved and t not in keep]
+            keep.update(boundary)
+            kept += sum(tensors[t].bytes for t in boundary)
+            segment = 0
+            last_start = stage.index
+        segment += stage.saved_bytes
+    for stage in chain.stages[last_start:]:
+        keep.update(t for o in stage.ops for t in graph.ops[o].outputs)
+    return {t: Action.RECOMPUTE for t in saved
+            if t not in keep and tensors[t].recomputable and tensors[t].bytes > 0}
+
+
+def _segment_search(graph: Graph, deadline: float) -> list[Actions]:
+    """For both segment rules, the limit of least simulated peak: a doubling grid of limits from the
+    largest stage to the whole chain, then a ternary search between the best point's neighbours.
+    Returns the best plan of each rule."""
+    chain = _finest_chain(graph)
+    if len(chain) < 2:
+        return []
+    lo = max(1, max(s.saved_bytes for s in chain.stages))
+    total = sum(s.saved_bytes for s in chain.stages)
+    out = []
+    for count_kept in (True, False):
+        seen: dict[int, tuple[int, float, Actions]] = {}
+
+        def peak(limit: int, seen: dict = seen, count_kept: bool = count_kept) -> tuple[int, float]:
+            if limit not in seen:
+                a = _segment_actions(graph, chain, limit, count_kept)
+                r = simulate(graph, a)
+                seen[limit] = (r.peak_bytes, r.time_s, a)
+            return seen[limit][:2]
+
+        grid, limit = [], lo
+        while limit < total:
+            grid.append(limit)
+            limit *= 2
+        grid.append(total)
+        for limit in grid:
+            if time.perf_counter() > deadline:
+                break
+            peak(limit)
+        if not seen:
+            break
+        best = min(seen, key=lambda b: peak(b))
+        i = grid.index(best)
+        a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+        while b - a > max(2, lo // 4) and time.perf_counter() < deadline:
+            m1, m2 = a + (b - a) // 3, b - (b - a) // 3
+            if peak(m1) <= peak(m2):
+                b = m2
+            else:
+                a = m1
+        out.append(seen[min(seen, key=lambda b: peak(b))][2])
+    return out
+
+
+def _descend(graph: Graph, facts: Facts, actions: Actions, *, offload: bool, deadline: float,
+             budget: int | None = None) -> tuple[Actions, Report]:
+    """Single-tensor moves (keep / recompute / offload) while one lowers the simulated (peak, time): the
+    peak first, and at equal peak the time, which walks plateaus (within ``budget`` when given, the time
+    alone). Moves on the activations at the peak's site are tried first; first improvement wins."""
+    tensors = graph.tensors
+    options = [Action.KEEP, Action.RECOMPUTE] + ([Action.OFFLOAD] if offload else [])
+    current = dict(actions)
+    report = simulate(graph, current)
+
+    def key(r: Report) -> tuple[int, float]:
+        if budget is not None:
+            return (0 if r.peak_bytes <= budget else r.peak_bytes, r.time_s)
+        return (r.peak_bytes, r.time_s)
+
+    def ordered() -> list[int]:
+        site = peak_site(graph, current, {}, report) if budget is None else Site("none", -1, {})
+        near = set(candidates(graph, facts, current, site, lambda t: True))
+        if site.phase == "backward":  # recomputed tensors rebuilt before the peak: keeping one splits the run
+            near.update(t for t, a in current.items() if a == Action.RECOMPUTE
+                        and site.replayed_at.get(tensors[t].producer, -1) > site.op)
+        return sorted(facts.evictable, key=lambda t: (t not in near, -tensors[t].bytes))
+
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for t in ordered():
+            for a in options:
+                if a == current.get(t, Action.KEEP) or (a == Action.RECOMPUTE and not tensors[t].recomputable):
+                    continue
+                trial = dict(current)
+                if a == Action.KEEP:
+                    del trial[t]
+                else:
+                    trial[t] = a
+                r = simulate(graph, trial)
+                if key(r) < key(report) and (budget is not None or r.peak_bytes <= report.peak_bytes):
+                    current, report, improved = trial, r, True
+                    break
+            if improved or time.perf_counter() > deadline:
+                break
+    return current, report
+
+
+def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: float = 1.0
+                       ) -> tuple[Actions, dict[int, int]]:
+    """The plan of least simulated peak that a cheap search finds, as (actions, prefetch_at).
+
+    Starting points: segmentations of the finest chain (Chen's budgeted greedy and its REVOLVE-shaped
+    refinement, each at the limit of least peak), every-k at the k of least peak, the greedy (and with
+    ``offload`` the Capuchin) loop driven towards budget 0 (the lowest plan on its way), recompute-
+    everything and, with ``offload``, everything offloaded and prefetched just before its first backward
+    use. The best (on small graphs, each) is then improved by single-tensor moves until ``time_limit_s``.
+    It is what Infeasible errors quote as the minimum feasible budget (:func:`smallest_known_peak`)."""
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
+    facts = graph_facts(graph)
+    starts: list[tuple[Actions, dict[int, int]]] = [
+        ({}, {}), ({t: Action.RECOMPUTE for t in facts.evictable if graph.tensors[t].recomputable}, {})]
+    if offload:
+        everything = {t: Action.OFFLOAD for t in facts.evictable}
+        starts.append((everything, {t: facts.first_bwd_use[t] for t in everything}))
+    starts += [(a, {}) for a in _segment_search(graph, t0 + 0.4 * time_limit_s)]
+    starts.append((every_k_search(graph, None)[1], {}))
+    for pick in ((pick_dtr, pick_capuchin) if offload else (pick_dtr,)):
+        out = shrink(graph, 0, facts, pick, offload=offload, host_budget_bytes=None,
+                      deadline=t0 + 0.6 * time_limit_s)
+        starts.append((out.lowest[1], {}))
+    scored = sorted(((simulate(graph, a, p).peak_bytes, len(a), i) for i, (a, p) in enumerate(starts)))
+    best_peak, _, i = scored[0]
+    best = starts[i]
+    # Descend from the best start; on small graphs from every start (distinct local optima are common).
+    tries = [i for _, _, i in scored] if len(facts.evictable) <= 40 else [i]
+    for i in tries:
+        actions, prefetch_at = starts[i]
+        if prefetch_at or time.perf_counter() > deadline:
+            continue  # just-in-time prefetches are not single-tensor moves
+        a, r = _descend(graph, facts, actions, offload=offload, deadline=deadline)
+        if r.peak_bytes < best_peak:
+            best_peak, best = r.peak_bytes, (a, {})
+    return best
+
+
+def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
+    """The smallest simulated peak among memplan's low-memory plans: keep-everything, recompute-
+    everything, offload-everything (when allowed) and :func:`min_memory_actions`; on graphs of at most
+    ``MAX_EXACT_SAVED`` saved activations, the oracle's exact minimum. It is achievable, so it is what an
+    Infeasible error reports as the minimum feasible budget."""
+    saved = graph.saved_activations
+    recomputable = {t: Action.RECOMPUTE for t in saved if graph.tensors[t].recomputable}
+    plans: list[tuple[dict[int, Action], dict[int, int]]] = [({}, {}), (recomputable, {})]
+    if offload:
+        plans.append(({t: Action.OFFLOAD for t in saved}, {}))
+    plans.append(min_memory_actions(graph, offload=offload))
+    best = min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in plans)
+    if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (or, with offload, the
+        for prefetch in ("choose", "default"):  # minimum at default prefetch)
+            if plan_count(graph, offload=offload, prefetch=prefetch) <= MAX_EXACT_PLANS:
+                best = min(best, oracle_min_peak(graph, offload=offload, prefetch=prefetch))
+                break
+    return best
+
