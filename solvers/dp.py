@@ -75,6 +75,7 @@ from memplan.planner.graph import Graph, coarsen
 from memplan.planner.plan import Action
 from memplan.planner.simulator import Report, default_prefetch_at, simulate_actions
 from memplan.solvers.base import Proposal, keep_all_report, register
+from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
 
 Actions = dict[int, Action]
 
@@ -827,6 +828,11 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
                              f"plan fits is exactly {floor} B", budget_bytes=budget_bytes, min_feasible_bytes=floor)
         return Proposal(sol.actions, status=sol.status, lower_bound_s=sol.lower_bound_s,
                         stats={"model": "chain", "predicted_time_s": sol.time_s, **sol.stats})
+    if ch is None and not offload and has_blocks(graph):
+        # a real model: the hierarchical solver (exact block menus, chain DP over blocks)
+        p = solve_hierarchical(graph, budget_bytes, time_limit_s=time_limit_s)
+        p.stats = {"model": "hierarchical", **p.stats}
+        return p
     scorer = _Scorer(graph, host_budget_bytes if offload else None)
     starts: list[Actions] = []
     if ch is not None:
@@ -857,10 +863,10 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
 
 
 def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | None]]:
-    """(budget, predicted overhead) for each budget from one DP table: on a chain graph the exact
-    optimum at every budget (one pass, then one read per budget); on a DAG the fastest of the stage DP's
-    plans (scored once each in the simulator) that fits. Overhead = step time / keep-everything's - 1;
-    None where no plan fits. Matches ``solve(graph, b, "dp")`` at each budget on chains."""
+    """(budget, predicted overhead) for each budget: on a chain graph the exact optimum at every budget
+    from one engine (one pass, then one read per budget, when the engine is exact); on a DAG, ``dp`` run
+    at each budget. Overhead = step time / keep-everything's - 1; None where no plan fits. Equal to
+    ``solve(graph, b, "dp")`` at each budget by construction: both read the same code path."""
     from memplan.solvers.base import memory_lower_bound
 
     base = keep_all_report(graph).time_s
@@ -880,11 +886,19 @@ def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | Non
             sol = _read(graph, ch, engine, b, base) if b >= floor else None
             out.append((b, None if sol is None else (sol.time_s / base - 1.0 if base > 0 else 0.0)))
         return out
-    scorer = _Scorer(graph)
-    _stage_candidates(graph, scorer, [b for b in budgets if b >= floor], time.perf_counter() + 60.0)
+    # a DAG: each budget solved as solve_dp solves it (the same code path), scored by the simulator
     for b in budgets:
-        best = scorer.best(b) if b >= floor else None
-        out.append((b, None if best is None else (best[0].time_s / base - 1.0 if base > 0 else 0.0)))
+        overhead = None
+        if b >= floor:
+            try:
+                p = solve_dp(graph, b)
+            except Infeasible:
+                p = None
+            if p is not None and p.status != "infeasible":
+                r = simulate_actions(graph, p.actions, prefetch_at=p.prefetch_at)
+                if r.peak_bytes <= b:
+                    overhead = r.time_s / base - 1.0 if base > 0 else 0.0
+        out.append((b, overhead))
     return out
 
 
