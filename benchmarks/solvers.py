@@ -82,6 +82,151 @@ def torch_knapsack_actions(graph: Graph, budget: int, kind: str) -> tuple[dict[i
     return best, spent_s
 
 
+# ---- PyTorch's module-level SAC MILP (torch.distributed._tools.sac_ilp), fed memplan's costs ---------
+SAC_ESTIMATOR_NOTE = ("SACEstimator (torch.distributed._tools.sac_estimator) could not run here: its runtime "
+                      "estimates need CUDA in both modes (the roofline asserts CUDA capabilities, the benchmark "
+                      "times with CUDA events), and on this CPU-only torch the process aborts inside its "
+                      "dispatch mode; so sac_milp is fed memplan's module-level costs instead")
+
+
+def _tradeoff(graph: Graph, items: list[int]) -> tuple[list[int], list[float], list[float]]:
+    """A module's discard / recompute trade-off as SACEstimator builds it: its recomputable saved
+    activations, cheapest recompute time per byte first; returns the order and the lower convex hull of
+    (fraction of memory discarded, fraction of recompute time) as sac_milp's slopes and intercepts."""
+    order = sorted(items, key=lambda t: graph.ops[graph.tensors[t].producer].time_s / max(1, graph.tensors[t].bytes))
+    mem = sum(graph.tensors[t].bytes for t in order) or 1
+    run = sum(graph.ops[graph.tensors[t].producer].time_s for t in order) or 1e-12
+    pts, x, y = [(0.0, 0.0)], 0.0, 0.0
+    for t in order:
+        x += graph.tensors[t].bytes / mem
+        y += graph.ops[graph.tensors[t].producer].time_s / run
+        pts.append((x, y))
+    hull: list[tuple[float, float]] = []
+    for p in pts:  # lower convex hull (Andrew's monotone chain)
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) <= 0:
+            hull.pop()
+        hull.append(p)
+    slopes, intercepts = [], []
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:], strict=False):
+        if x1 > x0:
+            slopes.append((y1 - y0) / (x1 - x0))
+            intercepts.append(y0 - slopes[-1] * x0)
+    return order, slopes or [0.0], intercepts or [0.0]
+
+
+def sac_milp_graph(graph: Graph):
+    """sac_ilp's module tree (torch.distributed._tools.ilp_utils.Graph) from memplan's graph: one node per
+    module path (and the root), with the fields ``aggregate_stats`` would fill from MemTracker,
+    RuntimeEstimator and SACEstimator computed from memplan's op costs instead; and, per module, the
+    recompute order its discard fraction is translated with."""
+    from torch.distributed._tools.ilp_utils import Graph as ModGraph
+
+    ops, tensors = graph.ops, graph.tensors
+    root = "model"
+    names: dict[str, list[int]] = {root: []}
+    for op in ops:
+        parts = [p for p in op.module.split(".") if p]
+        names[root].append(op.id)
+        for d in range(1, len(parts) + 1):
+            names.setdefault(root + "." + ".".join(parts[:d]), []).append(op.id)
+    first = {m: min(o) for m, o in names.items() if o}
+    last = {m: max(o) for m, o in names.items() if o}
+    pre = sorted(first, key=lambda m: (first[m], m.count(".")))
+    post = sorted(first, key=lambda m: (last[m], -m.count(".")))
+    saved = set(graph.saved_activations)
+    net = [op.backward_grad_alloc_bytes - op.backward_grad_free_bytes for op in ops]
+    after = [0] * (len(ops) + 1)
+    for i in range(len(ops) - 1, -1, -1):
+        after[i] = after[i + 1] + net[i]
+    produced_before = [0] * (len(ops) + 1)
+    for i, op in enumerate(ops):
+        produced_before[i + 1] = produced_before[i] + sum(tensors[t].bytes for t in op.outputs if t in saved)
+    g = ModGraph(len(pre))
+    g.fw_post_order = post
+    orders = {}
+    for i, m in enumerate(pre):
+        mops = set(names[m])
+        acts = [t for t in saved if tensors[t].producer in mops]
+        rec = [t for t in acts if tensors[t].recomputable]
+        order, slopes, intercepts = _tradeoff(graph, rec)
+        orders[m] = order
+        params = {t for o in mops for t in ops[o].inputs if tensors[t].kind == "param"}
+        act = sum(tensors[t].bytes for t in acts)
+        inputs = {t for o in mops for t in ops[o].inputs if tensors[t].kind == "activation"
+                  and tensors[t].producer not in mops}
+        outputs = {t for o in mops for t in ops[o].outputs
+                   if any(c not in mops for c in graph.consumers.get(t, ()))}
+        node = {"fqn": m, "index": i, "pos_fw_post_order": post.index(m),
+                "param_per_module": graph.fixed.params_bytes if m == root else sum(tensors[t].bytes for t in params),
+                "grad_per_module": sum(tensors[t].bytes for t in params), "grad_total": max(0, after[first[m]]),
+                "act_fw_per_module": act, "act_bw_per_module": act,
+                "act_grad_per_module": sum(tensors[t].bytes for t in outputs),
+                "act_total": produced_before[last[m] + 1],  # live at its backward peak: all saved so far
+                "input_per_module": sum(tensors[t].bytes for t in inputs),
+                "output_per_module": sum(tensors[t].bytes for t in outputs),
+                "fw_runtime_per_module": sum(ops[o].time_s for o in mops) * 1e3,
+                "bw_runtime_per_module": sum(ops[o].backward_time_s for o in mops) * 1e3,
+                "is_leaf": not any(n.startswith(m + ".") for n in first), "sac_runtime":
+                sum(ops[tensors[t].producer].time_s for t in rec) * 1e3, "sac_memory": act,
+                "n_segments": len(slopes), "slopes": slopes, "intercepts": intercepts, "breakpoints": [],
+                "tradeoff_curve": {}}
+        g.add_node(node)
+    for i in range(len(pre)):
+        for j in range(i, len(pre)):
+            if pre[j] == pre[i] or pre[j].startswith(pre[i] + "."):
+                g.ad_matrix[i][j] = 1
+            else:
+                break
+    return g, orders
+
+
+def sac_milp_actions(graph: Graph, budget: int, scan: int = 7) -> tuple[dict[int, Action] | None, float]:
+    """Actions from torch's ``sac_milp`` (module-level: which modules to checkpoint and what fraction of
+    their activation memory to discard), each discard fraction translated into recomputing the module's
+    activations cheapest-per-byte first (what SAC's per-module policy does). Its memory model is its own
+    (parameters, gradients, activations; no optimizer state or batch), so, as with the knapsack, ``scan``
+    budgets around ours are tried and the fastest plan fitting ``budget`` in memplan's simulator is kept.
+    Returns (actions or None, seconds inside sac_milp)."""
+    import logging
+
+    from torch.distributed._tools.sac_ilp import sac_milp
+
+    logging.getLogger("torch.distributed._tools.sac_ilp").setLevel(logging.CRITICAL)
+    from memplan.solvers.hierarchical import block_depth
+
+    g, orders = sac_milp_graph(graph)
+    # AC units as torch's users name them (transformer layers, ResNet bottlenecks): the modules at the block
+    # level; over every module CBC does not finish within its own 180 s limit on GPT-2
+    depth = block_depth(graph)
+    units = sorted({"model." + ".".join([p for p in op.module.split(".") if p][:depth]) for op in graph.ops
+                    if len([p for p in op.module.split(".") if p]) >= depth})
+    units = [u for u in units if u in g.name2node and not g.name2node[u]["is_leaf"]]
+    other_fixed = graph.fixed.resident_bytes - graph.fixed.params_bytes
+    best, best_s, spent_s = None, float("inf"), 0.0
+    for k in range(scan):
+        model_budget = (budget - other_fixed) * (0.5 + k / (scan - 1))
+        t0 = time.perf_counter()
+        decisions, _, peak = sac_milp(g, memory_budget=model_budget / 2**30, ac_units=units)
+        spent_s += time.perf_counter() - t0
+        if peak < 0:
+            continue
+        actions: dict[int, Action] = {}
+        for fqn, ratio in decisions.items():
+            order = orders[fqn]
+            goal = ratio * sum(graph.tensors[t].bytes for t in order)
+            dropped = 0
+            for t in order:
+                if dropped >= goal - 1e-9:
+                    break
+                actions[t] = Action.RECOMPUTE
+                dropped += graph.tensors[t].bytes
+        r = simulate_actions(graph, actions)
+        if r.peak_bytes <= budget and r.time_s < best_s:
+            best, best_s = actions, r.time_s
+    return best, spent_s
+
+
 # ---- graphs --------------------------------------------------------------------------------------
 def profiled(name: str, **overrides) -> Graph:
     """The profiled graph of built-in workload ``name`` (cached as JSON; profiled on first use)."""

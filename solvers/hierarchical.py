@@ -135,7 +135,7 @@ def block_subgraph(graph: Graph, block: Block) -> tuple[Graph, dict[int, int]]:
             fixed[{"param": "params_bytes", "buffer": "buffers_bytes"}.get(kind, "inputs_bytes")] += info.bytes
             tensors.append(TensorInfo(id=tmap[t], kind=kind, bytes=info.bytes, dtype=info.dtype, shape=info.shape,
                                       requires_grad=info.requires_grad and kind == "param"))
-    sub_ops = [Op(**{**op.model_dump(), "id": opmap[op.id], "inputs": [tmap[t] for t in op.inputs],
+    sub_ops = [op.model_copy(update={"id": opmap[op.id], "inputs": [tmap[t] for t in op.inputs],
                      "outputs": [tmap[t] for t in op.outputs], "saved": [tmap[t] for t in op.saved]}) for op in ops]
     sub = Graph(name=f"{graph.name}:{block.name}", tensors=tensors, ops=sub_ops, fixed=FixedMemory(**fixed),
                 host_bandwidth_bytes_per_s=graph.host_bandwidth_bytes_per_s)
@@ -290,6 +290,9 @@ def chain_dp(menus: list[list[Option]], grads: list[int], spare_bytes: int) -> l
     A = np.zeros(1, np.int64)       # kept bytes so far, ascending
     T = np.zeros(1)                 # time so far, descending
     back: list[tuple[np.ndarray, np.ndarray]] = []
+    # kept bytes only grow: a state keeping more than some later block's tightest option allows is dead
+    room = [spare_bytes - grads[s] - min(o.peak_bytes for o in menu) for s, menu in enumerate(menus)]
+    cap = np.minimum.accumulate(np.asarray(room[1:] + [spare_bytes], dtype=np.int64)[::-1])[::-1]
     for s, menu in enumerate(menus):
         parts_a, parts_t, parts_o, parts_i = [], [], [], []
         for j, o in enumerate(menu):
@@ -303,6 +306,10 @@ def chain_dp(menus: list[list[Option]], grads: list[int], spare_bytes: int) -> l
         if not parts_a:
             return None
         a, t, oo, ii = (np.concatenate(x) for x in (parts_a, parts_t, parts_o, parts_i))
+        live = a <= cap[s]
+        if not live.any():
+            return None
+        a, t, oo, ii = a[live], t[live], oo[live], ii[live]
         order = np.lexsort((t, a))
         a, t, oo, ii = a[order], t[order], oo[order], ii[order]
         best_before = np.concatenate([[np.inf], np.minimum.accumulate(t)[:-1]])
