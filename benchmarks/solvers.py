@@ -1,8 +1,11 @@
-"""Solver benchmark: solve time and predicted overhead at 30/50/70% of keep-all activation memory.
+"""Solver benchmark: solve time and predicted overhead at 30/50/70% (chains) and 50/70/90% (models) of
+keep-all activation memory.
 
-Side by side on the same graphs and budgets: memplan's solvers, PyTorch's own knapsack solvers
-(torch/_functorch/_activation_checkpointing/knapsack.py: dp, greedy, ilp) fed the same costs, Chen's
-sqrt(n) and 'every k-th block'. Every plan is scored by memplan's simulator, so "overhead at equal
+Side by side on the same graphs and budgets: memplan's solvers (``dp``: the exact chain DP on chains, the
+hierarchical solver on models), PyTorch's own knapsack solvers
+(torch/_functorch/_activation_checkpointing/knapsack.py: dp, greedy, ilp) fed the same costs, PyTorch's
+module-level SAC MILP (torch/distributed/_tools/sac_ilp.py) fed memplan's module costs, Chen's sqrt(n)
+and 'every k-th block'. Every plan is scored by memplan's simulator, so "overhead at equal
 memory" means: predicted step time over keep-all's, minus one, for a plan whose simulated peak fits the
 budget. A budget of X% is the fixed memory plus X% of what keeping every activation adds on top of it.
 
@@ -12,7 +15,8 @@ budget in the simulator, which is how a user would tune ``activation_memory_budg
 time is the time of those 41 knapsack calls (the simulations are not counted).
 
 Graphs: profiled training steps of GPT-2 (12 layers, ``gpt2`` size ``base``), BERT-base (``bert`` size
-``base``), a ResNet-50 (``resnet`` size ``50``) and a U-Net (``unet`` size ``large``), profiled once and
+``base``), a ResNet-50 (``resnet`` size ``50``), a U-Net (``unet`` size ``large``) and a 48-layer GPT
+(``gpt2`` small width, ``n_layer=48``), profiled once and
 cached under ``benchmarks/.cache`` (``MEMPLAN_BENCH_CACHE``), and synthetic chains of 100 and 1000 ops.
 Also: the ILP's optimality gap after ``--gap-time-limit`` seconds on the GPT-2 op graph at 50%.
 
@@ -40,8 +44,11 @@ from memplan.solvers import activation_bytes, keep_all_report, solve, solvers
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MEMPLAN_BENCH_CACHE", Path(__file__).resolve().parent / ".cache"))
 DOC = ROOT / "docs" / "benchmarks.md"
-FRACTIONS = (0.3, 0.5, 0.7)
+FRACTIONS = (0.3, 0.5, 0.7)         # synthetic chains
+MODEL_FRACTIONS = (0.5, 0.7, 0.9)   # profiled models (at 30% no method finds a plan on most of them)
 METHODS = ("dp", "ilp", "greedy", "capuchin", "chen", "every-k")
+PEERS = ("greedy", "capuchin", "torch-dp", "torch-greedy", "torch-ilp", "sac-milp")  # what dp must not lose to
+TIMING_RUNS = 3
 TORCH = ("dp", "greedy", "ilp")
 
 
@@ -255,11 +262,13 @@ def graphs(quick: bool) -> list[tuple[str, Graph]]:
     out = [("chain-100", _chain(100)), ("chain-1000", _chain(1000))]
     specs = [("gpt2", {}), ("bert", {}), ("resnet", {}), ("unet", {})] if quick else \
         [("gpt2", {"size": "base"}), ("bert", {"size": "base"}), ("resnet", {"size": "50"}),
-         ("unet", {"size": "large"})]
-    labels = {"gpt2": "GPT-2 (12 layers)", "bert": "BERT-base", "resnet": "ResNet-50", "unet": "U-Net (large)"}
+         ("unet", {"size": "large"}), ("gpt2", {"n_layer": 48})]
+    labels = {"gpt2": "GPT-2 (12 layers)", "bert": "BERT-base", "resnet": "ResNet-50", "unet": "U-Net (large)",
+              "gpt2-48": "GPT (48 layers, small width)"}
     for name, kw in specs:
+        label = labels[name + ("-48" if kw.get("n_layer") == 48 else "")]
         try:
-            out.append((labels[name] if not quick else name, profiled(name, **kw)))
+            out.append((label if not quick else name, profiled(name, **kw)))
         except (MemplanError, TypeError) as e:
             print(f"skipping {name}{kw}: {e}", file=sys.stderr)
     return out
@@ -270,12 +279,12 @@ Cell = tuple[float | None, float, str]  # (overhead or None when no plan fits, s
 
 
 def run_graph(g: Graph, time_limit_s: float) -> dict[float, dict[str, Cell]]:
-    """Every method at every budget fraction of one graph."""
+    """Every method and peer at every budget fraction of one graph."""
     reg = solvers()
     base_s = keep_all_report(g).time_s
     act = activation_bytes(g)
     out: dict[float, dict[str, Cell]] = {}
-    for frac in FRACTIONS:
+    for frac in (FRACTIONS if g.name.startswith("chain") else MODEL_FRACTIONS):
         budget = g.fixed.resident_bytes + int(frac * act)
         cells: dict[str, Cell] = {}
         for m in METHODS:
@@ -298,7 +307,31 @@ def run_graph(g: Graph, time_limit_s: float) -> dict[float, dict[str, Cell]]:
                 cells[f"torch-{kind}"] = (None, spent_s, "infeasible")
             else:
                 cells[f"torch-{kind}"] = (simulate_actions(g, actions).time_s / base_s - 1, spent_s, "feasible")
+        if not g.name.startswith("chain"):  # module-level: chains have no modules to checkpoint
+            try:
+                actions, spent_s = sac_milp_actions(g, budget)
+            except Exception as e:  # noqa: BLE001 - a baseline failing is a result to report
+                print(f"sac_milp failed on {g.name}: {e}", file=sys.stderr)
+                actions, spent_s = None, float("nan")
+            cells["sac-milp"] = ((None, spent_s, "infeasible") if actions is None else
+                                 (simulate_actions(g, actions).time_s / base_s - 1, spent_s, "feasible"))
+            print(f"  {g.name} {frac:.0%} sac-milp: {cells['sac-milp']}", file=sys.stderr, flush=True)
         out[frac] = cells
+    return out
+
+
+def dp_timing(g: Graph, frac: float, runs: int = TIMING_RUNS) -> list[float]:
+    """Wall seconds of ``solve(g, budget, "dp")`` at ``frac``, ``runs`` times (interleaved with nothing
+    else: the machine's load is what varies)."""
+    budget = g.fixed.resident_bytes + int(frac * activation_bytes(g))
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        try:
+            solve(g, budget, "dp")
+        except MemplanError:
+            pass
+        out.append(time.perf_counter() - t0)
     return out
 
 
@@ -328,8 +361,20 @@ def _fmt(c: Cell | None) -> str:
     return f"{ov * 100:.1f}%{mark} / {el:.2f} s"
 
 
-def render(results, gap: dict | None, time_limit_s: float, gap_limit_s: float, wall_s: float) -> str:
-    cols = [m for m in METHODS] + [f"torch-{k}" for k in TORCH]
+def _gap(cells: dict[str, Cell]) -> str:
+    """dp's overhead minus the best peer's (percentage points; negative: dp is ahead)."""
+    dp = cells.get("dp")
+    peers = [cells[p][0] for p in PEERS if p in cells and cells[p][0] is not None]
+    if dp is None or dp[0] is None:
+        return "—" if peers else "both —"
+    if not peers:
+        return "only dp fits"
+    return f"{(dp[0] - min(peers)) * 100:+.2f}"
+
+
+def render(results, gap: dict | None, time_limit_s: float, gap_limit_s: float, wall_s: float,
+           timings: dict[str, list[float]] | None = None) -> str:
+    cols = [m for m in METHODS] + [f"torch-{k}" for k in TORCH] + ["sac-milp"]
     try:
         import torch
 
@@ -347,21 +392,32 @@ def render(results, gap: dict | None, time_limit_s: float, gap_limit_s: float, w
     lines = [
         f"Machine: {cpu}; {os.cpu_count()} cores, shared with other engineers' test runs while this ran "
         f"(timings are under load: compare the columns of one row, not absolute seconds); torch {torch_v}; "
-        f"Python {platform.python_version()}. ILP time limit {time_limit_s:.0f} s per solve (the other "
+        f"Python {platform.python_version()}; no GPU. ILP time limit {time_limit_s:.0f} s per solve (the other "
         f"methods finish well before theirs); whole run {wall_s / 60:.0f} min.",
         "",
         "Each cell: predicted overhead (simulated step time over keep-all's, minus 1) / solve wall time. "
         "'—': no plan within the budget; 'n/a': the method refuses a graph this size (the ILP above 400 "
         "saved activations); '*': the time limit stopped the search (the best plan found is shown). "
-        "torch-*: PyTorch's knapsack solvers fed memplan's costs (time: the 41 knapsack calls).",
+        "`dp` is the exact chain DP on the chains and the hierarchical solver (`solvers/hierarchical.py`) on "
+        "the models. torch-*: PyTorch's knapsack solvers fed memplan's costs (time: the 41 knapsack calls). "
+        "sac-milp: PyTorch's module-level selective-checkpointing MILP (`torch.distributed._tools.sac_ilp."
+        "sac_milp`, CBC) fed memplan's module costs, AC units the block-level modules, its discard fractions "
+        "recomputed cheapest-per-byte first, 7 of its budgets scanned (time: the 7 MILP calls); "
+        + SAC_ESTIMATOR_NOTE + ". 'dp − best peer': dp's overhead minus the best of greedy, Capuchin, the "
+        "torch knapsacks and sac-milp, in percentage points (negative: dp is ahead).",
         "",
-        "| graph | ops | saved | budget | " + " | ".join(cols) + " |",
-        "|---|--:|--:|--:|" + "--:|" * len(cols),
+        "| graph | ops | saved | budget | " + " | ".join(cols) + " | dp − best peer |",
+        "|---|--:|--:|--:|" + "--:|" * (len(cols) + 1),
     ]
     for label, g, per in results:
         for frac, cells in per.items():
             lines.append(f"| {label} | {len(g.ops)} | {len(g.saved_activations)} | {int(frac * 100)}% | "
-                         + " | ".join(_fmt(cells.get(c)) for c in cols) + " |")
+                         + " | ".join(_fmt(cells.get(c)) for c in cols) + f" | {_gap(cells)} |")
+    if timings:
+        lines += ["", f"`dp` solve time on the models at 50%, {TIMING_RUNS} runs each, median (min–max), same "
+                      "shared machine: " + "; ".join(
+                          f"{label} {sorted(ts)[len(ts) // 2]:.1f} s ({min(ts):.1f}–{max(ts):.1f})"
+                          for label, ts in timings.items()) + "."]
     if gap is not None:
         g_txt = "none" if gap["gap"] is None else f"{gap['gap'] * 100:.2f}%"
         bound = "none" if gap["bound_overhead"] is None else f"{gap['bound_overhead'] * 100:.1f}%"
@@ -392,13 +448,16 @@ def main() -> None:
     t0 = time.perf_counter()
     results = []
     gap = None
+    timings: dict[str, list[float]] = {}
     for label, g in graphs(args.quick):
         print(f"{label}: {len(g.ops)} ops, {len(g.saved_activations)} saved", file=sys.stderr, flush=True)
         results.append((label, g, run_graph(g, args.time_limit)))
+        if not g.name.startswith("chain"):
+            timings[label] = dp_timing(g, 0.5)
         if g.name.startswith("gpt2") and args.gap_time_limit > 0:
             gap = ilp_gap(g, 0.5, args.gap_time_limit)
             print(f"  ILP gap: {gap}", file=sys.stderr, flush=True)
-    text = render(results, gap, args.time_limit, args.gap_time_limit, time.perf_counter() - t0)
+    text = render(results, gap, args.time_limit, args.gap_time_limit, time.perf_counter() - t0, timings)
     print(text)
     if args.update_doc:
         update_doc(text)

@@ -26,8 +26,8 @@ model: a Pareto frontier of (kept bytes, time) in bytes, no rounding.
 the *block-additive model* above. The model is not the simulator (a recomputed input replays its
 producer, which may cascade; tensors crossing blocks unsaved are not counted), so the DP is run at the
 budget and at model budgets bisected below and above it, each plan is scored by the simulator, and the
-fastest that fits is returned; the greedy and Capuchin plans at the budget are candidates too, so the
-result is never slower than theirs. Status ``feasible`` (no proof against the full op-level space, which
+fastest that fits is returned; the greedy, Capuchin, Chen and every-k plans at the budget are candidates
+too, so the result is never slower than theirs. Status ``feasible`` (no proof against the full op-level space, which
 only the ILP covers).
 """
 
@@ -52,7 +52,9 @@ LEVELS = 5            # ILP memory levels per block menu
 ORACLE_SAVED = 6      # blocks with at most this many saved activations use the exhaustive oracle
 MAX_BLOCK_OPS = 100   # blocks are the shallowest module level whose largest stage has at most this many ops
 BISECT_STEPS = 6      # model budgets tried below / above the budget
-CALIBRATION_ROUNDS = 6  # DP plans at the budget, each correcting the model where the simulator disagrees
+CALIBRATION_ROUNDS = 6
+HEURISTICS = ("greedy", "capuchin")   # whole-graph plans that are candidates and feed the menus
+BASELINES = ("chen", "every-k")       # whole-graph plans that are candidates only  # DP plans at the budget, each correcting the model where the simulator disagrees
 
 
 # ---- blocks ------------------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ def chain_dp(menus: list[list[Option]], grads: list[int], spare_bytes: int) -> l
     back: list[tuple[np.ndarray, np.ndarray]] = []
     # kept bytes only grow: a state keeping more than some later block's tightest option allows is dead
     room = [spare_bytes - grads[s] - min(o.peak_bytes for o in menu) for s, menu in enumerate(menus)]
-    cap = np.minimum.accumulate(np.asarray(room[1:] + [spare_bytes], dtype=np.int64)[::-1])[::-1]
+    cap = np.minimum.accumulate(np.asarray(room[1:] + [1 << 62], dtype=np.int64)[::-1])[::-1]
     for s, menu in enumerate(menus):
         parts_a, parts_t, parts_o, parts_i = [], [], [], []
         for j, o in enumerate(menu):
@@ -351,11 +353,12 @@ def _plan(menus: list[list[Option]], choice: list[int]) -> Actions:
 # ---- the solver ----------------------------------------------------------------------------------------
 @register("hierarchical", description="Rockmate-style: each block's menu solved exactly (ILP) at several "
                                       "memory levels, one option per block by a chain DP, simulator-checked; "
-                                      "never slower than greedy or Capuchin")
+                                      "never slower than greedy, Capuchin, Chen or every-k")
 def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
                        host_budget_bytes: int | None = None, levels: int = LEVELS, **options: object) -> Proposal:
     """The fastest simulated plan among the chain DP's over the blocks' menus (at the budget and at model
-    budgets bisected around it) and the greedy and Capuchin plans; ``feasible`` (module docstring)."""
+    budgets bisected around it) and the greedy, Capuchin, Chen and every-k plans; ``feasible`` (module
+    docstring)."""
     if options:
         raise MemplanError(f"hierarchical: unknown option(s) {', '.join(sorted(options))}")
     if offload:
@@ -371,13 +374,14 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
         return r
 
     heuristics: list[tuple[Actions, str]] = []
-    for name in ("greedy", "capuchin"):
+    for name in HEURISTICS + BASELINES:
         try:
             r = solve(graph, budget_bytes, name, time_limit_s=time_limit_s)
         except (Infeasible, MemplanError):
             continue
-        heuristics.append((r.plan.actions(), name))
         score(r.plan.actions(), name)
+        if name in HEURISTICS:   # their per-block choices join the menus
+            heuristics.append((r.plan.actions(), name))
     blks = blocks(graph)
     cache: dict = {}
     per_block_s = max(0.2, min(5.0, time_limit_s / 4 / max(1, len(blks))))
