@@ -174,7 +174,9 @@ def sac_milp_graph(graph: Graph):
                 "output_per_module": sum(tensors[t].bytes for t in outputs),
                 "fw_runtime_per_module": sum(ops[o].time_s for o in mops) * 1e3,
                 "bw_runtime_per_module": sum(ops[o].backward_time_s for o in mops) * 1e3,
-                "is_leaf": not any(n.startswith(m + ".") for n in first), "sac_runtime":
+                # a module saving nothing has nothing to discard: a leaf to sac_milp (which divides by
+                # its activation memory when it may checkpoint it)
+                "is_leaf": act == 0 or not any(n.startswith(m + ".") for n in first), "sac_runtime":
                 sum(ops[tensors[t].producer].time_s for t in rec) * 1e3, "sac_memory": act,
                 "n_segments": len(slopes), "slopes": slopes, "intercepts": intercepts, "breakpoints": [],
                 "tradeoff_curve": {}}
