@@ -160,6 +160,13 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
     else:
         plans.append(min_memory_actions(graph, offload=offload))
     best = min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in plans)
+    try:  # a chain: the DP knows the exact least budget of keep / recompute plans
+        from memplan.solvers.dp import chain_min_budget_bytes
+    except ImportError:
+        pass
+    else:
+        exact = chain_min_budget_bytes(graph)
+        best = best if exact is None else min(best, exact)
     if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (or, with offload, the
         from memplan.solvers.oracle import oracle_min_peak, plan_count  # minimum at default prefetch)
 

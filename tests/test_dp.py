@@ -195,6 +195,23 @@ def test_dp_is_exact_at_and_one_byte_below_every_trade_off_point(seed, n, scale)
     assert dp_mod.chain_min_budget_bytes(g) == points[0]
 
 
+def test_refusals_name_the_exact_least_budget_of_a_long_chain():
+    """Past the oracle's size the minimum memplan quotes was the heuristics' (too high on most chains):
+    now it is the DP's exact minimum, whether the budget is below the sound lower bound or not."""
+    rng = random.Random(0)
+    n = 40
+    g = linear_chain(n, activation_bytes=[rng.randint(1, 300) for _ in range(n)])
+    for op in g.ops:
+        op.workspace_bytes = rng.randint(0, 120)
+    g.invalidate()
+    exact = dp_mod.chain_min_budget_bytes(g)
+    assert solve(g, exact, "dp").report.peak_bytes <= exact
+    for budget in (exact - 1, memory_lower_bound(g) - 1):
+        with pytest.raises(Infeasible) as info:
+            solve(g, budget, "dp")
+        assert info.value.min_feasible_bytes == exact
+
+
 def test_a_two_op_chain_at_exactly_its_only_peak_is_solved():
     """Every plan of this chain peaks at the same byte count: that budget is feasible, one below is not,
     and the refusal names the exact minimum."""
