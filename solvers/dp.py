@@ -19,13 +19,23 @@ from the top down gives a budget-free table:
     ``r`` memory units; ``-inf`` when none is.
 
 ``D[k][r] = max_k' [C(k, k') <= r] (t_k' + D[k'][r - b_k'])`` (``k' = n``: nothing more kept, value 0).
-The optimum for budget ``B`` is read at ``D[-1][(B - F) / unit]``, so one table gives the whole frontier
-(:func:`dp_frontier`). Memory units are the gcd of every byte figure in ``C`` when the table stays small
-(then the DP is exact and proved equal to the exhaustive oracle by the tests); otherwise sizes are rounded
-*up* to a coarser unit, which never under-estimates memory (the plan fits; status ``feasible``), and a
-second pass rounding *down* gives a sound lower bound on the step time (``optimal`` when both agree).
-Cost: O(n * L * M) for ``n`` ops, runs of at most ``L`` ops fitting the budget and ``M`` units, vectorised
-over ``M`` with numpy.
+The optimum for budget ``B`` is read at ``D[-1][B - F]``, so one table gives the whole frontier
+(:func:`dp_frontier`, which shares :func:`solve`'s code path: an engine's answer at a spare memory does
+not depend on the largest spare it was built for). Three engines, all over the same recurrence:
+
+- an **exact grid**: memory in units of the gcd of every byte figure of the chain (exact: no figure is
+  rounded), when the table (ops x units) has at most ``_GRID_CELLS`` cells. The window maximum over rows
+  costs O(columns) per row (:class:`_Windows`), so the 1000-op chain at 70% solves in about a second;
+- an **exact Pareto frontier** in bytes (sizes sharing no useful gcd, e.g. GPU-scale tensors of odd
+  sizes): per kept ``k`` the non-dominated (memory requirement, time saved) pairs, while at most
+  ``_PARETO_POINTS`` points are merged;
+- otherwise a **rounded grid** whose unit depends on the chain alone: sizes rounded *up* (the plan fits;
+  status ``feasible``) and a table rounded *down* giving a sound lower bound (``optimal`` when both agree).
+
+The exact engines are equal to the exhaustive oracle at every budget, one byte below each trade-off point
+included (tests/test_dp.py), and report the exact least feasible budget (:func:`chain_min_budget_bytes`).
+Cost: O(n * L + n * M) numpy work for ``n`` ops, runs of at most ``L`` ops fitting the budget and ``M``
+units (grid), or the total size of the frontiers merged (Pareto).
 
 **DAGs.** The graph DP of Kusumoto et al. 2019 enumerates lower sets, exponential in the graph's width,
 and the simulator's lazy replay on a DAG does not decompose into runs; the exact method on DAGs is the
@@ -60,17 +70,17 @@ from functools import reduce
 
 import numpy as np
 
-from memplan.planner.errors import MemplanError
+from memplan.planner.errors import Infeasible, MemplanError
 from memplan.planner.graph import Graph, coarsen
 from memplan.planner.plan import Action
 from memplan.planner.simulator import Report, default_prefetch_at, simulate_actions
-from memplan.solvers.base import Proposal, keep_all_report, register
+from memplan.solvers.bounds import keep_all_report
+from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
+from memplan.solvers.registry import Proposal, register
 
 Actions = dict[int, Action]
 
 _NEG_BYTES = -(1 << 60)      # "no constraint" in the integer cost arrays
-_MAX_CELLS = 1_200_000       # table size (rows x memory units) above which memory is rounded
-_MIN_UNITS = 256             # ... but never to fewer than this many units
 _PAIR_MOVES_UP_TO = 16       # offload refinement tries pairs of changes on graphs this small
 _OFFLOAD_REFINE_S = 10.0     # at most this long (or the time limit) refining offloads
 
@@ -189,106 +199,302 @@ def _model(*, tensors, bytes_, time_s, recomputable, ws, bws, alloc, free, fixed
                     fixed, const, prefix, fwd_full, fwd_first, bwd_step, replay, grads_before, g)
 
 
-@dataclass
-class _Table:
-    """The DP table. ``E[l][k']`` (a sparse table over rows): level 0 holds ``E[k'][r] = t_k' + D[k'][r -
-    b_k']`` (row ``n``: the end, value 0), level ``l`` the maximum of rows ``k' .. k'+2^l-1``, so that
-    ``D[k][r]``, a maximum over a window of rows, costs O(1) per memory unit. ``D_top = D[-1]`` (nothing
-    kept yet: the frontier). ``succ[k+1]`` = (candidate ``k'``, their thresholds ``C(k, k')`` in units)."""
+# ---- the DP engines: an exact grid, an exact Pareto frontier, a rounded grid -----------------------------
+# Every engine answers for every spare memory up to the one it was built for, and its answer at a spare
+# ``s`` does not depend on how far above ``s`` it was built: solving at one budget and reading a frontier
+# built for a larger one give the same plan by construction (``dp_frontier`` and ``solve`` share this path).
+_GRID_CELLS = 12_000_000     # exact grid (memory unit = gcd of the chain's byte figures) up to this many cells
+_PARETO_POINTS = 20_000_000  # exact Pareto frontiers while merging at most this many (memory, time) points
+_ROUNDED_UNITS = 1_500       # otherwise memory in at most this many units, rounded up (sound), per row
 
-    chain: _OpChain
-    unit: int
-    units: np.ndarray       # element sizes in units (rounded as the table was built)
-    E: np.ndarray
-    D_top: np.ndarray
-    succ: list[tuple[np.ndarray, np.ndarray]]
-    rounded: bool
 
-    @property
-    def max_units(self) -> int:
-        return self.D_top.shape[0] - 1
+class _Engine:
+    """One DP over a chain, read at any spare memory ``s`` (bytes beyond the fixed memory) up to the spare
+    it was built for: :meth:`saved_time_s` is the most forward time saved by keeping activations (None if
+    no plan fits), :meth:`kept` the kept elements of such a plan. ``exact``: the answer is the optimum under
+    the chain model; otherwise memory was rounded up (the plan still fits) and ``lower`` (a table rounded
+    down) bounds the saved time from above."""
 
-    def units_for(self, budget_bytes: int) -> int | None:
-        spare = budget_bytes - self.chain.fixed_bytes
-        if budget_bytes < self.chain.const_peak_bytes or spare < 0:
+    exact: bool
+    kind: str
+
+    def saved_time_s(self, spare: int) -> float | None:
+        raise NotImplementedError
+
+    def kept(self, spare: int) -> list[int]:
+        raise NotImplementedError
+
+    def min_spare_bytes(self) -> int | None:
+        """The least spare memory at which some plan fits (exact engines), None if none does."""
+        raise NotImplementedError
+
+    def breakpoints(self) -> list[int]:
+        """The spares (ascending) at which the optimum changes: the first that fits and each better one."""
+        raise NotImplementedError
+
+
+def _candidates(ch: _OpChain, k: int, first_fixed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(``k'``, ``C(k, k')`` in bytes, 0 where unconstrained) for the runs above kept ``k`` that recompute
+    only recomputable elements."""
+    costs = np.maximum(ch.run_costs(k)[: first_fixed - k], 0)
+    return np.arange(k + 1, k + 1 + len(costs)), costs
+
+
+_GROUP = 32  # rows per group in _Windows
+
+
+class _Windows:
+    """Maxima of the rows of ``E`` over windows ``lo .. hi`` (a different ``hi`` for each column), for a
+    table filled from its last row up. Rows fall in groups of ``_GROUP``: a window is the rest of its first
+    group (a running maximum kept while filling), whole groups between (a sparse table over group maxima)
+    and the start of its last group (prefix maxima within each completed group): O(columns) per query
+    instead of O(rows x columns)."""
+
+    def __init__(self, E: np.ndarray):
+        self.E = E
+        n1, M1 = E.shape
+        self.P = np.full_like(E, -np.inf)                # prefix maxima within each group
+        groups = -(-n1 // _GROUP)
+        self.levels = max(1, groups.bit_length())
+        self.GS = np.full((self.levels, groups, M1), -np.inf)
+        self.head = np.full(M1, -np.inf)                # max of rows lo .. end of lo's group
+        self.lo = n1
+
+    def filled(self, i: int) -> None:
+        """Row ``i`` is final (rows are filled from the last one down)."""
+        E, G = self.E, _GROUP
+        g = i // G
+        same = i + 1 < E.shape[0] and (i + 1) // G == g
+        self.head = np.maximum(E[i], self.head) if same else E[i].copy()
+        self.lo = i
+        if i % G == 0:   # the group is complete
+            end = min(i + G, E.shape[0])
+            np.maximum.accumulate(E[i:end], axis=0, out=self.P[i:end])
+            self.GS[0, g] = self.P[end - 1]
+            for lv in range(1, self.levels):
+                half = 1 << (lv - 1)
+                if g + 2 * half > self.GS.shape[1]:
+                    break
+                np.maximum(self.GS[lv - 1, g], self.GS[lv - 1, g + half], out=self.GS[lv, g])
+
+    def query(self, hi: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """``max(E[lo .. hi[c], c])`` for each column ``c`` in ``cols``, where ``hi[c]`` lies beyond the group
+        of ``lo`` (the last row filled)."""
+        G = _GROUP
+        out = np.maximum(self.head[cols], self.P[hi, cols])
+        a = self.lo // G + 1
+        b = hi // G - 1
+        mid = b >= a
+        if mid.any():
+            c, bm = cols[mid], b[mid]
+            length = bm - a + 1
+            lv = np.floor(np.log2(length)).astype(np.int64)
+            m = np.maximum(self.GS[lv, a, c], self.GS[lv, bm - (1 << lv) + 1, c])
+            out[mid] = np.maximum(out[mid], m)
+        return out
+
+
+def _window_max(W: _Windows, ks: np.ndarray, th: np.ndarray, M: int, low: np.ndarray) -> np.ndarray:
+    """``D[r] = max over j with th[j] <= r of E[ks[j], r]`` (``-inf`` where none), for the consecutive rows
+    ``ks`` starting at the last row filled. Rows are taken in threshold order up to the running maximum of
+    the thresholds (a window per column), the few below it (stragglers) one by one."""
+    E = W.E
+    D = np.full(M + 1, -np.inf)
+    if not len(ks):
+        return D
+    k0 = int(ks[0])
+    hull = np.maximum.accumulate(th)
+    for j in np.nonzero(th < hull)[0].tolist():   # stragglers: below a longer run's threshold
+        s = max(int(th[j]), int(low[k0 + j]))
+        if s <= M:
+            np.maximum(D[s:], E[k0 + j, s:], out=D[s:])
+    # windows within lo's group: at most _GROUP rows, one by one over the columns where they end there
+    m = min(len(ks), _GROUP - k0 % _GROUP)
+    lim = int(hull[m]) if m < len(ks) else M + 1
+    for j in range(m):
+        s = max(int(hull[j]), int(low[k0 + j]))
+        if s < lim:
+            np.maximum(D[s:lim], E[k0 + j, s:lim], out=D[s:lim])
+    if lim <= M:
+        cols = np.arange(lim, M + 1)
+        hi = k0 - 1 + np.searchsorted(hull, cols, side="right")
+        np.maximum(D[lim:], W.query(hi, cols), out=D[lim:])
+    return D
+
+
+class _Grid(_Engine):
+    """Memory in units of ``unit`` bytes (sizes rounded up, or down with ``round_down``), ``M`` units at
+    most. ``E[k'][r]`` = ``t_k' + D[k'][r - b_k']`` (row ``n``: 0, the end): the most time saved by the
+    suffix from kept ``k'`` on with ``r`` units; ``D_top[r]`` = ``D[-1][r]`` (the input kept, nothing else
+    yet). ``D[k][r] = max over k' with C(k, k') <= r of E[k'][r]``."""
+
+    kind = "grid"
+
+    def __init__(self, ch: _OpChain, unit: int, M: int, *, round_down: bool = False, exact: bool = True):
+        self.ch, self.unit, self.M, self.exact = ch, unit, M, exact
+        n = ch.n
+        self.units = (ch.bytes_ // unit) if round_down else -(-ch.bytes_ // unit)
+        E = np.full((n + 1, M + 1), -np.inf)
+        E[n] = 0.0
+        W = _Windows(E)
+        W.filled(n)
+        low = np.zeros(n + 1, dtype=np.int64)   # the first finite column of each row of E
+        self.succ: list[tuple[np.ndarray, np.ndarray]] = [None] * (n + 1)  # type: ignore[list-item]
+        first_fixed = n
+        D = np.full(M + 1, -np.inf)
+        for k in range(n - 1, -2, -1):
+            ks, costs = _candidates(ch, k, first_fixed)
+            th = (costs // unit) if round_down else -(-costs // unit)
+            fits = th <= M
+            ks, th = ks[fits], th[fits]
+            self.succ[k + 1] = (ks, th)
+            D = _window_max(W, ks, th, M, low)
+            if k >= 0:
+                b = int(self.units[k])
+                finite = np.nonzero(D > -np.inf)[0]
+                if b <= M and finite.size and finite[0] + b <= M:
+                    E[k, b:] = ch.time_s[k] + D[: M + 1 - b]
+                    low[k] = finite[0] + b
+                else:
+                    low[k] = M + 1
+                W.filled(k)
+                if not ch.recomputable[k]:
+                    first_fixed = k
+        self.E, self.D_top = E, D
+
+    def _r(self, spare: int) -> int:
+        return min(spare // self.unit, self.M)
+
+    def saved_time_s(self, spare: int) -> float | None:
+        if spare < 0:
             return None
-        return min(spare // self.unit, self.max_units)
+        v = self.D_top[self._r(spare)]
+        return None if v == -np.inf else float(v)
 
-    def saved_time_s(self, r: int) -> float:
-        return float(self.D_top[r])
-
-    def kept(self, r: int) -> list[int]:
-        """The kept elements of an optimal plan at ``r`` units (read back through the table)."""
-        n = self.chain.n
-        E = self.E[0]
-        k, kept = -1, []
+    def kept(self, spare: int) -> list[int]:
+        r, k, kept = self._r(spare), -1, []
         while True:
-            ks, cs = self.succ[k + 1]
-            ok = ks[cs <= r]
-            vals = E[ok, r]
-            nxt = int(ok[int(np.argmax(vals))])
-            if nxt == n:
+            ks, th = self.succ[k + 1]
+            ok = ks[th <= r]
+            nxt = int(ok[int(np.argmax(self.E[ok, r]))])
+            if nxt == self.ch.n:
                 return kept
             kept.append(nxt)
             r -= int(self.units[nxt])
             k = nxt
 
+    def min_spare_bytes(self) -> int | None:
+        finite = np.nonzero(self.D_top > -np.inf)[0]
+        return int(finite[0]) * self.unit if finite.size else None
 
-def _build_table(ch: _OpChain, max_units: int, unit: int, *, round_down: bool = False) -> _Table:
-    """Fill the table from the top of the chain down (see the module docstring for the recurrence)."""
-    n, M = ch.n, max_units
-    units = (ch.bytes_ // unit) if round_down else -(-ch.bytes_ // unit)
-    levels = max(1, (n + 1).bit_length())
-    E = np.full((levels, n + 1, M + 1), -np.inf)
-    E[0, n] = 0.0
-    cols = np.arange(M + 1)
-    log2 = np.zeros(n + 2, dtype=np.int64)
-    for i in range(2, n + 2):
-        log2[i] = log2[i // 2] + 1
-    empty = (np.empty(0, np.int64), np.empty(0, np.int64))
-    succ: list[tuple[np.ndarray, np.ndarray]] = [empty] * (n + 1)
-    first_fixed = n   # the lowest element above k that must be kept (not recomputable)
-    D = np.full(M + 1, -np.inf)
-    for k in range(n - 1, -2, -1):
-        costs = ch.run_costs(k)[: first_fixed - k]
-        th = np.where(costs <= 0, 0, (costs // unit) if round_down else -(-costs // unit))
-        ok = np.nonzero(th <= M)[0]
-        D = np.full(M + 1, -np.inf)
-        if ok.size:
-            th = th[: int(ok[-1]) + 1]
-            hull = np.maximum.accumulate(th)
-            # rows k+1 .. k+cnt[r] all fit in r units: a window maximum from the sparse table
-            cnt = np.searchsorted(hull, cols, side="right")
-            has = cnt > 0
-            c = cnt[has]
-            lv = log2[c]
-            lo = np.full(c.shape, k + 1)
-            D[has] = np.maximum(E[lv, lo, cols[has]], E[lv, k + 1 + c - (1 << lv), cols[has]])
-            # rows that fit although an earlier row does not (thresholds are not always monotone)
-            for j in np.nonzero(th < hull)[0]:
-                D[th[j]:] = np.maximum(D[th[j]:], E[0, k + 1 + j, th[j]:])
-            fits = th <= M
-            succ[k + 1] = (np.arange(k + 1, k + 1 + len(th))[fits], th[fits])
-        if k >= 0:
-            s = int(units[k])
-            if s <= M:
-                E[0, k, s:] = ch.time_s[k] + D[: M + 1 - s]
-            for lvl in range(1, levels):
-                half = 1 << (lvl - 1)
-                if k + 2 * half - 1 > n:
-                    break
-                np.maximum(E[lvl - 1, k], E[lvl - 1, k + half], out=E[lvl, k])
-            if not ch.recomputable[k]:
-                first_fixed = k
-    return _Table(ch, unit, units, E, D, succ, rounded=unit != ch.unit_gcd or round_down)
+    def breakpoints(self) -> list[int]:
+        d = self.D_top
+        better = np.nonzero((d > -np.inf) & (d > np.concatenate([[-np.inf], d[:-1]])))[0]
+        return [int(r) * self.unit for r in better]
 
 
-def _choose_unit(ch: _OpChain, spare_bytes: int) -> int:
-    cap = max(_MIN_UNITS, _MAX_CELLS // (ch.n + 1))
+class _TooLarge(Exception):
+    pass
+
+
+class _Pareto(_Engine):
+    """Exact in bytes: ``F[k]`` lists the non-dominated (memory requirement ``R``, time saved ``V``) of the
+    suffixes above kept ``k`` (``R`` and ``V`` both strictly increasing), ``R <= spare``; each point keeps
+    the ``k'`` it continues with and the index of its point in ``F[k']``. ``F[k]`` is the Pareto merge over
+    ``k'`` of ``(max(C(k, k'), b_k' + R), t_k' + V)`` for ``(R, V)`` in ``F[k']`` (``k' = n``: ``(0, 0)``).
+    Raises ``_TooLarge`` once more than ``max_points`` points have been merged in all."""
+
+    kind = "pareto"
+    exact = True
+
+    def __init__(self, ch: _OpChain, spare: int, max_points: int):
+        n = ch.n
+        self.ch = ch
+        # per row k' (n: the end): the E-frontier (b_k' + R, t_k' + V) and its back pointers
+        ER: list[np.ndarray] = [None] * (n + 1)  # type: ignore[list-item]
+        EV: list[np.ndarray] = [None] * (n + 1)  # type: ignore[list-item]
+        ER[n], EV[n] = np.zeros(1, np.int64), np.zeros(1)
+        self.back: list[tuple[np.ndarray, np.ndarray]] = [None] * (n + 1)  # type: ignore[list-item]
+        total = 0
+        first_fixed = n
+        for k in range(n - 1, -2, -1):
+            ks, costs = _candidates(ch, k, first_fixed)
+            rs, vs, bk, bi = [], [], [], []
+            for kp, c in zip(ks.tolist(), costs.tolist(), strict=True):
+                if c > spare or ER[kp] is None or not ER[kp].size:
+                    continue
+                r_, v_ = ER[kp], EV[kp]
+                cut = int(np.searchsorted(r_, c, side="right"))   # points at or below C collapse onto C
+                start = max(cut - 1, 0)
+                r = np.maximum(r_[start:], c)
+                keep = r <= spare
+                total += int(keep.sum())
+                if total > max_points:
+                    raise _TooLarge
+                rs.append(r[keep])
+                vs.append(v_[start:][keep])
+                bk.append(np.full(int(keep.sum()), kp, dtype=np.int64))
+                bi.append(np.arange(start, start + len(r), dtype=np.int64)[keep])
+            if rs:
+                R, V, K, Ix = (np.concatenate(x) for x in (rs, vs, bk, bi))
+                order = np.lexsort((-V, R))
+                R, V, K, Ix = R[order], V[order], K[order], Ix[order]
+                best_before = np.concatenate([[-np.inf], np.maximum.accumulate(V)[:-1]])
+                front = V > best_before
+                R, V, K, Ix = R[front], V[front], K[front], Ix[front]
+            else:
+                R, V, K, Ix = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
+            self.back[k + 1] = (K, Ix)
+            if k >= 0:
+                ER[k], EV[k] = R + int(ch.bytes_[k]), V + ch.time_s[k]
+                if not ch.recomputable[k]:
+                    first_fixed = k
+        self.R_top, self.V_top = R, V
+
+    def _point(self, spare: int) -> int | None:
+        i = int(np.searchsorted(self.R_top, spare, side="right")) - 1
+        return i if i >= 0 else None
+
+    def saved_time_s(self, spare: int) -> float | None:
+        i = self._point(spare)
+        return None if i is None else float(self.V_top[i])
+
+    def kept(self, spare: int) -> list[int]:
+        i, row, kept = self._point(spare), 0, []
+        while True:
+            K, Ix = self.back[row]
+            kp, i = int(K[i]), int(Ix[i])
+            if kp == self.ch.n:
+                return kept
+            kept.append(kp)
+            row = kp + 1
+
+    def min_spare_bytes(self) -> int | None:
+        return int(self.R_top[0]) if len(self.R_top) else None
+
+    def breakpoints(self) -> list[int]:
+        return [int(r) for r in self.R_top]
+
+
+def _full_spare(ch: _OpChain) -> int:
+    """Spare memory at which keeping everything fits (the top of every chain's frontier)."""
+    keep_all = int(ch.prefix[-1]) + max(0, int(ch.fwd_first.max()), int(ch.bwd_step.max()))
+    return keep_all
+
+
+def _engine(ch: _OpChain, spare: int) -> _Engine:
+    """The exact grid when its table is small enough, else the exact Pareto frontier, else a grid with
+    memory rounded up to a unit chosen from the chain alone (so every budget reads the same table)."""
+    spare = min(spare, _full_spare(ch))
     g = ch.unit_gcd
-    if spare_bytes // g <= cap:
-        return g
-    return g * -(-(spare_bytes // g) // cap)
+    if (ch.n + 1) * (spare // g + 1) <= _GRID_CELLS:
+        return _Grid(ch, g, spare // g)
+    try:
+        return _Pareto(ch, spare, _PARETO_POINTS)
+    except _TooLarge:
+        pass
+    unit = g * max(1, -(-(_full_spare(ch) // g) // _ROUNDED_UNITS))
+    return _Grid(ch, unit, spare // unit, exact=False)
 
 
 def _chain_actions(ch: _OpChain, kept: list[int]) -> Actions:
@@ -305,28 +511,45 @@ class _ChainSolution:
     stats: dict
 
 
-def _solve_op_chain(graph: Graph, ch: _OpChain, budget: int) -> _ChainSolution | None:
-    """The exact (or, on huge tables, rounded-up with a rounded-down bound) DP at one budget."""
-    base = keep_all_report(graph).time_s
-    total = float(ch.time_s.sum())
+def _read(graph: Graph, ch: _OpChain, engine: _Engine, budget: int, base_s: float) -> _ChainSolution | None:
+    """The engine's plan at ``budget`` (None: none fits). A rounded engine's plan is ``feasible`` with a
+    bound from the same table rounded down (``optimal`` when both agree)."""
     spare = budget - ch.fixed_bytes
     if budget < ch.const_peak_bytes or spare < 0:
         return None
-    unit = _choose_unit(ch, spare)
-    table = _build_table(ch, spare // unit, unit)
-    r = table.units_for(budget)
-    if r is None or table.D_top[r] == -np.inf:
+    saved = engine.saved_time_s(spare)
+    if saved is None:
         return None
-    time_s = base + total - table.saved_time_s(r)
-    stats = {"unit_bytes": unit, "memory_units": table.max_units, "kept": 0, "exact_memory": not table.rounded}
-    kept = table.kept(r)
-    stats["kept"] = len(kept)
-    if not table.rounded:
+    total = float(ch.time_s.sum())
+    time_s = base_s + total - saved
+    kept = engine.kept(spare)
+    stats = {"engine": engine.kind, "exact_memory": engine.exact, "kept": len(kept)}
+    if isinstance(engine, _Grid):
+        stats["unit_bytes"] = engine.unit
+    if engine.exact:
         return _ChainSolution(_chain_actions(ch, kept), time_s, "optimal", time_s, stats)
-    low = _build_table(ch, spare // unit, unit, round_down=True)
-    bound = base + total - (low.saved_time_s(spare // unit) if low.D_top[spare // unit] > -np.inf else -np.inf)
+    low = _Grid(ch, engine.unit, engine.M, round_down=True, exact=False).saved_time_s(spare)
+    bound = base_s + total - (low if low is not None else saved)
     status = "optimal" if bound >= time_s * (1 - 1e-12) else "feasible"
-    return _ChainSolution(_chain_actions(ch, kept), time_s, status, bound, stats)
+    return _ChainSolution(_chain_actions(ch, kept), time_s, status, min(bound, time_s), stats)
+
+
+def _solve_op_chain(graph: Graph, ch: _OpChain, budget: int) -> _ChainSolution | None:
+    """The chain DP at one budget: exact (``optimal``) unless memory had to be rounded."""
+    return _read(graph, ch, _engine(ch, budget - ch.fixed_bytes), budget, keep_all_report(graph).time_s)
+
+
+def chain_min_budget_bytes(graph: Graph) -> int | None:
+    """The least budget at which a keep / recompute plan of ``graph`` fits, exactly, when ``graph`` is a
+    chain the DP solves exactly (module docstring); None otherwise."""
+    ch = _op_chain(graph)
+    if ch is None:
+        return None
+    engine = _engine(ch, _full_spare(ch))
+    if not engine.exact:
+        return None
+    low = engine.min_spare_bytes()
+    return None if low is None else max(ch.const_peak_bytes, ch.fixed_bytes + low)
 
 
 # ---- stage views (coarsened chains) ------------------------------------------------------------------
@@ -497,25 +720,24 @@ def _stage_candidates(graph: Graph, scorer: _Scorer, budgets: list[int], deadlin
 
 def _element_candidates(graph: Graph, scorer: _Scorer, budgets: list[int], deadline: float,
                         elements: list[tuple[int, tuple[int, ...]]], model: _OpChain) -> None:
-    spare = int(model.prefix[-1] + max(0, int(model.bwd_step.max()), int(model.fwd_full.max())))
-    unit = _choose_unit(model, spare)
-    table = _build_table(model, spare // unit, unit)
-    finite = np.nonzero(table.D_top > -np.inf)[0]
-    if not finite.size:
+    """Score the stage model's plans at 49 of its breakpoints (the spares where its optimum changes),
+    then, per budget, bisect between the last level that fits in the simulator and the next."""
+    engine = _engine(model, _full_spare(model))
+    points = engine.breakpoints()
+    if not points:
         return
-    lo, hi = int(finite[0]), table.max_units
-    levels = sorted({lo + (hi - lo) * i // 48 for i in range(49)})
+    levels = sorted({(len(points) - 1) * i // 48 for i in range(49)})
 
-    def plan(r: int) -> Report:
-        return scorer.add(_element_actions(graph, elements, table.kept(r)), "dp-stages")
+    def plan(i: int) -> Report:
+        return scorer.add(_element_actions(graph, elements, engine.kept(points[i])), "dp-stages")
 
-    reports = {r: plan(r) for r in levels}
+    reports = {i: plan(i) for i in levels}
     for b in budgets:
-        fitting = [r for r in levels if reports[r].peak_bytes <= b]
+        fitting = [i for i in levels if reports[i].peak_bytes <= b]
         if not fitting:
             continue
         a = max(fitting)
-        z = next((r for r in levels if r > a), a)
+        z = next((i for i in levels if i > a), a)
         while z - a > 1 and time.perf_counter() < deadline:
             mid = (a + z) // 2
             if plan(mid).peak_bytes <= b:
@@ -600,9 +822,18 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
     if ch is not None and not offload:
         sol = _solve_op_chain(graph, ch, budget_bytes)
         if sol is None:
-            return Proposal(status="infeasible", stats={"model": "chain"})
+            floor = chain_min_budget_bytes(graph)
+            if floor is None:
+                return Proposal(status="infeasible", stats={"model": "chain"})
+            raise Infeasible(f"dp: no plan of chain {graph.name!r} fits {budget_bytes} B; the least budget any "
+                             f"plan fits is exactly {floor} B", budget_bytes=budget_bytes, min_feasible_bytes=floor)
         return Proposal(sol.actions, status=sol.status, lower_bound_s=sol.lower_bound_s,
                         stats={"model": "chain", "predicted_time_s": sol.time_s, **sol.stats})
+    if ch is None and not offload and has_blocks(graph):
+        # a real model: the hierarchical solver (exact block menus, chain DP over blocks)
+        p = solve_hierarchical(graph, budget_bytes, time_limit_s=time_limit_s)
+        p.stats = {"model": "hierarchical", **p.stats}
+        return p
     scorer = _Scorer(graph, host_budget_bytes if offload else None)
     starts: list[Actions] = []
     if ch is not None:
@@ -633,11 +864,11 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
 
 
 def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | None]]:
-    """(budget, predicted overhead) for each budget from one DP table: on a chain graph the exact
-    optimum at every budget (one pass, then one read per budget); on a DAG the fastest of the stage DP's
-    plans (scored once each in the simulator) that fits. Overhead = step time / keep-everything's - 1;
-    None where no plan fits. Matches ``solve(graph, b, "dp")`` at each budget on chains."""
-    from memplan.solvers.base import memory_lower_bound
+    """(budget, predicted overhead) for each budget: on a chain graph the exact optimum at every budget
+    from one engine (one pass, then one read per budget, when the engine is exact); on a DAG, ``dp`` run
+    at each budget. Overhead = step time / keep-everything's - 1; None where no plan fits. Equal to
+    ``solve(graph, b, "dp")`` at each budget by construction: both read the same code path."""
+    from memplan.solvers.bounds import memory_lower_bound
 
     base = keep_all_report(graph).time_s
     budgets = list(budgets)
@@ -647,25 +878,28 @@ def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | Non
     ch = _op_chain(graph)
     out: list[tuple[int, float | None]] = []
     if ch is not None:
-        top = max(budgets)
-        spare = top - ch.fixed_bytes
-        if spare < 0:
-            return [(b, None) for b in budgets]
-        unit = _choose_unit(ch, spare)
-        table = _build_table(ch, spare // unit, unit)
-        total = float(ch.time_s.sum())
+        # the one table for the largest budget when it is exact (its answer at a smaller budget is then the
+        # optimum there, as solve's own table gives); a rounded one's unit could differ from the table a
+        # smaller budget gets, so then each budget is solved as solve solves it
+        top = _engine(ch, max(budgets) - ch.fixed_bytes)
         for b in budgets:
-            r = table.units_for(b) if b >= floor else None
-            if r is None or table.D_top[r] == -np.inf:
-                out.append((b, None))
-            else:
-                out.append((b, (base + total - table.saved_time_s(r)) / base - 1.0 if base > 0 else 0.0))
+            engine = top if top.exact else _engine(ch, b - ch.fixed_bytes)
+            sol = _read(graph, ch, engine, b, base) if b >= floor else None
+            out.append((b, None if sol is None else (sol.time_s / base - 1.0 if base > 0 else 0.0)))
         return out
-    scorer = _Scorer(graph)
-    _stage_candidates(graph, scorer, [b for b in budgets if b >= floor], time.perf_counter() + 60.0)
+    # a DAG: each budget solved as solve_dp solves it (the same code path), scored by the simulator
     for b in budgets:
-        best = scorer.best(b) if b >= floor else None
-        out.append((b, None if best is None else (best[0].time_s / base - 1.0 if base > 0 else 0.0)))
+        overhead = None
+        if b >= floor:
+            try:
+                p = solve_dp(graph, b)
+            except Infeasible:
+                p = None
+            if p is not None and p.status != "infeasible":
+                r = simulate_actions(graph, p.actions, prefetch_at=p.prefetch_at)
+                if r.peak_bytes <= b:
+                    overhead = r.time_s / base - 1.0 if base > 0 else 0.0
+        out.append((b, overhead))
     return out
 
 

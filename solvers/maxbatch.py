@@ -21,7 +21,7 @@ from memplan.planner.errors import GraphError, Infeasible, MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.shapes import at_shape, family_of
 from memplan.planner.units import format_bytes
-from memplan.solvers.base import (
+from memplan.solvers import (
     SolveResult,
     keep_all_report,
     memory_lower_bound,

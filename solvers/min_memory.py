@@ -182,7 +182,8 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
 
 def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
     """The smallest simulated peak among memplan's low-memory plans: keep-everything, recompute-
-    everything, offload-everything (when allowed) and :func:`min_memory_actions`; on graphs of at most
+    everything, offload-everything (when allowed) and :func:`min_memory_actions`; on chains, the exact DP's
+    least budget; on graphs of at most
     ``MAX_EXACT_SAVED`` saved activations, the oracle's exact minimum. It is achievable, so it is what an
     Infeasible error reports as the minimum feasible budget."""
     saved = graph.saved_activations
@@ -192,6 +193,11 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
         plans.append(({t: Action.OFFLOAD for t in saved}, {}))
     plans.append(min_memory_actions(graph, offload=offload))
     best = min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in plans)
+    from memplan.solvers.dp import chain_min_budget_bytes  # here: dp imports this module's strategies
+
+    exact = chain_min_budget_bytes(graph)  # a chain: the DP knows the exact least keep/recompute budget
+    if exact is not None:
+        best = min(best, exact)
     if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (or, with offload, the
         for prefetch in ("choose", "default"):  # minimum at default prefetch)
             if plan_count(graph, offload=offload, prefetch=prefetch) <= MAX_EXACT_PLANS:

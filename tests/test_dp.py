@@ -121,10 +121,11 @@ def test_a_thousand_op_chain_solves_within_budget(frac):
 
 
 def test_rounded_memory_stays_sound(monkeypatch):
-    """With a tiny table cap the DP rounds sizes up: the plan still fits, and the rounded-down pass is a
-    lower bound on the optimum (the oracle's time)."""
-    monkeypatch.setattr(dp_mod, "_MAX_CELLS", 1)
-    monkeypatch.setattr(dp_mod, "_MIN_UNITS", 4)
+    """With both exact engines disabled the DP rounds sizes up: the plan still fits, and the rounded-down
+    pass is a lower bound on the optimum (the oracle's time)."""
+    monkeypatch.setattr(dp_mod, "_GRID_CELLS", 0)
+    monkeypatch.setattr(dp_mod, "_PARETO_POINTS", 0)
+    monkeypatch.setattr(dp_mod, "_ROUNDED_UNITS", 4)
     for seed in range(12):
         g = _chain(seed, 8, workspace=True)
         lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
@@ -133,11 +134,139 @@ def test_rounded_memory_stays_sound(monkeypatch):
         r = _solve_or_none(g, budget, "dp")
         if r is None:
             continue  # rounding up may lose the last plans near the minimum: allowed, never a wrong fit
+        assert r.stats["exact_memory"] is False
         assert r.report.peak_bytes <= budget
         assert r.report.time_s >= best.report.time_s * (1 - REL)
         assert r.lower_bound_s <= best.report.time_s * (1 + REL)
         if r.status == "optimal":
             assert r.report.time_s == pytest.approx(best.report.time_s, rel=REL)
+
+
+# ---- byte boundaries: every trade-off point of the oracle, at and one byte below ---------------------
+SCALES = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GPU": 64 << 20}
+
+
+def _scaled_chain(seed: int, n: int, scale: str):
+    """A chain whose sizes are random multiples of the scale plus a random remainder (no useful gcd): at
+    GPU scale 64 MiB to 4 GiB tensors."""
+    rng = random.Random(seed)
+    unit = SCALES[scale]
+    sizes = [rng.randint(1, 64) * unit + rng.randint(0, unit - 1) for _ in range(n)]
+    g = linear_chain(n, time_s=[rng.uniform(0.1, 3.0) for _ in range(n)],
+                     backward_time_s=[rng.uniform(0.1, 4.0) for _ in range(n)], activation_bytes=sizes,
+                     input_bytes=rng.randint(1, 64) * unit + rng.randint(0, unit - 1))
+    for op in g.ops:
+        op.workspace_bytes = rng.choice([0, rng.randint(0, 8 * unit)])
+    return g.invalidate()
+
+
+def _trade_off_points(g):
+    """The oracle's frontier: the simulated peak of every plan that is the fastest at its peak."""
+    from memplan.solvers.oracle import _plans  # the oracle's enumeration (tests may read privates)
+
+    pts = sorted((simulate_actions(g, a).peak_bytes, simulate_actions(g, a).time_s) for a, _ in _plans(g, False, "default"))
+    out, best = [], float("inf")
+    for peak, t in pts:
+        if t < best * (1 - 1e-12):
+            out.append(peak)
+            best = t
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), n=st.integers(2, 8), scale=st.sampled_from(sorted(SCALES)))
+def test_dp_is_exact_at_and_one_byte_below_every_trade_off_point(seed, n, scale):
+    g = _scaled_chain(seed, n, scale)
+    points = _trade_off_points(g)
+    budgets = sorted({b for p in points for b in (p, p - 1)})
+    frontier = dict(dp_frontier(g, budgets))
+    base = keep_all_report(g).time_s
+    for b in budgets:
+        best = _solve_or_none(g, b, "oracle")
+        got = _solve_or_none(g, b, "dp")
+        assert (best is None) == (got is None), f"{scale} budget {b}: oracle {best is not None}, dp {got is not None}"
+        assert (frontier[b] is None) == (got is None)
+        if got is None:
+            continue
+        assert got.status == "optimal" and got.report.peak_bytes <= b
+        assert got.report.time_s == pytest.approx(best.report.time_s, rel=REL)
+        assert frontier[b] == pytest.approx(got.report.time_s / base - 1, rel=1e-9, abs=1e-12)
+    # the least feasible budget the DP names is the oracle's minimum, to the byte
+    assert dp_mod.chain_min_budget_bytes(g) == points[0]
+
+
+def test_refusals_name_the_exact_least_budget_of_a_long_chain():
+    """Past the oracle's size the minimum memplan quotes was the heuristics' (too high on most chains):
+    now it is the DP's exact minimum, whether the budget is below the sound lower bound or not."""
+    rng = random.Random(0)
+    n = 40
+    g = linear_chain(n, activation_bytes=[rng.randint(1, 300) for _ in range(n)])
+    for op in g.ops:
+        op.workspace_bytes = rng.randint(0, 120)
+    g.invalidate()
+    exact = dp_mod.chain_min_budget_bytes(g)
+    assert solve(g, exact, "dp").report.peak_bytes <= exact
+    for budget in (exact - 1, memory_lower_bound(g) - 1):
+        with pytest.raises(Infeasible) as info:
+            solve(g, budget, "dp")
+        assert info.value.min_feasible_bytes == exact
+
+
+def test_a_two_op_chain_at_exactly_its_only_peak_is_solved():
+    """Every plan of this chain peaks at the same byte count: that budget is feasible, one below is not,
+    and the refusal names the exact minimum."""
+    gib = 1 << 30
+    g = linear_chain(2, activation_bytes=[gib + 12345, 2 * gib + 7], input_bytes=gib + 1)
+    peak = keep_all_report(g).peak_bytes
+    assert oracle_min_peak(g) == peak
+    r = solve(g, peak, "dp")
+    assert r.status == "optimal" and r.report.time_s == pytest.approx(keep_all_report(g).time_s)
+    with pytest.raises(Infeasible) as info:
+        solve(g, peak - 1, "dp")
+    assert info.value.min_feasible_bytes == peak
+
+
+def test_the_exact_engines_agree():
+    """The grid (gcd units) and the Pareto frontier (bytes) are two exact engines of one recurrence: the
+    same optimum at every spare memory, and plans that reach it."""
+    for seed in range(6):
+        g = _chain(seed, 30, workspace=True, fixed_share=0.1)
+        ch = dp_mod._op_chain(g)
+        top = dp_mod._full_spare(ch)
+        grid = dp_mod._Grid(ch, ch.unit_gcd, top // ch.unit_gcd)
+        pareto = dp_mod._Pareto(ch, top, 10**7)
+        assert grid.breakpoints() == pareto.breakpoints()
+        for spare in range(0, top + 1, max(1, top // 40)):
+            a, b = grid.saved_time_s(spare), pareto.saved_time_s(spare)
+            assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, rel=REL))
+            if a is not None:
+                assert float(ch.time_s[pareto.kept(spare)].sum()) == pytest.approx(b, rel=REL)
+
+
+def test_a_thousand_op_chain_is_never_worse_than_torch_knapsack():
+    """On the benchmark's 1000-op chain at 70%, the exact DP against PyTorch's greedy knapsack fed the
+    same costs (the capacity scanned as a user would): the DP's optimum cannot lose."""
+    pytest.importorskip("torch")
+    from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
+
+    n = 1000
+    g = linear_chain(n, time_s=[1 + (i % 7) / 7 for i in range(n)], backward_time_s=[2 + (i % 5) / 5 for i in range(n)],
+                     activation_bytes=[1000 + 100 * (i % 5) for i in range(n)])
+    base = keep_all_report(g)
+    budget = g.fixed.resident_bytes + int(0.7 * (base.peak_bytes - g.fixed.resident_bytes))
+    r = solve(g, budget, "dp")
+    assert r.status == "optimal" and r.stats["exact_memory"] and r.report.peak_bytes <= budget
+    items = [t for t in g.saved_activations if g.tensors[t].recomputable]
+    memory = [g.tensors[t].bytes for t in items]
+    runtimes = [g.ops[g.tensors[t].producer].time_s for t in items]
+    best = float("inf")
+    for k in range(41):
+        _, save, _ = greedy_knapsack(memory, runtimes, sum(memory) * k / 40)
+        keep = {items[i] for i in save}
+        rep = simulate_actions(g, {t: Action.RECOMPUTE for t in items if t not in keep})
+        if rep.peak_bytes <= budget:
+            best = min(best, rep.time_s)
+    assert r.report.time_s <= best * (1 + REL)
 
 
 # ---- offload ------------------------------------------------------------------------------------------
@@ -200,7 +329,7 @@ def test_offload_hides_transfers_when_bandwidth_allows():
 
 
 # ---- DAGs and the chain view ------------------------------------------------------------------------------
-def test_dags_go_through_the_coarsened_chain_and_are_never_called_optimal():
+def test_dags_go_through_blocks_or_the_coarsened_chain_and_are_never_called_optimal():
     for seed in range(6):
         g = random_dag(10, seed=seed)
         lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
@@ -208,7 +337,7 @@ def test_dags_go_through_the_coarsened_chain_and_are_never_called_optimal():
         r = _solve_or_none(g, budget, "dp")
         if r is None:
             continue
-        assert r.status == "feasible" and r.stats["model"] == "stages"
+        assert r.status == "feasible" and r.stats["model"] in ("stages", "hierarchical")
         assert r.report.peak_bytes <= budget
         assert r.report.time_s >= solve(g, budget, "oracle").report.time_s * (1 - REL)
 

@@ -21,7 +21,7 @@ from memplan.planner.graph import Graph, Op, TensorInfo
 from memplan.planner.shapes import Poly, ShapeMatcher, at_shape, family_of, fit_family
 from memplan.planner.units import parse_budget
 from memplan.solvers import solve
-from memplan.solvers.base import activation_bytes
+from memplan.solvers.bounds import activation_bytes
 
 # ---- torch-free: fitting and evaluating ---------------------------------------------------------------
 
