@@ -2,7 +2,8 @@
 gates (``addmm`` then ``add_``/``sigmoid_``/``tanh_``/``mul_`` on chunks, reading the other ``addmm``'s
 output and the reset gate) and ``x += residual`` are replayed as their producer and in-place ops in
 forward order. The profile marks them; the simulator, the schedule and the executor agree on every replay;
-training under low-memory plans of several solver families is bitwise plain training.
+training under low-memory plans of several solver families is bitwise plain training. Offloaded, such a
+tensor is copied to host when its last in-place writer has run.
 
 The models: ``nn.GRUCell`` and ``nn.LSTMCell`` unrolled (the ``rnn`` built-in, tiny sizes) and a residual
 MLP whose blocks end in ``h += x``."""
@@ -163,7 +164,7 @@ def test_a_reader_of_a_tensor_written_later_cannot_be_replayed():
 # cells (docs/benchmarks.md); "all" recomputes every rebuildable saved tensor (the deepest replays).
 CASES = [(n, m) for n in ("gru", "lstm") for m in ("greedy", "capuchin", "all")]
 CASES += [pytest.param(n, "ilp", marks=pytest.mark.slow) for n in ("gru", "lstm")]
-CASES += [("residual", "all")]
+CASES += [("residual", "all"), ("gru", "offload"), ("lstm", "offload")]
 
 
 @functools.cache
@@ -174,6 +175,8 @@ def low_plan(name: str, method: str) -> Plan:
     g = graph_of(name)
     if method == "all":
         return Plan.for_graph(g, {t: Action.RECOMPUTE for t in g.saved_activations if g.tensors[t].recomputable})
+    if method == "offload":
+        return Plan.for_graph(g, {t: Action.OFFLOAD for t in g.saved_activations})
     lo, hi = memory_lower_bound(g), keep_all_report(g).peak_bytes
     for frac in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9):
         try:
@@ -218,11 +221,18 @@ def test_low_memory_plans_replay_chains_as_simulated_and_train_bitwise(name, met
     plan = low_plan(name, method)
     rep = simulate(g, plan)
     sched = schedule(g, plan)
-    chains = {t for t, a in plan.actions().items() if a == Action.RECOMPUTE and _readers_of_other_activations(g, t)}
-    replayed = {m for e in sched.replays() for m in e.ops}
-    # the plan drops chain tensors, and the schedule's replays re-run their in-place ops
-    assert chains and any(set(g.tensors[t].rebuilt_by) <= replayed for t in chains)
-    if method != "all":
+    chains = {t for t, a in plan.actions().items() if a != Action.KEEP and _readers_of_other_activations(g, t)}
+    if method == "offload":
+        # a chain tensor is copied to host once its last in-place writer has run: the gates are saved by
+        # their first sigmoid_, before the other chunks are finished, and copied after the last one
+        d2h = {e.tensor: e.at for e in sched.of("d2h")}
+        assert chains and all(d2h[t] == max(g.tensors[t].rebuilt_by[-1], min(g.savers[t])) for t in chains)
+        assert any(d2h[t] > min(g.savers[t]) for t in chains)
+    else:
+        replayed = {m for e in sched.replays() for m in e.ops}
+        # the plan drops chain tensors, and the schedule's replays re-run their in-place ops
+        assert chains and any(set(g.tensors[t].rebuilt_by) <= replayed for t in chains)
+    if method not in ("all", "offload"):
         assert rep.peak_bytes < keep_all_report(g).peak_bytes
 
     want_losses, want_params = _plain(name)
@@ -233,4 +243,10 @@ def test_low_memory_plans_replay_chains_as_simulated_and_train_bitwise(name, met
     assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
     # the executor replays what the simulator charges, event for event
     assert replays == [rep.recomputed_ops] * STEPS
-    assert events[0] == sched.executed()
+    # event for event, except where the executor logs autograd's save-detaches (not dispatched under
+    # saved-tensor hooks; it notes them when the next op arrives): an input packed by that next op is
+    # copied before the note (LSTM: the previous cell state, saved by mul right after a sigmoid_'s detach)
+    def real(keys: list[tuple]) -> list[tuple]:
+        return [k for k in keys if not (k[0] == "compute" and g.ops[k[1]].name == "aten.detach.default")]
+
+    assert real(events[0]) == real(sched.executed())
