@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from memplan.executor import apply
-from memplan.planner.errors import Infeasible
+from memplan.planner.errors import Infeasible, WorkloadError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Action, Plan
 from memplan.planner.profiler import profile
@@ -250,3 +250,10 @@ def test_low_memory_plans_replay_chains_as_simulated_and_train_bitwise(name, met
         return [k for k in keys if not (k[0] == "compute" and g.ops[k[1]].name == "aten.detach.default")]
 
     assert real(events[0]) == real(sched.executed())
+
+
+def test_rnn_workload_options():
+    w = load_workload("rnn", cell="lstm", steps=3, hidden_size=8, input_size=4, batch_size=2)
+    assert isinstance(w.model.cell, nn.LSTMCell) and w.batch[0].shape == (3, 2, 4)
+    with pytest.raises(WorkloadError, match=r"workload 'rnn': cell must be 'gru' or 'lstm', got 'rnn'"):
+        load_workload("rnn", cell="rnn")
