@@ -12,7 +12,8 @@ How a step runs (see docs/model.md for the model it reproduces):
 * **Saved tensors** go through ``saved_tensors_hooks``. A *kept* one (and every parameter, buffer, input,
   or view of one: they are not activations) is returned as is. A *recomputed* one is packed as a handle
   (tensor id and view geometry), and autograd no longer holds its storage, which dies at its last forward
-  use. An *offloaded* one is copied to its slot of the host pool as it is packed and packed as a handle.
+  use. An *offloaded* one is copied to its slot of the host pool as it is packed (one written in place
+  later, a recurrent cell's gates, when its last writer has run) and packed as a handle.
 * **Recompute** is the simulator's lazy replay, decided by the same function
   (:func:`memplan.planner.replay.replay`): when backward unpacks a missing tensor, its producer (and its
   in-place initialisers) are replayed from recipes recorded in forward (the ATen op, its non-tensor
@@ -53,6 +54,7 @@ from memplan.planner.profiler import map_leaves, storage_of, tensors_in
 from memplan.planner.replay import replay
 from memplan.planner.schedule import ScheduleEvent
 from memplan.planner.shapes import ShapeMatcher
+from memplan.planner.simulator import static_facts
 
 if TYPE_CHECKING:
     from memplan.executor.apply import Executor
@@ -173,6 +175,10 @@ class _Step:
         self.events: list[ScheduleEvent] = []                  # what it performed, in the schedule's terms
         self.rng_device = None
         self.shapes = ShapeMatcher(ex.family, self.g) if ex.family is not None else None
+        # offloaded tensors written in place after their first saver: copied when the last writer has run,
+        # as the simulator does (static_facts.d2h_after); op -> {tensor id: its storage}
+        self.d2h_after = static_facts(self.g).d2h_after
+        self.deferred: dict[int, dict[int, torch.UntypedStorage]] = {}
         for p in ex.fixed_tensors:
             self._see(p, -1)
 
@@ -258,6 +264,8 @@ class _Step:
             if k in ex.rng_ops:
                 rng = self._capture_rng(inputs)
         out = func(*args, **kwargs)
+        for tid, s in self.deferred.pop(k, {}).items():  # its last in-place writer has run
+            self._offload(tid, s)
         outs = tensors_in(out)
         new: list[tuple[int, int]] = []
         for pos, t in enumerate(outs):
@@ -351,7 +359,11 @@ class _Step:
         if action == Action.KEEP:
             return t
         if action == Action.OFFLOAD:
-            self._offload(tid, s)
+            writer = self.d2h_after.get(tid)
+            if writer is not None and writer >= self.cursor:  # written in place later: copied after it
+                self.deferred.setdefault(writer, {})[tid] = s
+            else:
+                self._offload(tid, s)
         self.pending_unpacks[tid] += 1
         return _Packed(self, tid, t)
 

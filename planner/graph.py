@@ -76,12 +76,14 @@ class TensorInfo(_Strict):
     recomputable: bool = Field(
         default=True,
         description="False when its content cannot be rebuilt by re-running its producer (and its "
-                    "rebuilt_by ops): mutated in place after others read it, or produced by an op that "
-                    "writes into its inputs")
+                    "rebuilt_by ops): mutated in place by ops the profiler does not accept as a chain, "
+                    "produced by an op that writes into its inputs, or rebuilt by an op that reads a tensor "
+                    "a later op writes in place")
     rebuilt_by: list[int] = Field(
         default_factory=list,
-        description="ops that initialise it in place right after its producer (dropout's bernoulli_ and "
-                    "div_ into an empty_like, an in-place ReLU): a replay re-runs them after the producer")
+        description="ops that finish it in place after its producer (dropout's bernoulli_ and div_ into an "
+                    "empty_like, an in-place ReLU, x += residual, a recurrent cell's gates): a replay re-runs "
+                    "them after the producer, in forward order")
 
     @field_validator("shape")
     @classmethod

@@ -647,31 +647,39 @@ def _backward_figures(trace: _Trace, n_ops: int) -> tuple[list[int], list[int], 
 
 
 def _initialisers(trace: _Trace, new_id: dict[int, int], mutated_by: dict[int, list[int]]) -> dict[int, list[int]]:
-    """{graph tensor id: the ops that finish it in place} for the mutated activations whose content a
-    replay can still rebuild: every op that writes it writes nothing else, creates no storage and reads
-    no other activation, and no other op reads it before the last of them (dropout's ``empty_like`` ->
-    ``bernoulli_`` -> ``div_`` mask; ``relu_`` right after its producer). Replaying the producer and
-    then these ops, in order and under the recorded RNG state, gives back exactly what backward saw."""
-    readers: dict[int, list[int]] = {}
-    for k, op in enumerate(trace.ops):
-        for t in op.inputs:
-            if t in new_id:
-                readers.setdefault(new_id[t], []).append(k)
-    trace_id = {gid: tid for tid, gid in new_id.items()}
+    """{graph tensor id: the ops that finish it in place} for the mutated activations a replay can rebuild
+    by running their producer and then these ops in forward order, under the recorded RNG state: each of
+    these ops writes only that storage (through any view of it) and creates none, and the producer has no
+    other output (a replay for another output would skip them). Covered: dropout's ``empty_like`` ->
+    ``bernoulli_`` -> ``div_`` mask, ``relu_`` after a linear, ``x += residual``, and recurrent cells'
+    gates finished by ``add_``/``sigmoid_``/``tanh_``/``mul_`` on chunks that read other activations.
+
+    What the ops read besides the storage is needed by the replay as any input is; that it holds the
+    value the op read in forward is checked by :func:`_stale_readers` (the other half of the rule)."""
     out: dict[int, list[int]] = {}
+    trace_id = {gid: tid for tid, gid in new_id.items()}
     for gid, ops in mutated_by.items():
         if len(trace.ops[trace.storages[trace_id[gid]].producer].outputs) != 1:
-            continue  # replaying a multi-output producer for another output would skip the initialisers
-        ok = True
-        for k in ops:
-            op = trace.ops[k]
-            acts = {new_id[t] for t in op.inputs if t in new_id and trace.storages[t].kind == "activation"}
-            if op.outputs or {new_id.get(t) for t in op.writes} != {gid} or acts - {gid}:
-                ok = False
-                break
-        last = max(ops)
-        if ok and all(k in ops for k in readers.get(gid, []) if k <= last):
+            continue
+        if all(not trace.ops[k].outputs and {new_id.get(t) for t in trace.ops[k].writes} == {gid} for k in ops):
             out[gid] = sorted(ops)
+    return out
+
+
+def _stale_readers(trace: _Trace, new_id: dict[int, int], mutated_by: dict[int, list[int]]) -> set[int]:
+    """Ops that read an activation which a later op writes in place: replayed, such an op would read the
+    tensor's final content (a resident, fetched or fully rebuilt copy), not what it read in forward
+    (``y = h * 3; h.relu_()``; autograd's clone of ``self`` before an in-place ``mul_``). A tensor whose
+    replay runs one of them cannot be rebuilt; its readers still can, from the kept tensor."""
+    last_write = {gid: max(ops) for gid, ops in mutated_by.items()}
+    out = set()
+    for k, op in enumerate(trace.ops):
+        for t in op.inputs:
+            gid = new_id.get(t, -1)
+            # an op that writes the tensor itself reads it mid-chain by design: it runs only in a replay
+            # that rebuilds that tensor, in forward order with the rest of the chain
+            if last_write.get(gid, -1) > k and k not in mutated_by[gid]:
+                out.add(k)
     return out
 
 
@@ -702,6 +710,7 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
                 mutated_by.setdefault(new_id[t], []).append(k)
 
     initialisers = _initialisers(trace, new_id, mutated_by)
+    stale = _stale_readers(trace, new_id, mutated_by)
     tensors = []
     for i, st in enumerate(order):
         act = st.kind == "activation"
@@ -715,11 +724,14 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
             freed_after = max(n_ops - 1 if died is None else died, st.producer)
         producer_writes = act and bool(trace.ops[st.producer].writes)
         rebuilt_by = initialisers.get(i, [])
+        # rebuilt by re-running its producer and rebuilt_by ops: each must see what it saw in forward
+        stale_replay = act and any(k in stale for k in (st.producer, *rebuilt_by))
         tensors.append(TensorInfo(
             id=i, kind=st.kind, producer=st.producer if act else None, output_index=st.output_index if act else 0,
             bytes=st.nbytes, dtype=st.dtype, shape=st.shape, requires_grad=st.requires_grad,
             freed_after=freed_after, held_by_caller=act and st.held,
-            recomputable=not ((i in mutated_by and not rebuilt_by) or producer_writes), rebuilt_by=rebuilt_by))
+            recomputable=not ((i in mutated_by and not rebuilt_by) or producer_writes or stale_replay),
+            rebuilt_by=rebuilt_by if act and not stale_replay else []))
 
     ops = []
     for k, rec in enumerate(trace.ops):

@@ -8,7 +8,8 @@ The cost model is stated in docs/model.md; in short:
   compute clock advances by ``time_s``; then every activation whose last forward use is ``i`` is freed,
   unless backward saves it and the plan keeps it, or the caller holds it (``held_by_caller``).
   An offloaded activation is copied to host on the copy stream right after its first saver (the forward op
-  whose autograd node first saves it: its content is final then, in-place initialisers included), and its
+  whose autograd node first saves it: its content is final then, in-place initialisers included; one
+  written in place after that, a recurrent cell's gates, is copied when its last writer ends), and its
   device memory is released at the first op boundary after both its last forward use and the copy's end.
 * Backward, ops in reverse: prefetches scheduled at this op start (device buffer allocated now, copy on
   the copy stream); missing saved tensors are made resident: an offloaded one waits for its copy (the
@@ -94,6 +95,10 @@ class StaticFacts:
     saved_at: list[list[int]]       # op -> saved activations first saved by it, in unpack_order: an
                                     # offloaded input is copied to host when the op starts, an output when
                                     # it ends
+    d2h_after: dict[int, int]       # saved activation written in place at or after its first saver (its
+                                    # rebuilt_by ops) -> its last writer: an offloaded one is copied when
+                                    # that op ends, its content final
+    d2h_after_op: list[list[int]]   # op -> the tensors of d2h_after whose last writer it is, in pack order
 
 
 def static_facts(graph: Graph) -> StaticFacts:
@@ -140,8 +145,13 @@ def static_facts(graph: Graph) -> StaticFacts:
         order = [t for t in ts if t not in op.outputs] + [t for t in ts if t in op.outputs]
         unpack_order.append(order)
         saved_at[op.id] = [t for t in order if saved[t] and release_at[t] == op.id]
+    d2h_after = {t.id: t.rebuilt_by[-1] for t in graph.tensors
+                 if saved[t.id] and t.rebuilt_by and t.rebuilt_by[-1] >= release_at[t.id]}
+    d2h_after_op: list[list[int]] = [[] for _ in range(n_o)]
+    for t in sorted(d2h_after, key=lambda t: (release_at[t], saved_at[release_at[t]].index(t))):
+        d2h_after_op[d2h_after[t]].append(t)
     st = StaticFacts(saved, fwd_free_at, release_at, first_bwd, frees_after_fwd, releases_after_bwd, is_act,
-                     fixed_content, unpack_order, saved_at)
+                     fixed_content, unpack_order, saved_at, d2h_after, d2h_after_op)
     graph.__dict__["_memplan_sim_static"] = st
     return st
 
@@ -348,13 +358,18 @@ class _Replay:
                     self.live += tensors[t].bytes
             during = self.live + op.workspace_bytes
             self._bump(during, "forward", op.id, f"forward op {op.id} ({op.name})")
-            ins = [t for t in st.saved_at[op.id] if t not in op.outputs]
-            for t in ins:  # a saved input's content is final when its first saver starts
-                self._d2h(t, op.id)
+            first = st.saved_at[op.id]
+            for t in first:  # a saved input's content is final when its first saver starts
+                if t not in op.outputs and t not in st.d2h_after:
+                    self._d2h(t, op.id)
             self._sched("compute", op.id, reason=op.name)
             self.now += op.time_s
-            for t in st.saved_at[op.id][len(ins):]:  # a saved output's, when it ends
-                self._d2h(t, op.id)
+            for t in st.d2h_after_op[op.id]:  # written in place after its first saver: after the last writer
+                if st.release_at[t] < op.id:
+                    self._d2h(t, op.id)
+            for t in first:  # a saved output's, when it ends
+                if (t in op.outputs and t not in st.d2h_after) or st.d2h_after.get(t) == op.id:
+                    self._d2h(t, op.id)
             for t in st.frees_after_fwd[op.id]:
                 if not self.resident[t] or self._pinned(t):
                     continue

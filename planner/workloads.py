@@ -18,7 +18,9 @@ Built-ins (random weights, nothing downloaded; sized so one CPU step takes well 
 * ``resnet`` transformers' ``ResNetForImageClassification`` on small images;
 * ``gpt2``   transformers' ``GPT2LMHeadModel``, dropout on, next-token cross-entropy;
 * ``unet``   a small U-Net defined here: long skip connections make it a DAG, not a chain;
-* ``bert``   transformers' ``BertForMaskedLM``, masked-token cross-entropy.
+* ``bert``   transformers' ``BertForMaskedLM``, masked-token cross-entropy;
+* ``rnn``    a ``GRUCell`` (``cell="gru"``) or ``LSTMCell`` (``cell="lstm"``) unrolled over ``steps``
+  time steps: its gates are finished by in-place ops that read other activations.
 
 Each takes ``size`` (a preset: ``small``, the default, or a larger one from :data:`SIZES`) and keyword
 overrides named after the transformers config field they set (``load_workload("gpt2", n_layer=12)``,
@@ -230,8 +232,46 @@ def _unet(*, channels: tuple[int, ...], image_size: int, batch_size: int, seed: 
     return Workload("unet", model, (x, target), loss_fn)
 
 
+class UnrolledCell(nn.Module):
+    """A recurrent cell (``nn.GRUCell`` or ``nn.LSTMCell``) unrolled over a sequence, then a linear head
+    on the last hidden state. On CPU the cells compute their gates with ``addmm`` and finish them in place
+    (``add_``, ``sigmoid_``, ``tanh_``, ``mul_`` on chunks, reading other activations): the in-place chains
+    the profiler marks rebuildable."""
+
+    def __init__(self, cell: str, input_size: int, hidden_size: int):
+        super().__init__()
+        if cell not in ("gru", "lstm"):
+            raise WorkloadError(f"workload 'rnn': cell must be 'gru' or 'lstm', got {cell!r}")
+        self.lstm = cell == "lstm"
+        self.cell = (nn.LSTMCell if self.lstm else nn.GRUCell)(input_size, hidden_size)
+        self.head = nn.Linear(hidden_size, input_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (steps, batch, input_size)
+        h = x.new_zeros(x.shape[1], self.cell.hidden_size)
+        c = h
+        for x_t in x:
+            if self.lstm:
+                h, c = self.cell(x_t, (h, c))
+            else:
+                h = self.cell(x_t, h)
+        return self.head(h)
+
+
+def _rnn(*, cell: str, steps: int, input_size: int, hidden_size: int, batch_size: int, seed: int = 0) -> Workload:
+    torch.manual_seed(seed)
+    model = UnrolledCell(cell, input_size, hidden_size)
+    x = torch.randn(steps, batch_size, input_size)
+    y = torch.randn(batch_size, input_size)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, target = batch
+        return nn.functional.mse_loss(model(inputs), target)
+
+    return Workload("rnn", model, (x, y), loss_fn)
+
+
 BUILTINS: dict[str, Callable[..., Workload]] = {
-    "mlp": _mlp, "resnet": _resnet, "gpt2": _gpt2, "unet": _unet, "bert": _bert,
+    "mlp": _mlp, "resnet": _resnet, "gpt2": _gpt2, "unet": _unet, "bert": _bert, "rnn": _rnn,
 }
 
 # ``size`` presets; "small" is the default, sized for a CPU step well under a second. The larger ones are
@@ -259,6 +299,9 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "base": {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "vocab_size": 30522,
                  "seq_len": 256, "batch_size": 4},
     },
+    "rnn": {
+        "small": {"cell": "gru", "steps": 64, "input_size": 32, "hidden_size": 256, "batch_size": 64},
+    },
     "unet": {
         "small": {"channels": (16, 32, 64, 128), "image_size": 64, "batch_size": 4},
         "large": {"channels": (32, 64, 128, 256, 512), "image_size": 128, "batch_size": 4},
@@ -270,7 +313,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def load_workload(spec: str, **overrides: Any) -> Workload:
-    """A :class:`Workload` from a built-in name (``mlp``, ``resnet``, ``gpt2``, ``unet``, ``bert``) or
+    """A :class:`Workload` from a built-in name (``mlp``, ``resnet``, ``gpt2``, ``unet``, ``bert``, ``rnn``) or
     ``path/to/file.py:function``. ``overrides`` go to the builder as keyword arguments.
 
     Raises :class:`WorkloadError` with a one-line message for an unknown name, a missing file or

@@ -464,7 +464,10 @@ class Builder:
         # Which replay ops read each tensor (the traversal goes from a replayed op to its inputs).
         readers: dict[int, list[int]] = {}
         for q in rep_ops:
-            for v in dict.fromkeys(ops[q].inputs):
+            # a replayed producer re-runs its output's in-place chain (rebuilt_by): what those ops read is
+            # read at q too (the model places the chain with its producer)
+            chain = [v for u in ops[q].outputs for m in tensors[u].rebuilt_by for v in ops[m].inputs]
+            for v in dict.fromkeys([*ops[q].inputs, *chain]):
                 if v in in_c or v in frontier:
                     readers.setdefault(v, []).append(q)
         avail = {u: self.available(u, s, key) for u in in_c | frontier}
