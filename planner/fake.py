@@ -4,7 +4,8 @@
 strides and dtypes on the target device (``torch.nn.utils.stateless`` reparametrisation: the user's
 module and its tensors are left as they were), makes the batch fake and builds a fake optimizer of the
 user's class and hyper-parameters over the fake parameters, so its state is created fake by its first
-step. A model built on the meta device works the same: nothing of its size is ever allocated.
+step. A model built on the meta device works the same: nothing of its size is ever allocated. A batch already
+on the target device stays real, and calls on real tensors alone run for real (:func:`fake_call`).
 
 :func:`fake_call` runs one ATen call on fake tensors and turns the errors of a step that cannot be traced
 so (an output whose shape or value depends on tensor data: ``nonzero``, ``.item()``) into one
@@ -24,11 +25,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memplan.planner.errors import MemplanError
 from memplan.planner.workloads import default_optimizer
@@ -42,8 +44,15 @@ class FakeTraceError(MemplanError):
 
 
 def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
-    """``func(*args, **kwargs)`` on fake tensors; :class:`FakeTraceError` naming ``func`` and ``where``
-    (the module running it) when fake tensors cannot run it."""
+    """``func(*args, **kwargs)`` under fake tensors; :class:`FakeTraceError` naming ``func`` and ``where``
+    (the module running it) when fake tensors cannot run it. A call whose tensors are all real (the
+    batch, and what is computed from it alone: an attention mask checked with ``.item()``) runs for real,
+    below every mode, as it does in a real step."""
+    tensors: list[torch.Tensor] = []
+    _leaves((args, kwargs), tensors)
+    if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+        with _disable_current_modes():
+            return func(*args, **kwargs)
     try:
         return func(*args, **kwargs)
     except _CANNOT as e:
@@ -103,8 +112,12 @@ def fake_step_state(model: nn.Module, batch: Any, optimizer: torch.optim.Optimiz
 
     swapped = {name: fake_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
     swapped |= {name: fake_of(b) for name, b in model.named_buffers(remove_duplicate=False)}
-    fake_batch = _map(batch, fake_of)
     inputs: list[torch.Tensor] = []
+    _leaves(batch, inputs)
+    # A batch already on the device stays real (it is small, and the model may look at its values, as
+    # transformers does with an attention mask); elsewhere (the meta device, another device) it is faked.
+    fake_batch = batch if all(t.device == device for t in inputs) else _map(batch, fake_of)
+    inputs = []
     _leaves(fake_batch, inputs)
     with _reparametrize_module(model, swapped, tie_weights=True, strict=False), mode:
         params = [p for _, p in model.named_parameters()]

@@ -231,21 +231,26 @@ def materialise(call: OpCall, device: torch.device) -> tuple[tuple, dict]:
 
 
 class OpTimeCache:
-    """``key -> (time_s, high_bytes)`` in a SQLite file; safe for several processes."""
+    """``key -> (time_s, high_bytes, output storage bytes)`` in a SQLite file; safe for several processes."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.directory / "optimes.sqlite", timeout=30)
-        self.db.execute("CREATE TABLE IF NOT EXISTS optimes (key TEXT PRIMARY KEY, time_s REAL, high_bytes INTEGER)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS optimes2 (key TEXT PRIMARY KEY, time_s REAL, "
+                        "high_bytes INTEGER, output_bytes TEXT)")
 
-    def get(self, key: str) -> tuple[float, int] | None:
-        row = self.db.execute("SELECT time_s, high_bytes FROM optimes WHERE key = ?", (key,)).fetchone()
-        return (float(row[0]), int(row[1])) if row else None
+    def get(self, key: str) -> tuple[float, int, tuple[int, ...]] | None:
+        row = self.db.execute("SELECT time_s, high_bytes, output_bytes FROM optimes2 WHERE key = ?",
+                              (key,)).fetchone()
+        if not row:
+            return None
+        return float(row[0]), int(row[1]), tuple(int(b) for b in row[2].split(",") if b)
 
-    def put(self, rows: list[tuple[str, float, int]]) -> None:
+    def put(self, rows: list[tuple[str, float, int, tuple[int, ...]]]) -> None:
         with self.db:
-            self.db.executemany("INSERT OR REPLACE INTO optimes VALUES (?, ?, ?)", rows)
+            self.db.executemany("INSERT OR REPLACE INTO optimes2 VALUES (?, ?, ?, ?)",
+                                [(k, t, h, ",".join(map(str, o))) for k, t, h, o in rows])
 
     def close(self) -> None:
         self.db.close()
@@ -342,11 +347,13 @@ def _pinned_bandwidth(device: torch.device) -> float:
 @dataclass
 class Timing:
     """A call's time, its allocator high-water mark (bytes above what was allocated before it, outputs
-    included; 0 when analytic) and how it was timed ("isolated" or "analytic")."""
+    included; 0 when analytic), how it was timed ("isolated" or "analytic") and, when it ran, the storage
+    bytes of each tensor it returned (flattened in argument order)."""
 
     time_s: float
     high_bytes: int
     source: str
+    output_bytes: tuple[int, ...] = ()  # storage bytes of each output tensor when it ran (isolated)
 
 
 @dataclass
@@ -402,11 +409,11 @@ class OpTimer:
             for key, c in distinct.items():
                 hit = cache.get(_hashed(f"{key}|{identity}"))
                 if hit is not None:
-                    results[key] = Timing(hit[0], hit[1], "isolated")
+                    results[key] = Timing(hit[0], hit[1], "isolated", hit[2])
                 else:
                     todo[key] = c
             self.stats.cache_hits += len(distinct) - len(todo)
-            highs, failed = self._high_water(todo)
+            highs, outputs, failed = self._high_water(todo)
             rows = []
             for key, c in todo.items():
                 seconds = None if key in failed else self._run_timed(c)
@@ -414,8 +421,8 @@ class OpTimer:
                     results[key] = Timing(analytic_time_s(c, self.local_spec()), 0, "analytic")
                     self.stats.analytic += 1
                     continue
-                results[key] = Timing(seconds, highs.get(key, 0), "isolated")
-                rows.append((_hashed(f"{key}|{identity}"), seconds, highs.get(key, 0)))
+                results[key] = Timing(seconds, highs.get(key, 0), "isolated", outputs.get(key, ()))
+                rows.append((_hashed(f"{key}|{identity}"), seconds, highs.get(key, 0), outputs.get(key, ())))
                 self.stats.isolated_runs += 1
             cache.put(rows)
         finally:
@@ -444,13 +451,14 @@ class OpTimer:
         except Exception:  # noqa: BLE001 - any failure means "cannot run alone": analytic instead
             return None
 
-    def _high_water(self, todo: dict[str, OpCall]) -> tuple[dict[str, int], set[str]]:
-        """Each call's allocator high-water mark, run once; and the keys that failed to run. Records the
-        pass's own high-water mark (inputs included) in ``stats.peak_bytes``."""
+    def _high_water(self, todo: dict[str, OpCall]) -> tuple[dict[str, int], dict[str, tuple[int, ...]], set[str]]:
+        """Each call's allocator high-water mark and its outputs' storage bytes, run once; and the keys that
+        failed to run. Records the pass's own high-water mark (inputs included) in ``stats.peak_bytes``."""
         highs: dict[str, int] = {}
+        outputs: dict[str, tuple[int, ...]] = {}
         failed: set[str] = set()
         if not todo:
-            return highs, failed
+            return highs, outputs, failed
         if self.device.type == "cuda":
             base = torch.cuda.memory_allocated(self.device)
             peak = 0
@@ -462,12 +470,13 @@ class OpTimer:
                     torch.cuda.reset_peak_memory_stats(self.device)
                     out = c.func(*args, **kwargs)
                     self._sync()
+                    outputs[key] = _storage_bytes(out)
                     high = torch.cuda.max_memory_allocated(self.device)
                     highs[key] = high - before
                     peak = max(peak, high - base)
                     del out, args, kwargs
             self.stats.peak_bytes = max(self.stats.peak_bytes, peak)
-            return highs, failed
+            return highs, outputs, failed
         names: dict[str, str] = {}
         with allocator_events() as prof:
             for i, (key, c) in enumerate(todo.items()):
@@ -476,6 +485,7 @@ class OpTimer:
                     names[f"memplan:{i}"] = key
                     with torch._C._profiler._RecordFunctionFast(f"memplan:{i}"):
                         out = c.func(*args, **kwargs)
+                    outputs[key] = _storage_bytes(out)
                     del out, args, kwargs
         for name, high in allocation_highs(prof).items():
             if name in names:
@@ -484,7 +494,13 @@ class OpTimer:
         for _, size in cpu_allocations(prof):
             running += size
             self.stats.peak_bytes = max(self.stats.peak_bytes, running)
-        return highs, failed
+        return highs, outputs, failed
+
+
+def _storage_bytes(out: Any) -> tuple[int, ...]:
+    tensors: list[torch.Tensor] = []
+    _collect_tensors(out, tensors)
+    return tuple(t.untyped_storage().nbytes() for t in tensors)
 
 
 @contextlib.contextmanager

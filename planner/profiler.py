@@ -112,6 +112,7 @@ class _OpRecord:
     scope: int = -1  # the call's number, which keys its allocator high-water mark
     workspace_bytes: int = 0
     has_backward: bool = False
+    positions: list[int] = field(default_factory=list)  # each output's position among the call's tensors
 
 
 @dataclass
@@ -335,13 +336,14 @@ class _Tracer(TorchDispatchMode):
         self.t.ops.append(rec)
         out, rec.time_s, rec.scope = self._timed(func, args, kwargs)
         outs = _tensors(out)
-        for t in outs:
+        for position, t in enumerate(outs):
             s = _storage(t)
             if s is not None and s._cdata not in self.by_key:  # inputs are registered: this one is new
                 tid = self.register(t, "activation")
                 st = self.t.storages[tid]
                 st.producer, st.output_index = k, len(rec.outputs)
                 rec.outputs.append(tid)
+                rec.positions.append(position)
         self.pending = (k, outs)
         return out
 
@@ -528,8 +530,9 @@ class _Lifetimes(TorchDispatchMode):
     references (module code, model outputs) keep a storage alive: what a plan that recomputes or offloads
     it leaves behind."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake: bool = False) -> None:
         super().__init__()
+        self.fake = fake                 # calls go through fake_call (fake tensors; real ones run for real)
         self.names: list[str] = []
         self.deaths: list[list[int | None]] = []
         self.known: set[int] = set()
@@ -559,7 +562,7 @@ class _Lifetimes(TorchDispatchMode):
             s = _storage(t)
             if s is not None and s._cdata not in self.known:
                 self._track(s, None)
-        out = func(*args, **kwargs)
+        out = fake_call(func, args, kwargs, "the lifetime pass") if self.fake else func(*args, **kwargs)
         self.names.append(str(func))
         row: list[int | None] = []
         self.deaths.append(row)
@@ -570,13 +573,14 @@ class _Lifetimes(TorchDispatchMode):
         return out
 
 
-def _forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list[str]) -> dict[tuple[int, int], int | None] | None:
+def _forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list[str],
+                       fake: bool = False) -> dict[tuple[int, int], int | None] | None:
     """{(forward op, output index): the graph op during which the program itself dropped that storage}
     from one more forward (model and loss, no backward) under saved-tensor hooks that hold nothing.
     ``names`` are the traced step's op names; the ``aten.detach`` autograd runs when it saves an output is
     not dispatched without its own hold, so those are skipped when aligning. None if the ops do not align
     (then the graph keeps what the traced step saw)."""
-    mode = _Lifetimes()
+    mode = _Lifetimes(fake)
     with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _p: None), mode:
         loss = compute_loss(model, batch, loss_fn)
         del loss
@@ -940,7 +944,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                              {"param": st.params, "buffer": st.buffers, "input": st.inputs}, lambda: None,
                              structure=True, memory="fake", tracers=tracers)
         advance()
-        lifetimes = _forward_lifetimes(model, st.batch, loss_fn, [op.name for op in first.ops])
+        lifetimes = _forward_lifetimes(model, st.batch, loss_fn, [op.name for op in first.ops], fake=True)
         optimizer_name = type(st.optimizer).__name__
         advance()
     timer = OpTimer(device, spec=device_spec, cache_dir=cache_dir)
@@ -951,7 +955,14 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     for (number, phase, clock, _call), timing in zip(first.calls, timings, strict=True):
         first.high[number] = timing.high_bytes
         if phase == "forward" and number in forward:
-            first.ops[forward[number]].time_s = timing.time_s
+            rec = first.ops[forward[number]]
+            rec.time_s = timing.time_s
+            for tid, position in zip(rec.outputs, rec.positions, strict=True):
+                # a kernel may return a view of a larger buffer than its meta function says (CPU mse_loss):
+                # what the allocator holds is the real storage, seen when the call ran alone
+                if position < len(timing.output_bytes):
+                    st = first.storages[tid]
+                    st.nbytes = max(st.nbytes, round_allocation(timing.output_bytes[position], device.type))
         elif phase == "backward":
             first.backward_time_s[clock] = first.backward_time_s.get(clock, 0.0) + timing.time_s
         elif phase == "optimizer":
