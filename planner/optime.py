@@ -121,9 +121,8 @@ def _describe(x: Any) -> str:
         return f"[{inner}]" if isinstance(x, list) else f"({inner})"
     if isinstance(x, dict):
         return "{" + ",".join(f"{k}={_describe(v)}" for k, v in sorted(x.items())) + "}"
-    if isinstance(x, torch.Generator):
-        return "Generator"
-    return repr(x)
+    text = repr(x)
+    return type(x).__name__ if " at 0x" in text else text  # an object's address is no part of the call
 
 
 def _metas(x: Any, out: list[TensorMeta]) -> None:
@@ -302,12 +301,12 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    n = 4096 if device.type == "cuda" else 512
+    n = 4096 if device.type == "cuda" else 256
     flops: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a = torch.rand(n, n, dtype=dtype, device=device)
         b = torch.rand(n, n, dtype=dtype, device=device)
-        flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / median_s(lambda a=a, b=b: a @ b)
+        flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / median_s(lambda a=a, b=b: a @ b, runs=3)
     x = torch.rand(16 * 2**20, device=device)
     y = torch.empty_like(x)
     bandwidth = 2 * x.nbytes / median_s(lambda: y.copy_(x))
@@ -369,11 +368,13 @@ class TimerStats:
 class OpTimer:
     """Times :class:`OpCall` lists. ``spec``: time every call analytically for that device (nothing
     runs); None: run each call alone on ``device``, falling back to this machine's measured spec for
-    calls that cannot run. ``cache_dir``: where the cache lives (None: :func:`default_cache_dir`)."""
+    calls that cannot run. ``cache_dir``: where the cache lives (None: :func:`default_cache_dir`).
+    ``min_runs`` timed runs at least per call, more while they total under ``target_s`` (at most 50)."""
 
     def __init__(self, device: torch.device, *, spec: DeviceSpec | None = None,
-                 cache_dir: str | Path | None = None):
+                 cache_dir: str | Path | None = None, min_runs: int = _MIN_RUNS, target_s: float = _TARGET_S):
         self.device = torch.device(device)
+        self.min_runs, self.target_s = max(1, min_runs), target_s
         self.spec = spec
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.stats = TimerStats()
@@ -441,7 +442,7 @@ class OpTimer:
             self._sync()
             del out
             times: list[float] = []
-            while len(times) < _MIN_RUNS or (sum(times) < _TARGET_S and len(times) < _MAX_RUNS):
+            while len(times) < self.min_runs or (sum(times) < self.target_s and len(times) < _MAX_RUNS):
                 start = time.perf_counter()
                 out = call.func(*args, **kwargs)
                 self._sync()

@@ -190,8 +190,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class _Tracer(TorchDispatchMode):
     """The dispatch mode behind :func:`profile`. ``phase`` says what the step is doing."""
 
-    def __init__(self, trace: _Trace, modules: list[str], sync: Callable[[], None], memory: str):
+    def __init__(self, trace: _Trace, modules: list[str], sync: Callable[[], None], memory: str,
+                 charge_as: str | None = None):
         super().__init__()
+        self.charge_as = charge_as       # device type whose allocator rounding applies (None: the tensor's)
         self.t = trace
         self.modules = modules           # the module stack, kept by forward hooks
         self.model_called = False
@@ -220,7 +222,7 @@ class _Tracer(TorchDispatchMode):
             return tid
         tid = len(self.t.storages)
         born = (self.phase, self.clock) if kind == "activation" else None
-        nbytes = round_allocation(s.nbytes(), t.device.type)
+        nbytes = round_allocation(s.nbytes(), self.charge_as or t.device.type)
         self.t.storages.append(_Storage(tid, kind, nbytes, _dtype_name(t.dtype), list(t.shape), born,
                                         requires_grad=kind != "activation" and t.requires_grad))
         self.by_key[key] = tid
@@ -259,7 +261,7 @@ class _Tracer(TorchDispatchMode):
         number = self.scope
         if self.memory == "fake":
             out = self._fake_call(func, args, kwargs)
-            if isinstance(func, torch._ops.OpOverload):
+            if isinstance(func, torch._ops.OpOverload) and func.namespace != "profiler":  # not record_function
                 self.t.calls.append((number, self.phase, self.clock, record_call(func, args, kwargs, out)))
             return out, 0.0, number
         if self.memory == "cpu":
@@ -466,14 +468,16 @@ def _saved_by_node(loss: torch.Tensor, tracer: _Tracer) -> dict[int, list[int]]:
 
 def _traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                  fixed_tensors: dict[str, list[torch.Tensor]], sync: Callable[[], None], *,
-                 structure: bool, memory: str = "off", tracers: list[_Tracer] | None = None) -> _Trace:
+                 structure: bool, memory: str = "off", tracers: list[_Tracer] | None = None,
+                 charge_as: str | None = None) -> _Trace:
     """One training step under the tracer. ``structure``: also record saved tensors (pack hooks and the
     graph walk) and trace the optimizer step; otherwise the optimizer step is only timed, outside the
     mode. ``memory``: how kernel scratch is read ("off", "cuda", "cpu", "fake"; see ``_Tracer._timed``).
-    ``tracers`` receives the tracer (a fake step's scratch is applied once its calls are timed)."""
+    ``tracers`` receives the tracer (a fake step's scratch is applied once its calls are timed).
+    ``charge_as``: the device type whose allocator rounding storage sizes get (None: their own)."""
     trace = _Trace()
     stack: list[str] = []
-    tracer = _Tracer(trace, stack, sync, memory)
+    tracer = _Tracer(trace, stack, sync, memory, charge_as)
     tracer_ref: list[_Tracer | None] = [tracer]
     for kind in ("param", "buffer", "input"):
         for t in fixed_tensors[kind]:
@@ -752,13 +756,13 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
 # ---- the public entry point ---------------------------------------------------------------------------------
 
 
-def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+def _unique_bytes(tensors: list[torch.Tensor], seen: set[int], charge_as: str | None = None) -> int:
     total = 0
     for t in tensors:
         s = _storage(t)
         if s is not None and s._cdata not in seen:
             seen.add(s._cdata)
-            total += round_allocation(s.nbytes(), t.device.type)
+            total += round_allocation(s.nbytes(), charge_as or t.device.type)
     return total
 
 
@@ -793,7 +797,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
             optimizer: torch.optim.Optimizer | None = None, warmup: int = 1, repeats: int = 3,
             device: str | torch.device | None = None, progress: bool = True, measure: bool = True,
             name: str = "graph", fake: bool = False, device_spec: DeviceSpec | None = None,
-            cache_dir: str | Path | None = None) -> Graph:
+            cache_dir: str | Path | None = None, timer: OpTimer | None = None) -> Graph:
     """Profile real training steps of ``model`` and return their :class:`Graph` (``memplan.graph/1``).
 
     One step is ``optimizer.zero_grad(set_to_none=True); loss = loss_fn(model, example_batch);
@@ -805,7 +809,8 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     ``graph.measured`` with an independent measurement of the peak and step time.
 
     With ``fake`` (implied by ``device_spec``) nothing of the step is allocated: see :func:`_profile_fake`;
-    ``warmup``, ``repeats`` and ``measure`` then do not apply.
+    ``warmup``, ``repeats`` and ``measure`` then do not apply. Its ops are timed by ``timer`` when given,
+    else by an :class:`OpTimer` for ``device_spec`` (analytic) or this device, caching in ``cache_dir``.
 
     Raises ``ValueError`` for warmup < 1 or repeats < 1, :class:`WorkloadError` if ``loss_fn`` does not
     return a scalar that requires grad, and :class:`MemplanError` if the op sequence changes between steps
@@ -813,7 +818,8 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     """
     if fake or device_spec is not None:
         return _profile_fake(model, example_batch, loss_fn, optimizer=optimizer, device=device,
-                             device_spec=device_spec, cache_dir=cache_dir, progress=progress, name=name)
+                             device_spec=device_spec, cache_dir=cache_dir, progress=progress, name=name,
+                             timer=timer)
     if warmup < 1 or repeats < 1:
         raise ValueError(f"profile needs warmup >= 1 (to create the optimizer state) and repeats >= 1, "
                          f"got warmup={warmup}, repeats={repeats}")
@@ -902,7 +908,7 @@ def _progress(enabled: bool, name: str, total: int) -> Iterator[Callable[[], Non
 def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                   optimizer: torch.optim.Optimizer | None, device: str | torch.device | None,
                   device_spec: DeviceSpec | None, cache_dir: str | Path | None, progress: bool,
-                  name: str) -> Graph:
+                  name: str, timer: OpTimer | None = None) -> Graph:
     """The graph of one training step traced under ``FakeTensorMode`` (:mod:`memplan.planner.fake`):
     parameters, buffers, optimizer state and batch are fake, so no activation, gradient or optimizer
     state is allocated and ``model`` may live on the meta device; ``model`` and ``optimizer`` are left
@@ -926,7 +932,11 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     resident = _resident_bytes(model, example_batch, optimizer, device)
-    with _progress(progress, name, 4) as advance, fake_step_state(model, example_batch, optimizer, device) as st:
+    # Autograd cannot wire fake CUDA tensors in a torch built without CUDA: such a build traces the step as
+    # on CPU (the CPU kernels' op choices) and charges its storages as CUDA's allocator would.
+    traced_on = device if device.type != "cuda" or torch.backends.cuda.is_built() else torch.device("cpu")
+    with _progress(progress, name, 4) as advance, \
+            fake_step_state(model, example_batch, optimizer, traced_on) as st:
         model.train()
         stack: list[str] = []
         guard = FakeGuard(stack)
@@ -935,19 +945,20 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         advance()
         state = [t for s in st.optimizer.state.values() for t in _tensors(s)]
         seen: set[int] = set()
-        fixed = FixedMemory(params_bytes=_unique_bytes(st.params, seen),
-                            buffers_bytes=_unique_bytes(st.buffers, seen),
-                            inputs_bytes=_unique_bytes(st.inputs, seen),
-                            optimizer_state_bytes=_unique_bytes(state, seen))
+        charge = device.type
+        fixed = FixedMemory(params_bytes=_unique_bytes(st.params, seen, charge),
+                            buffers_bytes=_unique_bytes(st.buffers, seen, charge),
+                            inputs_bytes=_unique_bytes(st.inputs, seen, charge),
+                            optimizer_state_bytes=_unique_bytes(state, seen, charge))
         tracers: list[_Tracer] = []
         first = _traced_step(model, st.batch, loss_fn, st.optimizer,
                              {"param": st.params, "buffer": st.buffers, "input": st.inputs}, lambda: None,
-                             structure=True, memory="fake", tracers=tracers)
+                             structure=True, memory="fake", tracers=tracers, charge_as=charge)
         advance()
         lifetimes = _forward_lifetimes(model, st.batch, loss_fn, [op.name for op in first.ops], fake=True)
         optimizer_name = type(st.optimizer).__name__
         advance()
-    timer = OpTimer(device, spec=device_spec, cache_dir=cache_dir)
+    timer = timer or OpTimer(device, spec=device_spec, cache_dir=cache_dir)
     timings = timer.time([call for *_, call in first.calls])
     forward = {rec.scope: k for k, rec in enumerate(first.ops)}
     analytic: set[int] = set()
@@ -978,6 +989,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         "device_name": device_spec.name if device_spec else (
             torch.cuda.get_device_name(device) if on_cuda else "cpu"),
         "device_spec": device_spec.name if device_spec else None,
+        "traced_on": traced_on.type,
         "lifetimes_aligned": lifetimes is not None,
         "op_timing": {"calls": stats.calls, "distinct": stats.distinct, "cache_hits": stats.cache_hits,
                       "isolated_runs": stats.isolated_runs, "analytic": stats.analytic,
