@@ -62,7 +62,10 @@ def _assert_same_structure(real, fake):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("optimes")
+    """One op-time cache for the module (``$MEMPLAN_CACHE_DIR/optimes`` with the root below)."""
+    root = tmp_path_factory.mktemp("memplan-cache")
+    (root / "optimes").mkdir()
+    return root / "optimes"
 
 
 @pytest.mark.parametrize("name", ["mlp", "unet",
@@ -239,9 +242,10 @@ def test_device_spec_files_are_validated_by_field():
 OVER = {"depth": 24, "width": 64, "batch_size": 4096}  # keep-everything needs more than twice the budget
 
 
-def test_fake_profile_plan_and_run_never_hold_more_than_the_budget(tmp_path):
+@pytest.mark.slow
+def test_fake_profile_plan_and_run_never_hold_more_than_the_budget(cache):
     w = load_workload("mlp", **OVER)
-    graph = _fake(w, tmp_path)
+    graph = _fake(w, cache)
     keep_all = simulate(graph, None).peak_bytes
     budget = keep_all * 45 // 100
     assert keep_all > 2 * budget
@@ -252,8 +256,9 @@ def test_fake_profile_plan_and_run_never_hold_more_than_the_budget(tmp_path):
     assert report.keep_all_measured_peak_bytes is None and report.keep_all_predicted_peak_bytes == keep_all
 
 
-def test_cli_run_fake_reports_the_profiling_peak(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+@pytest.mark.slow
+def test_cli_run_fake_reports_the_profiling_peak(cache, monkeypatch):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(cache.parent))  # the ops the test above timed
     sets = [x for k, v in OVER.items() for x in ("--set", f"{k}={v}")]
     r = CliRunner().invoke(app, ["run", "mlp", "--fake", "--budget", "14MiB", "--steps", "1", "--time-limit", "3", "--json", *sets])
     assert r.exit_code == 0, r.output
