@@ -14,7 +14,8 @@ RULES = {
     "planner": ("memplan.solvers", "memplan.executor", "memplan.api"),
     "executor": ("memplan.solvers", "memplan.api"),
 }
-TORCH_FREE_PLANNER = ("graph.py", "plan.py", "simulator.py", "units.py", "errors.py", "synthetic.py", "__init__.py")
+TORCH_FREE_PLANNER = ("graph.py", "plan.py", "simulator.py", "units.py", "errors.py", "synthetic.py", "devicespec.py",
+                      "__init__.py")
 
 
 def _imports(path: Path) -> list[str]:
