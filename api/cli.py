@@ -434,13 +434,23 @@ def run_workload(
     plan's memory is allocated: the profile is fake and keep-everything is predicted, not measured."""
     if keep_all is None:
         keep_all = not fake
+    if nproc > 1 and fake:  # every rank's plan in this process, nothing trained
+        from memplan.api.distributed import format_rows, plan_ranks_fake
+
+        rows = plan_ranks_fake(workload, world_size=nproc, engine=engine, budget=budget, solver=solver,
+                               time_limit_s=time_limit, workload_options=_workload_options(options))
+        if json_out:
+            _emit_json({"workload": workload, "engine": engine, "world_size": nproc, "fake": True, "ranks": rows})
+        else:
+            out.print(format_rows(rows))
+        return
     if nproc > 1:
         _run_distributed(workload, nproc=nproc, engine=engine, budget=budget, solver=solver, fuse=fuse,
                          steps=steps, time_limit=time_limit, options=options, json_out=json_out,
                          unsupported={"--offload": offload, "--plan": plan_file is not None,
                                       "--graph": graph_file is not None, "--save-plan": save_plan is not None,
                                       "--save-graph": save_graph is not None, "-o/--output": output is not None,
-                                      "--device": device is not None, "--fake": fake})
+                                      "--device": device is not None})
         return
     from memplan.executor.session import run_plan
     from memplan.planner.errors import PlanError

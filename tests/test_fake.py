@@ -266,3 +266,27 @@ def test_cli_run_fake_reports_the_profiling_peak(cache, monkeypatch):
     budget = doc["budget_bytes"]
     assert doc["profile_peak_bytes"] <= budget and doc["measured_peak_bytes"] <= budget
     assert doc["keep_all_measured_peak_bytes"] is None and doc["keep_all_predicted_peak_bytes"] > 2 * budget
+
+
+# ---- ranks without the ranks --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_fake_ranks_predict_each_ranks_peak_as_the_real_profile_does(engine, cache, monkeypatch):
+    from memplan.api.distributed import block_prefixes, plan_ranks_fake
+    from memplan.planner.distributed import for_ddp, for_fsdp, fsdp_units
+
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(cache.parent))
+    opts = {"n_layer": 2, "seq_len": 64}
+    rows = plan_ranks_fake("gpt2", world_size=4, engine=engine, budget="80%", time_limit_s=3,
+                           workload_options=opts)
+    assert sorted(r["rank"] for r in rows if r["plan"] == "keep all") == [0, 1, 2, 3]
+    w = load_workload("gpt2", **opts)
+    real = _real(w)
+    prefixes = block_prefixes(w.model)
+    rank_graph = for_ddp(real, 4) if engine == "ddp" else for_fsdp(real, fsdp_units(w.model, prefixes, 4), 4)
+    keep = simulate(rank_graph, None).peak_bytes
+    assert {r["predicted_peak_bytes"] for r in rows if r["plan"] == "keep all"} == {keep}
+    planned = {r["predicted_peak_bytes"] for r in rows if r["plan"] != "keep all"}
+    assert len(planned) == 1 and planned.pop() < keep
