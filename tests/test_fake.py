@@ -68,7 +68,7 @@ def cache(tmp_path_factory):
     return root / "optimes"
 
 
-@pytest.mark.parametrize("name", ["mlp", "unet",
+@pytest.mark.parametrize("name", ["mlp", pytest.param("unet", marks=pytest.mark.slow),
                                   pytest.param("resnet", marks=pytest.mark.slow),
                                   pytest.param("gpt2", marks=pytest.mark.slow),
                                   pytest.param("bert", marks=pytest.mark.slow)])
