@@ -36,6 +36,12 @@ What it observes, and how (torch >= 2.4):
 
 Profiling runs real training steps (``warmup + 1 + repeats`` of them, plus those of the measurement):
 the model's parameters and the optimizer's state are updated as in training.
+
+**Fake profiles** (``fake=True``, or a ``device_spec``) run the same steps through the same tracer with
+the model's tensors swapped for fake ones (:mod:`memplan.planner.fake`): nothing of the step is allocated,
+the model is left untouched and may live on the meta device. The tracer then records each ATen call's
+metadata instead of timing it, and :mod:`memplan.planner.optime` times the calls afterwards (alone on the
+device, cached, or analytically for a device spec), giving also each call's allocator high-water mark.
 """
 
 from __future__ import annotations
