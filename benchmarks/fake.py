@@ -142,7 +142,8 @@ def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int)
              "Each built-in at its default size: the real profile against the fake one (op times alone on this "
              "CPU, cold cache). *structure*: every field but the times equal; *bytes*: every tensor, fixed, "
              "workspace and gradient figure equal; *keep-all time*: the fake graph's simulated step time against "
-             "the real graph's. Then the plans solved from each graph at 50% run: the fake plan's measured peak "
+             "the real graph's. Then the plans solved from each graph at 50% (or the first of 60%, 70%, 80% above the loss "
+             "head's floor, in brackets) run: the fake plan's measured peak "
              "against its prediction, and its measured step time against the real plan's.", "",
              "| model | ops | structure | bytes | keep-all time (fake vs real) | real / fake profile | fake plan: "
              "predicted peak | measured | step vs real plan |", "|---|---:|---|---|---:|---:|---:|---:|---:|"]
