@@ -104,6 +104,25 @@ def _workload_options(pairs: list[str] | None) -> dict[str, Any]:
             else value(text)
     return options
 
+FakeOpt = Annotated[bool, typer.Option(
+    "--fake", help="trace the step under fake tensors: no activation, gradient or optimizer state is "
+                   "allocated; each op is timed alone on this device (cached) instead")]
+SpecOpt = Annotated[str | None, typer.Option(
+    "--device-spec", metavar="NAME|FILE", help="plan for another device: time the ops analytically from its "
+                                               "spec (implies --fake): a100-80gb, h100-80gb, l4, rtx-4090 or a "
+                                               "JSON file")]
+
+
+def _profile_workload(w: Any, *, fake: bool, device_spec: str | None, device: str | None = None,
+                      repeats: int = 3, json_out: bool = False) -> Graph:
+    """The graph of workload ``w``: a real profile, or a fake one (``--fake``, ``--device-spec``)."""
+    from memplan.planner.devicespec import load_device_spec
+    from memplan.planner.profiler import profile as run_profile
+
+    spec = load_device_spec(device_spec) if device_spec else None
+    return run_profile(w.model, w.batch, w.loss_fn, device=device, repeats=repeats, name=w.name,
+                       progress=not json_out, fake=fake, device_spec=spec)
+
 
 def _budget(text: str, graph: Graph) -> int:
     from memplan.api.jobs import resolve_budget
@@ -159,22 +178,25 @@ def profile(
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     repeats: Annotated[int, typer.Option(min=1, max=100, help="timed repeats (median)")] = 3,
     options: SetOpt = None,
+    fake: FakeOpt = False,
+    device_spec: SpecOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Profile a real training step of WORKLOAD and write its graph."""
-    from memplan.planner.profiler import profile as run_profile
+    """Profile a training step of WORKLOAD (real, or under fake tensors) and write its graph."""
     from memplan.planner.workloads import load_workload
 
     _writable(output)
     w = load_workload(workload, **_workload_options(options))
-    graph = run_profile(w.model, w.batch, w.loss_fn, device=device, repeats=repeats, name=w.name,
-                        progress=not json_out)
+    graph = _profile_workload(w, fake=fake, device_spec=device_spec, device=device, repeats=repeats,
+                              json_out=json_out)
     with _writing(output):
         graph.save(str(output))
     summary = {"graph": str(output), "name": graph.name, "ops": len(graph.ops), "tensors": len(graph.tensors),
                "saved_activations": len(graph.saved_activations), "fingerprint": graph.fingerprint,
                "model_fingerprint": graph.model_fingerprint, "fixed_bytes": graph.fixed.resident_bytes,
-               "measured_peak_bytes": graph.measured.peak_bytes, "measured_step_s": graph.measured.step_time_s}
+               "measured_peak_bytes": graph.measured.peak_bytes, "measured_step_s": graph.measured.step_time_s,
+               "fake": bool(graph.meta.get("fake")), "profile_peak_bytes": graph.meta.get("profile_peak_bytes"),
+               "op_timing": graph.meta.get("op_timing")}
     if json_out:
         _emit_json(summary)
         return
@@ -291,11 +313,15 @@ def solve(
 @app.command()
 @_guard
 def frontier(
-    graph_file: Annotated[Path, typer.Argument(help="graph.json")],
+    graph_file: Annotated[Path, typer.Argument(help="graph.json, or a workload to profile (mlp, gpt2, "
+                                                    "path/to/file.py:function)")],
     budgets: Annotated[str, typer.Option(help="comma-separated budgets")] = "30%,40%,50%,60%,70%,80%,90%,100%",
     solver: Annotated[str, typer.Option("--solver", "-s", help="a solver, or several: a,b,c")] = "auto",
     time_limit: Annotated[float, typer.Option("--time-limit", help="seconds per budget")] = 30.0,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG of memory against overhead per solver")] = None,
+    options: SetOpt = None,
+    fake: FakeOpt = False,
+    device_spec: SpecOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Predicted step-time overhead at each budget: memory against time."""
@@ -303,7 +329,13 @@ def frontier(
 
     texts = _budget_list(budgets)
     _writable(plot)
-    graph = Graph.load(str(graph_file))
+    if graph_file.is_file() and not str(graph_file).endswith(".py"):
+        graph = Graph.load(str(graph_file))
+    else:  # a workload: profiled here (--fake and --device-spec as for memplan plan)
+        from memplan.planner.workloads import load_workload
+
+        w = load_workload(str(graph_file), **_workload_options(options))
+        graph = _profile_workload(w, fake=fake, device_spec=device_spec, json_out=json_out)
     pairs = [(text, _budget(text, graph)) for text in texts]
     names = [n.strip() for n in solver.split(",") if n.strip()] or ["auto"]
     series: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -380,10 +412,11 @@ def plan_workload(
     time_limit: Annotated[float, typer.Option("--time-limit")] = 60.0,
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
     options: SetOpt = None,
+    fake: FakeOpt = False,
+    device_spec: SpecOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Profile WORKLOAD, solve under BUDGET and write the graph and the plan."""
-    from memplan.planner.profiler import profile as run_profile
     from memplan.planner.workloads import load_workload
     from memplan.solvers import keep_all_report
     from memplan.solvers import solve as run_solve
@@ -391,7 +424,7 @@ def plan_workload(
     check_budget(budget)  # before profiling: a typo is not found a minute later
     _writable(output, graph_output)
     w = load_workload(workload, **_workload_options(options))
-    graph = run_profile(w.model, w.batch, w.loss_fn, name=w.name, progress=not json_out)
+    graph = _profile_workload(w, fake=fake, device_spec=device_spec, json_out=json_out)
     with _writing(graph_output):
         graph.save(str(graph_output))
     b = _budget(budget, graph)
@@ -399,7 +432,7 @@ def plan_workload(
     with _writing(output):
         result.plan.save(str(output))
     base = keep_all_report(graph)
-    summary = {"workload": w.name, "graph": str(graph_output), "plan": str(output), "solver": result.plan.solver.name,
+    summary = {"workload": w.name, "device": graph.meta.get("device_spec") or graph.device, "graph": str(graph_output), "plan": str(output), "solver": result.plan.solver.name,
                "status": result.status, "budget_bytes": b, "keep_all_peak_bytes": base.peak_bytes,
                "measured_keep_all_peak_bytes": graph.measured.peak_bytes,
                "predicted_peak_bytes": result.report.peak_bytes, "keep_all_step_s": base.time_s,
@@ -520,8 +553,9 @@ def run_workload(
     save_graph: Annotated[Path | None, typer.Option(help="write the profiled graph here")] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="run report (JSON) to write; "
                                                                        "memplan show --run reads it")] = None,
-    keep_all: Annotated[bool, typer.Option("--keep-all/--no-keep-all",
-                                           help="also measure the step without the plan")] = True,
+    keep_all: Annotated[bool | None, typer.Option("--keep-all/--no-keep-all",
+                                                  help="also measure the step without the plan (default: "
+                                                       "yes, but not with --fake)")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     nproc: Annotated[int, typer.Option("--nproc", min=1, max=64,
                                        help="processes on this machine (torch.distributed: gloo on CPU, "
@@ -529,11 +563,25 @@ def run_workload(
     engine: Annotated[str, typer.Option(help="with --nproc > 1: ddp (DistributedDataParallel) or fsdp "
                                              "(FSDP2 fully_shard per block)")] = "ddp",
     options: SetOpt = None,
+    fake: FakeOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Profile WORKLOAD, solve under BUDGET, train STEPS steps under the plan, and print predicted
     against measured peak memory and step time. With --nproc N, every rank does so under DDP or FSDP2
-    and each rank's predicted peak is set against its measured one."""
+    and each rank's predicted peak is set against its measured one. With --fake nothing beyond the
+    plan's memory is allocated: the profile is fake and keep-everything is predicted, not measured."""
+    if keep_all is None:
+        keep_all = not fake
+    if nproc > 1 and fake:  # every rank's plan in this process, nothing trained
+        from memplan.api.distributed import format_rows, plan_ranks_fake
+
+        rows = plan_ranks_fake(workload, world_size=nproc, engine=engine, budget=budget, solver=solver,
+                               time_limit_s=time_limit, workload_options=_workload_options(options))
+        if json_out:
+            _emit_json({"workload": workload, "engine": engine, "world_size": nproc, "fake": True, "ranks": rows})
+        else:
+            out.print(format_rows(rows))
+        return
     if nproc > 1:
         _run_distributed(workload, nproc=nproc, engine=engine, budget=budget, solver=solver, fuse=fuse,
                          steps=steps, time_limit=time_limit, options=options, json_out=json_out,
@@ -544,7 +592,6 @@ def run_workload(
         return
     from memplan.executor.session import run_plan
     from memplan.planner.errors import PlanError
-    from memplan.planner.profiler import profile as run_profile
     from memplan.planner.workloads import load_workload
     from memplan.solvers import solve as run_solve
 
@@ -565,7 +612,7 @@ def run_workload(
         plan = Plan.load(str(plan_file))
         plan.check_against(graph)
     else:
-        graph = run_profile(w.model, w.batch, w.loss_fn, name=w.name, device=device, progress=not json_out)
+        graph = _profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out)
         b = _budget(budget, graph)
         with _working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
             plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload).plan
@@ -697,6 +744,10 @@ def _print_run(r: Any) -> None:
         out.print(f"budget {format_bytes(r.budget_bytes)}: measured peak is "
                   f"{r.measured_peak_bytes / r.budget_bytes * 100:.1f}% of it "
                   + ("[green](within budget + 5%)[/green]" if within else "[red](over budget + 5%)[/red]"))
+    if r.profile_peak_bytes is not None:
+        out.print(f"profiling peak {format_bytes(r.profile_peak_bytes)} (allocator); keeping everything would "
+                  f"need {format_bytes(r.keep_all_predicted_peak_bytes)} (predicted"
+                  + (")" if kp else ", never allocated)"))
     if kp and r.keep_all_measured_step_s:
         out.print(f"measured: {(1 - r.measured_peak_bytes / kp) * 100:.1f}% less peak memory than keeping "
                   f"everything, at {(r.measured_step_s / r.keep_all_measured_step_s - 1) * 100:+.1f}% step time")

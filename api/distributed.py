@@ -157,6 +157,40 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
 
 
 
+def plan_ranks_fake(workload: str, *, world_size: int, engine: str, budget: str, solver: str = "auto",
+                    time_limit_s: float = 30.0, workload_options: dict[str, Any] | None = None,
+                    device_spec: Any = None) -> list[dict[str, Any]]:
+    """Each rank's memory for ``world_size`` ranks, in this one process and without training: the bare
+    module profiled under fake tensors (one rank's batch), adjusted for what an ``engine`` rank holds
+    (:func:`for_ddp`, :func:`for_fsdp` over :func:`block_prefixes`), solved under ``budget``. Rows as
+    :func:`run_distributed`'s, predicted only (``measured_*`` None): every rank runs the same ops on
+    equal shards, so the rows are the same for every rank. ``memplan run --fake --nproc N`` prints them."""
+    if engine not in ENGINES:
+        raise MemplanError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    wl = load_workload(workload, **(workload_options or {}))
+    graph = profile(wl.model, wl.batch, wl.loss_fn, progress=False, fake=True, device_spec=device_spec,
+                    name=workload)
+    prefixes = block_prefixes(wl.model) if engine == "fsdp" else []
+    if engine == "ddp":
+        rank_graph = for_ddp(graph, world_size)
+    else:
+        rank_graph = for_fsdp(graph, fsdp_units(wl.model, prefixes, world_size), world_size,
+                              backend="nccl" if graph.device == "cuda" else "gloo")
+    budget_bytes = resolve_budget(budget, rank_graph)
+    plan = solve(rank_graph, budget_bytes, solver, time_limit_s=time_limit_s).plan
+    if engine == "fsdp":
+        plan, _ = keep_within_units(rank_graph, plan, prefixes)
+    rows = []
+    for label, p in (("keep all", None), (plan.solver.name, plan)):
+        predicted = simulate(rank_graph, p or Plan.keep_all(rank_graph), timeline=False).peak_bytes
+        for rank in range(world_size):
+            rows.append({"rank": rank, "engine": engine, "world_size": world_size, "plan": label,
+                         "recomputed": sum(a == "recompute" for a in (p.actions() if p else {}).values()),
+                         "predicted_peak_bytes": predicted, "measured_peak_bytes": None,
+                         "measured_start_bytes": None, "error": None, "fake": True})
+    return rows
+
+
 def _cuda_rank_peak(build, batch, loss_fn, device) -> tuple[int, int]:
     train_model, optimizer = build()
     for _ in range(2):  # warm-up: optimizer state, DDP's bucket rebuild
@@ -178,6 +212,10 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     out = ["| engine | rank | plan | recomputed | measured start | measured peak | predicted peak | error |",
            "|---|--:|---|--:|--:|--:|--:|--:|"]
     for r in sorted(rows, key=lambda r: (r["plan"] != "keep all", r["rank"])):
+        if r.get("fake"):  # plan_ranks_fake: predicted only
+            out.append(f"| {r['engine']} ({r['world_size']} ranks) | {r['rank']} | {r['plan']} | {r['recomputed']} | "
+                       f"- | - | {format_bytes(r['predicted_peak_bytes'])} | - |")
+            continue
         out.append(f"| {r['engine']} ({r['world_size']} ranks) | {r['rank']} | {r['plan']} | {r['recomputed']} | "
                    f"{format_bytes(r['measured_start_bytes'])} | {format_bytes(r['measured_peak_bytes'])} | "
                    f"{format_bytes(r['predicted_peak_bytes'])} | {r['error']:+.2%} |")

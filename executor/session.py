@@ -44,6 +44,9 @@ class RunReport:
     memory step; ``losses`` has every step's loss in order (warm-up, memory step, timed steps).
     ``timeline`` is memory in use over the memory step, ``(seconds since it began, bytes)``, from the CPU
     allocator's reports (empty on CUDA). ``keep_all_measured_*`` are None when not measured.
+    ``profile_peak_bytes`` is the allocator's peak while the graph was profiled (fixed memory included):
+    a fake profile's, from its op timing, or a real profile's measured keep-everything step; None when
+    the graph does not say (a graph file from elsewhere).
     """
 
     workload: str
@@ -71,6 +74,7 @@ class RunReport:
     late_fetches_per_step: int
     host_pool_bytes: int
     timeline: tuple[tuple[float, int], ...] = ()
+    profile_peak_bytes: int | None = None
 
     @property
     def peak_error(self) -> float:
@@ -244,4 +248,5 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
                    "offload": counts.get("offload", 0)},
         replays_per_step=replays, late_fetches_per_step=events.get("late", 0), host_pool_bytes=host_pool_bytes,
         timeline=tuple(timeline),
+        profile_peak_bytes=graph.meta.get("profile_peak_bytes", graph.measured.peak_bytes),
     )

@@ -113,6 +113,11 @@ class Op(_Strict):
         0, description="gradient bytes, created by earlier backward steps, that its step releases")
     has_backward: bool = False
     random: bool = Field(default=False, description="draws random numbers (dropout): replay restores RNG")
+    time_source: Literal["measured", "isolated", "analytic"] = Field(
+        default="measured",
+        description="how time_s and backward_time_s were obtained: measured in the profiled step, each ATen "
+                    "call run alone on tensors of its shapes (a fake profile), or a roofline from FLOPs and "
+                    "bytes (analytic wherever any of its calls was)")
 
 
 class FixedMemory(_Strict):

@@ -210,3 +210,39 @@ def measure_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
     return StepMeasurement(peak_bytes=peak, step_time_s=statistics.median(total),
                            forward_time_s=statistics.median(fwd), backward_time_s=statistics.median(bwd),
                            baseline_bytes=baseline, device=str(device))
+
+
+def allocation_highs(prof: Any) -> dict[str, int]:
+    """``memplan:*`` range name -> the highest running sum of the allocation events inside it, from a
+    :func:`allocator_events` block whose calls ran inside ``_RecordFunctionFast("memplan:<n>")`` ranges."""
+    from torch._C._profiler import _EventType
+
+    highs: dict[str, int] = {}
+
+    def allocations(event: Any) -> list[tuple[int, int]]:
+        found = []
+        stack = list(event.children)
+        while stack:
+            e = stack.pop()
+            if e.tag == _EventType.Allocation:
+                found.append((e.start_time_ns, e.extra_fields.alloc_size))
+            stack.extend(e.children)
+        return sorted(found)
+
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.name.startswith("memplan:"):
+            highs[e.name] = max_prefix([size for _, size in allocations(e)])
+            continue  # ranges do not nest: the handler runs with the mode off
+        stack.extend(e.children)
+    return highs
+
+
+def max_prefix(deltas: list[int]) -> int:
+    """The highest running sum of ``deltas`` (0 at least): a high-water mark from +/- byte events."""
+    best = running = 0
+    for d in deltas:
+        running += d
+        best = max(best, running)
+    return best

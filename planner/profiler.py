@@ -36,6 +36,12 @@ What it observes, and how (torch >= 2.4):
 
 Profiling runs real training steps (``warmup + 1 + repeats`` of them, plus those of the measurement):
 the model's parameters and the optimizer's state are updated as in training.
+
+**Fake profiles** (``fake=True``, or a ``device_spec``) run the same steps through the same tracer with
+the model's tensors swapped for fake ones (:mod:`memplan.planner.fake`): nothing of the step is allocated,
+the model is left untouched and may live on the meta device. The tracer then records each ATen call's
+metadata instead of timing it, and :mod:`memplan.planner.optime` times the calls afterwards (alone on the
+device, cached, or analytically for a device spec), giving also each call's allocator high-water mark.
 """
 
 from __future__ import annotations
@@ -49,17 +55,26 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memplan.planner.devicespec import DeviceSpec, round_allocation
 from memplan.planner.errors import MemplanError
+from memplan.planner.fake import FakeGuard, fake_call, fake_step_state
 from memplan.planner.graph import FixedMemory, Graph, Measured, Op, TensorInfo
+from memplan.planner.measure import allocation_highs, max_prefix
+from memplan.planner.optime import OpCall, OpTimer, record_call
 from memplan.planner.workloads import LossFn, compute_loss, default_optimizer, training_step
 
 _TAG = "memplan_op"
+# Metadata queries that reach a dispatch mode only for tensor subclasses (a FakeTensor's ``.device``, which
+# autograd asks while it wires up an output): not ops of the program, never recorded.
+_METADATA = frozenset({torch.ops.prim.device.default, torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
+                       torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default})
 _NOMINAL_HOST_BANDWIDTH = 12e9  # bytes/s; on CPU offload is a logical move (see docs/model.md)
 
 
@@ -103,6 +118,7 @@ class _OpRecord:
     scope: int = -1  # the call's number, which keys its allocator high-water mark
     workspace_bytes: int = 0
     has_backward: bool = False
+    positions: list[int] = field(default_factory=list)  # each output's position among the call's tensors
 
 
 @dataclass
@@ -121,6 +137,10 @@ class _Trace:
     optimizer_scratch_bytes: int = 0                                 # allocator high-water mark of step()
     optimizer_survivors_bytes: int = 0
     optimizer_time_s: float = 0.0
+    # fake steps: (call number, phase, clock, the call's metadata) per ATen call, for op timing
+    calls: list[tuple[int, str, int, OpCall]] = field(default_factory=list)
+    high: dict[int, int] = field(default_factory=dict)     # call number -> allocator high-water mark
+    born_in: dict[int, int] = field(default_factory=dict)  # backward call number -> bytes it created
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -180,16 +200,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class _Tracer(TorchDispatchMode):
     """The dispatch mode behind :func:`profile`. ``phase`` says what the step is doing."""
 
-    def __init__(self, trace: _Trace, modules: list[str], sync: Callable[[], None], memory: str):
+    def __init__(self, trace: _Trace, modules: list[str], sync: Callable[[], None], memory: str,
+                 charge_as: str | None = None):
         super().__init__()
+        self.charge_as = charge_as       # device type whose allocator rounding applies (None: the tensor's)
         self.t = trace
         self.modules = modules           # the module stack, kept by forward hooks
         self.model_called = False
         self.sync = sync
-        self.memory = memory             # how to read kernel scratch: "off", "cuda" (allocator), "cpu" (scopes)
+        self.memory = memory             # how to read kernel scratch: "off", "cuda" (allocator), "cpu" (scopes),
+                                         # "fake" (nothing runs: each call is recorded, timed later)
         self.scope = 0                   # calls so far; a call's number keys its high-water mark
-        self.high: dict[int, int] = {}   # call number -> allocator high-water mark above its start
-        self.born_in: dict[int, int] = {}  # backward call number -> bytes of the storages it created
+        self.high = trace.high           # call number -> allocator high-water mark above its start
+        self.born_in = trace.born_in     # backward call number -> bytes of the storages it created
         self.phase = "idle"
         self.clock = -1                  # forward op / backward step the next events belong to
         self.by_key: dict[int, int] = {}  # live storage _cdata -> storage id
@@ -209,7 +232,8 @@ class _Tracer(TorchDispatchMode):
             return tid
         tid = len(self.t.storages)
         born = (self.phase, self.clock) if kind == "activation" else None
-        self.t.storages.append(_Storage(tid, kind, s.nbytes(), _dtype_name(t.dtype), list(t.shape), born,
+        nbytes = round_allocation(s.nbytes(), self.charge_as or t.device.type)
+        self.t.storages.append(_Storage(tid, kind, nbytes, _dtype_name(t.dtype), list(t.shape), born,
                                         requires_grad=kind != "activation" and t.requires_grad))
         self.by_key[key] = tid
         self.refs[tid] = weakref.ref(s, lambda _ref, tid=tid, key=key: self._died(tid, key))
@@ -228,6 +252,8 @@ class _Tracer(TorchDispatchMode):
     # -- the dispatch hook ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _METADATA:  # a fake tensor's metadata query: no op of the program
+            return func(*args, **kwargs)
         if self.phase == "forward":
             return self._forward(func, args, kwargs)
         if self.phase == "backward":
@@ -243,6 +269,11 @@ class _Tracer(TorchDispatchMode):
         which land inside the ``memplan:<number>`` range opened here."""
         self.scope += 1
         number = self.scope
+        if self.memory == "fake":
+            out = self._fake_call(func, args, kwargs)
+            if isinstance(func, torch._ops.OpOverload) and func.namespace != "profiler":  # not record_function
+                self.t.calls.append((number, self.phase, self.clock, record_call(func, args, kwargs, out)))
+            return out, 0.0, number
         if self.memory == "cpu":
             with torch._C._profiler._RecordFunctionFast(f"memplan:{number}"):
                 start = time.perf_counter()
@@ -259,6 +290,15 @@ class _Tracer(TorchDispatchMode):
         if self.memory == "cuda":
             self.high[number] = torch.cuda.max_memory_allocated() - before
         return out, seconds, number
+
+    def _fake_call(self, func, args, kwargs):
+        """``func`` on fake tensors; an op that cannot run so (its output depends on tensor values) is a
+        :class:`FakeTraceError` naming it and the module that ran it."""
+        if self.phase == "backward" and 0 <= self.clock < len(self.t.ops):
+            where = f"the backward of {self.t.ops[self.clock].module or 'the model'}"
+        else:
+            where = self.modules[-1] if self.modules else ("loss" if self.model_called else "the step")
+        return fake_call(func, args, kwargs, where)
 
     def resolve_pending(self) -> None:
         """Tag the autograd node of the previous op's outputs, then drop them (they must not outlive
@@ -308,13 +348,14 @@ class _Tracer(TorchDispatchMode):
         self.t.ops.append(rec)
         out, rec.time_s, rec.scope = self._timed(func, args, kwargs)
         outs = _tensors(out)
-        for t in outs:
+        for position, t in enumerate(outs):
             s = _storage(t)
             if s is not None and s._cdata not in self.by_key:  # inputs are registered: this one is new
                 tid = self.register(t, "activation")
                 st = self.t.storages[tid]
                 st.producer, st.output_index = k, len(rec.outputs)
                 rec.outputs.append(tid)
+                rec.positions.append(position)
         self.pending = (k, outs)
         return out
 
@@ -358,7 +399,7 @@ class _Tracer(TorchDispatchMode):
 
     def _optimizer(self, func, args, kwargs):
         seen = _keys(args, kwargs)
-        out = func(*args, **kwargs)
+        out = self._timed(func, args, kwargs)[0] if self.memory == "fake" else func(*args, **kwargs)
         for t in _tensors(out):
             s = _storage(t)
             if s is not None and s._cdata not in self.by_key and s._cdata not in seen:
@@ -435,41 +476,18 @@ def _saved_by_node(loss: torch.Tensor, tracer: _Tracer) -> dict[int, list[int]]:
     return {op: list(dict.fromkeys(tids)) for op, tids in out.items()}
 
 
-def _allocation_highs(prof: Any) -> dict[str, int]:
-    """``memplan:*`` range name -> the highest running sum of the allocation events inside it."""
-    from torch._C._profiler import _EventType
-
-    highs: dict[str, int] = {}
-
-    def allocations(event: Any) -> list[tuple[int, int]]:
-        found = []
-        stack = list(event.children)
-        while stack:
-            e = stack.pop()
-            if e.tag == _EventType.Allocation:
-                found.append((e.start_time_ns, e.extra_fields.alloc_size))
-            stack.extend(e.children)
-        return sorted(found)
-
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.name.startswith("memplan:"):
-            highs[e.name] = _max_prefix([size for _, size in allocations(e)])
-            continue  # ranges do not nest: the handler runs with the mode off
-        stack.extend(e.children)
-    return highs
-
-
 def _traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                  fixed_tensors: dict[str, list[torch.Tensor]], sync: Callable[[], None], *,
-                 structure: bool, memory: str = "off") -> _Trace:
+                 structure: bool, memory: str = "off", tracers: list[_Tracer] | None = None,
+                 charge_as: str | None = None) -> _Trace:
     """One training step under the tracer. ``structure``: also record saved tensors (pack hooks and the
     graph walk) and trace the optimizer step; otherwise the optimizer step is only timed, outside the
-    mode. ``memory``: how kernel scratch is read ("off", "cuda", "cpu"; see ``_Tracer._timed``)."""
+    mode. ``memory``: how kernel scratch is read ("off", "cuda", "cpu", "fake"; see ``_Tracer._timed``).
+    ``tracers`` receives the tracer (a fake step's scratch is applied once its calls are timed).
+    ``charge_as``: the device type whose allocator rounding storage sizes get (None: their own)."""
     trace = _Trace()
     stack: list[str] = []
-    tracer = _Tracer(trace, stack, sync, memory)
+    tracer = _Tracer(trace, stack, sync, memory, charge_as)
     tracer_ref: list[_Tracer | None] = [tracer]
     for kind in ("param", "buffer", "input"):
         for t in fixed_tensors[kind]:
@@ -506,10 +524,12 @@ def _traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
             sync()  # CUDA: the step's kernels are asynchronous
             trace.optimizer_time_s = time.perf_counter() - start
     tracer_ref[0] = None
+    if tracers is not None:
+        tracers.append(tracer)
     if memory == "cpu":
-        for name, high in _allocation_highs(prof).items():
+        for name, high in allocation_highs(prof).items():
             tracer.high[int(name.removeprefix("memplan:"))] = high
-    if memory != "off":
+    if memory in ("cpu", "cuda"):  # a fake step's marks come from op timing (see _profile_fake)
         tracer.apply_scratch()
     if structure:
         trace.optimizer_scratch_bytes = tracer.high.get(number, 0)
@@ -524,8 +544,9 @@ class _Lifetimes(TorchDispatchMode):
     references (module code, model outputs) keep a storage alive: what a plan that recomputes or offloads
     it leaves behind."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake: bool = False) -> None:
         super().__init__()
+        self.fake = fake                 # calls go through fake_call (fake tensors; real ones run for real)
         self.names: list[str] = []
         self.deaths: list[list[int | None]] = []
         self.known: set[int] = set()
@@ -549,11 +570,13 @@ class _Lifetimes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _METADATA:
+            return func(*args, **kwargs)
         for t in _tensors((args, kwargs)):
             s = _storage(t)
             if s is not None and s._cdata not in self.known:
                 self._track(s, None)
-        out = func(*args, **kwargs)
+        out = fake_call(func, args, kwargs, "the lifetime pass") if self.fake else func(*args, **kwargs)
         self.names.append(str(func))
         row: list[int | None] = []
         self.deaths.append(row)
@@ -564,13 +587,14 @@ class _Lifetimes(TorchDispatchMode):
         return out
 
 
-def _forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list[str]) -> dict[tuple[int, int], int | None] | None:
+def _forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list[str],
+                       fake: bool = False) -> dict[tuple[int, int], int | None] | None:
     """{(forward op, output index): the graph op during which the program itself dropped that storage}
     from one more forward (model and loss, no backward) under saved-tensor hooks that hold nothing.
     ``names`` are the traced step's op names; the ``aten.detach`` autograd runs when it saves an output is
     not dispatched without its own hold, so those are skipped when aligning. None if the ops do not align
     (then the graph keeps what the traced step saw)."""
-    mode = _Lifetimes()
+    mode = _Lifetimes(fake)
     with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _p: None), mode:
         loss = compute_loss(model, batch, loss_fn)
         del loss
@@ -593,14 +617,6 @@ def _forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: lis
 
 
 # ---- the graph --------------------------------------------------------------------------------------------
-
-
-def _max_prefix(deltas: list[int]) -> int:
-    best = running = 0
-    for d in deltas:
-        running += d
-        best = max(best, running)
-    return best
 
 
 def _backward_figures(trace: _Trace, n_ops: int) -> tuple[list[int], list[int], list[int], dict[int, int]]:
@@ -762,13 +778,13 @@ def _build_graph(trace: _Trace, times: list[list[float]], bwd_times: list[dict[i
 # ---- the public entry point ---------------------------------------------------------------------------------
 
 
-def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+def _unique_bytes(tensors: list[torch.Tensor], seen: set[int], charge_as: str | None = None) -> int:
     total = 0
     for t in tensors:
         s = _storage(t)
         if s is not None and s._cdata not in seen:
             seen.add(s._cdata)
-            total += s.nbytes()
+            total += round_allocation(s.nbytes(), charge_as or t.device.type)
     return total
 
 
@@ -802,7 +818,8 @@ def _host_bandwidth(device: torch.device) -> float:
 def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
             optimizer: torch.optim.Optimizer | None = None, warmup: int = 1, repeats: int = 3,
             device: str | torch.device | None = None, progress: bool = True, measure: bool = True,
-            name: str = "graph") -> Graph:
+            name: str = "graph", fake: bool = False, device_spec: DeviceSpec | None = None,
+            cache_dir: str | Path | None = None, timer: OpTimer | None = None) -> Graph:
     """Profile real training steps of ``model`` and return their :class:`Graph` (``memplan.graph/1``).
 
     One step is ``optimizer.zero_grad(set_to_none=True); loss = loss_fn(model, example_batch);
@@ -813,9 +830,18 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     first) and median times. With ``measure``, :func:`memplan.planner.measure.measure_step` fills
     ``graph.measured`` with an independent measurement of the peak and step time.
 
+    With ``fake`` (implied by ``device_spec``) nothing of the step is allocated: see :func:`_profile_fake`;
+    ``warmup``, ``repeats`` and ``measure`` then do not apply. Its ops are timed by ``timer`` when given,
+    else by an :class:`OpTimer` for ``device_spec`` (analytic) or this device, caching in ``cache_dir``.
+
     Raises ``ValueError`` for warmup < 1 or repeats < 1, :class:`WorkloadError` if ``loss_fn`` does not
-    return a scalar that requires grad, and :class:`MemplanError` if the op sequence changes between steps.
+    return a scalar that requires grad, and :class:`MemplanError` if the op sequence changes between steps
+    (:class:`memplan.planner.fake.FakeTraceError` if a fake step cannot run).
     """
+    if fake or device_spec is not None:
+        return _profile_fake(model, example_batch, loss_fn, optimizer=optimizer, device=device,
+                             device_spec=device_spec, cache_dir=cache_dir, progress=progress, name=name,
+                             timer=timer)
     if warmup < 1 or repeats < 1:
         raise ValueError(f"profile needs warmup >= 1 (to create the optimizer state) and repeats >= 1, "
                          f"got warmup={warmup}, repeats={repeats}")
@@ -878,7 +904,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                          statistics.median(tr.optimizer_time_s for tr in traces),
                          name, device, model_fingerprint(model), _host_bandwidth(device), meta, lifetimes)
     # the allocator's view includes kernel scratch; the storages' view is the floor
-    graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, _max_prefix(first.optimizer_events))
+    graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
     graph.measured = measured
     return graph
 
@@ -896,3 +922,121 @@ def _progress(enabled: bool, name: str, total: int) -> Iterator[Callable[[], Non
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(name, total=total)
         yield lambda: bar.advance(task)
+
+
+# ---- fake profiling ---------------------------------------------------------------------------------------
+
+
+def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
+                  optimizer: torch.optim.Optimizer | None, device: str | torch.device | None,
+                  device_spec: DeviceSpec | None, cache_dir: str | Path | None, progress: bool,
+                  name: str, timer: OpTimer | None = None) -> Graph:
+    """The graph of one training step traced under ``FakeTensorMode`` (:mod:`memplan.planner.fake`):
+    parameters, buffers, optimizer state and batch are fake, so no activation, gradient or optimizer
+    state is allocated and ``model`` may live on the meta device; ``model`` and ``optimizer`` are left
+    untouched. The steps are those of a real profile (a warm-up that creates the optimizer state, the
+    traced step, the lifetime pass), through the same tracer; only the times differ: each recorded ATen
+    call is timed by :class:`memplan.planner.optime.OpTimer`, alone on ``device`` (cached), or for
+    ``device_spec``'s device analytically. ``device``: None is ``device_spec``'s device type, else CUDA
+    when available, else CPU. ``graph.meta["profile_peak_bytes"]`` is the allocator's peak while
+    profiling (the real tensors the caller already had on the device, plus one op's working set).
+    """
+    if device is None:
+        device = device_spec.device if device_spec else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device_spec is not None and device_spec.device != device.type:
+        raise MemplanError(f"device spec {device_spec.name} is a {device_spec.device} device; "
+                           f"profiling for --device {device.type} contradicts it")
+    if device_spec is None and device.type == "cuda" and not torch.cuda.is_available():
+        raise MemplanError("a fake profile for CUDA without a GPU here cannot time its ops: give --device-spec "
+                           "(for example h100-80gb)")
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    resident = _resident_bytes(model, example_batch, optimizer, device)
+    # Autograd cannot wire fake CUDA tensors in a torch built without CUDA: such a build traces the step as
+    # on CPU (the CPU kernels' op choices) and charges its storages as CUDA's allocator would.
+    traced_on = device if device.type != "cuda" or torch.backends.cuda.is_built() else torch.device("cpu")
+    with _progress(progress, name, 4) as advance, \
+            fake_step_state(model, example_batch, optimizer, traced_on) as st:
+        model.train()
+        stack: list[str] = []
+        guard = FakeGuard(stack)
+        with _module_stack(model, stack, [guard]), guard:  # the warm-up creates the (fake) optimizer state
+            training_step(model, st.batch, loss_fn, st.optimizer)
+        advance()
+        state = [t for s in st.optimizer.state.values() for t in _tensors(s)]
+        seen: set[int] = set()
+        charge = device.type
+        fixed = FixedMemory(params_bytes=_unique_bytes(st.params, seen, charge),
+                            buffers_bytes=_unique_bytes(st.buffers, seen, charge),
+                            inputs_bytes=_unique_bytes(st.inputs, seen, charge),
+                            optimizer_state_bytes=_unique_bytes(state, seen, charge))
+        tracers: list[_Tracer] = []
+        first = _traced_step(model, st.batch, loss_fn, st.optimizer,
+                             {"param": st.params, "buffer": st.buffers, "input": st.inputs}, lambda: None,
+                             structure=True, memory="fake", tracers=tracers, charge_as=charge)
+        advance()
+        lifetimes = _forward_lifetimes(model, st.batch, loss_fn, [op.name for op in first.ops], fake=True)
+        optimizer_name = type(st.optimizer).__name__
+        advance()
+    timer = timer or OpTimer(device, spec=device_spec, cache_dir=cache_dir)
+    timings = timer.time([call for *_, call in first.calls])
+    forward = {rec.scope: k for k, rec in enumerate(first.ops)}
+    analytic: set[int] = set()
+    optimizer_time_s = 0.0
+    for (number, phase, clock, _call), timing in zip(first.calls, timings, strict=True):
+        first.high[number] = timing.high_bytes
+        if phase == "forward" and number in forward:
+            rec = first.ops[forward[number]]
+            rec.time_s = timing.time_s
+            for tid, position in zip(rec.outputs, rec.positions, strict=True):
+                # a kernel may return a view of a larger buffer than its meta function says (CPU mse_loss):
+                # what the allocator holds is the real storage, seen when the call ran alone
+                if position < len(timing.output_bytes):
+                    st = first.storages[tid]
+                    st.nbytes = max(st.nbytes, round_allocation(timing.output_bytes[position], device.type))
+        elif phase == "backward":
+            first.backward_time_s[clock] = first.backward_time_s.get(clock, 0.0) + timing.time_s
+        elif phase == "optimizer":
+            optimizer_time_s += timing.time_s
+        if timing.source == "analytic" and phase in ("forward", "backward"):
+            analytic.add(clock)
+    tracers[0].apply_scratch()
+    advance()
+    stats = timer.stats
+    meta = {
+        "profiler": "memplan.planner.profiler", "fake": True, "torch": torch.__version__,
+        "optimizer": optimizer_name, "threads": torch.get_num_threads(),
+        "device_name": device_spec.name if device_spec else (
+            torch.cuda.get_device_name(device) if on_cuda else "cpu"),
+        "device_spec": device_spec.name if device_spec else None,
+        "traced_on": traced_on.type,
+        "lifetimes_aligned": lifetimes is not None,
+        "op_timing": {"calls": stats.calls, "distinct": stats.distinct, "cache_hits": stats.cache_hits,
+                      "isolated_runs": stats.isolated_runs, "analytic": stats.analytic,
+                      "cache_dir": str(timer.cache_dir)},
+        "profile_peak_bytes": (torch.cuda.max_memory_allocated(device) if on_cuda
+                               else resident + stats.peak_bytes),
+    }
+    bandwidth = device_spec.host_bandwidth_bytes_per_s if device_spec else _host_bandwidth(device)
+    graph = _build_graph(first, [[op.time_s for op in first.ops]], [first.backward_time_s], fixed,
+                         optimizer_time_s, name, device, model_fingerprint(model), bandwidth, meta, lifetimes)
+    for op in graph.ops:
+        op.time_source = "analytic" if op.id in analytic else "isolated"
+    # the storages' view (the allocator's is not there to read)
+    graph.fixed.optimizer_step_bytes = max_prefix(first.optimizer_events)
+    return graph
+
+
+def _resident_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None,
+                    device: torch.device) -> int:
+    """Bytes of the real tensors on ``device`` a fake profile's caller already holds (model, batch,
+    optimizer state): what the allocator has in use before the profile allocates anything."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) if torch.cuda.is_available() else 0
+    tensors = [t for t in itertools.chain(model.parameters(), model.buffers(), _tensors(batch))
+               if t.device == device]
+    if optimizer is not None:
+        tensors += [t for s in optimizer.state.values() for t in _tensors(s) if t.device == device]
+    return _unique_bytes(tensors, set())

@@ -15,7 +15,7 @@ RULES = {
     "executor": ("memplan.solvers", "memplan.api"),
 }
 TORCH_FREE_PLANNER = ("graph.py", "plan.py", "replay.py", "schedule.py", "simulator.py", "units.py", "errors.py",
-                      "synthetic.py", "shapes.py", "__init__.py")
+                      "synthetic.py", "shapes.py", "devicespec.py", "__init__.py")
 
 
 def _imports(path: Path) -> list[str]:

@@ -1,0 +1,216 @@
+"""Fake profiling against real profiling (issue #10), written to docs/benchmarks.md with ``--update-doc``.
+
+1. Per built-in: the real profile and the fake one (op times alone on this CPU, a fresh op-time cache each
+   repeat, so the fake profile's time includes timing every distinct op once), interleaved ``--repeats``
+   times: structure equal (every field but times), bytes equal, the keep-everything simulated step time
+   of the fake graph against the real graph's (median error and spread over the repeats). Then the plans
+   solved from each graph at 50% run in turn (``--repeats`` times, interleaved): the fake plan's measured
+   peak against its prediction, and its measured step time against the real plan's.
+2. The 1.1B Llama of benchmarks/llama1b.py (meta device, sequence 2048) profiled with ``--fake
+   --device-spec``, in a child process: wall time (imports included) and the child's peak RSS.
+3. ``memplan run --fake`` on an MLP whose keep-everything peak is more than twice the budget: the
+   allocator's peak while profiling and while training under the plan.
+
+    python benchmarks/fake.py [--repeats 3] [--skip-1b] [--update-doc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
+from fidelity import machine
+
+from memplan.executor.session import run_plan
+from memplan.planner.errors import Infeasible
+from memplan.planner.optime import OpTimer
+from memplan.planner.profiler import profile
+from memplan.planner.simulator import simulate
+from memplan.planner.units import format_bytes, parse_budget
+from memplan.planner.workloads import load_workload
+from memplan.solvers import activation_bytes, solve
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILTINS = ["mlp", "resnet", "gpt2", "unet", "bert"]
+TIMES = {"time_s", "backward_time_s", "time_source"}
+
+
+def structure(g) -> dict:
+    d = g.model_dump(exclude={"meta", "measured", "optimizer_time_s"})
+    d["fixed"].pop("optimizer_step_bytes")
+    d["ops"] = [{k: v for k, v in op.items() if k not in TIMES} for op in d["ops"]]
+    return d
+
+
+def sizes(g) -> tuple:
+    return ([t.bytes for t in g.tensors], g.fixed.resident_bytes,
+            [(o.workspace_bytes, o.backward_workspace_bytes, o.backward_grad_alloc_bytes,
+              o.backward_grad_free_bytes) for o in g.ops])
+
+
+def builtin_row(name: str, repeats: int) -> dict:
+    w = load_workload(name)
+    errors, fake_s, real_s = [], [], []
+    real = fake = None
+    for _ in range(repeats):  # interleaved: the machine's load hits both alike
+        start = time.perf_counter()
+        real = profile(w.model, w.batch, w.loss_fn, device="cpu", progress=False, measure=False, name=name)
+        real_s.append(time.perf_counter() - start)
+        with tempfile.TemporaryDirectory() as cache:
+            start = time.perf_counter()
+            fake = profile(w.model, w.batch, w.loss_fn, device="cpu", progress=False, fake=True, name=name,
+                           timer=OpTimer(torch.device("cpu"), cache_dir=cache))
+            fake_s.append(time.perf_counter() - start)
+        errors.append(simulate(fake, None).time_s / simulate(real, None).time_s - 1)
+    for pct in ("50%", "60%", "70%", "80%"):  # 50%, or the first above the loss head's floor
+        budget_f = parse_budget(pct, activation_bytes=activation_bytes(fake), fixed_bytes=fake.fixed.resident_bytes)
+        budget_r = parse_budget(pct, activation_bytes=activation_bytes(real), fixed_bytes=real.fixed.resident_bytes)
+        try:
+            plan_f = solve(fake, budget_f, "auto", time_limit_s=30).plan
+            plan_r = solve(real, budget_r, "auto", time_limit_s=30).plan
+            break
+        except Infeasible:
+            continue
+    runs_f, runs_r = [], []
+    for _ in range(repeats):
+        runs_f.append(run_plan(w.model, w.batch, w.loss_fn, None, plan_f, fake, steps=3, keep_all=False))
+        runs_r.append(run_plan(w.model, w.batch, w.loss_fn, None, plan_r, real, steps=3, keep_all=False))
+    ratios = [f.measured_step_s / r.measured_step_s - 1 for f, r in zip(runs_f, runs_r, strict=True)]
+    return {"model": name, "ops": len(real.ops), "budget": pct, "structure_equal": structure(real) == structure(fake),
+            "bytes_equal": sizes(real) == sizes(fake),
+            "keep_all_time_error": statistics.median(errors), "error_spread": (min(errors), max(errors)),
+            "real_profile_s": statistics.median(real_s), "fake_profile_s": statistics.median(fake_s),
+            "distinct_ops": fake.meta["op_timing"]["distinct"],
+            "plan_predicted_peak": runs_f[0].predicted_peak_bytes,
+            "plan_measured_peaks": sorted({r.measured_peak_bytes for r in runs_f}),
+            "step_vs_real_plan": statistics.median(ratios), "step_spread": (min(ratios), max(ratios))}
+
+
+LLAMA = """
+import resource, sys, time, torch
+sys.path.insert(0, {bench!r})
+from llama1b import build
+from memplan.planner.devicespec import load_device_spec
+from memplan.planner.profiler import profile
+from memplan.planner.simulator import simulate
+from memplan.solvers import solve
+start = time.perf_counter()
+model, batch, loss_fn = build(batch_size={batch})
+graph = profile(model, batch, loss_fn, progress=False, device_spec=load_device_spec({spec!r}), name="llama-1.1b")
+profile_s = time.perf_counter() - start
+keep = simulate(graph, None)
+result = solve(graph, {budget}, "auto", time_limit_s=60)
+print({{"params": sum(p.numel() for p in model.parameters()), "ops": len(graph.ops), "profile_s": profile_s,
+       "keep_all_peak": keep.peak_bytes, "keep_all_s": keep.time_s, "plan_peak": result.report.peak_bytes,
+       "plan_s": result.report.time_s, "solver": result.plan.solver.name, "status": result.status}})
+"""
+
+
+def llama_row(spec: str, batch: int, budget: int) -> dict:
+    code = LLAMA.format(bench=str(Path(__file__).resolve().parent), spec=spec, batch=batch, budget=budget)
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - start
+    row = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's dict literal
+    row.update(spec=spec, batch=batch, budget=budget, wall_s=wall,
+               rss_bytes=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+    return row
+
+
+def over_budget_row() -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        cmd = [str(Path(sys.executable).parent / "memplan"), "run", "mlp", "--fake", "--budget", "14MiB",
+               "--steps", "3", "--json", "--set", "depth=24", "--set", "width=64", "--set", "batch_size=4096"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                             env={**os.environ, "MEMPLAN_CACHE_DIR": cache})
+    return json.loads(out.stdout)
+
+
+def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int) -> str:
+    lines = [f"Machine: {machine()}; shared with other jobs while it ran (timings are noisy: medians of "
+             f"{repeats} interleaved repeats, spread in brackets). `python benchmarks/fake.py --update-doc`.", "",
+             "Each built-in at its default size: the real profile against the fake one (op times alone on this "
+             "CPU, cold cache). *structure*: every field but the times equal; *bytes*: every tensor, fixed, "
+             "workspace and gradient figure equal; *keep-all time*: the fake graph's simulated step time against "
+             "the real graph's. Then the plans solved from each graph at 50% (or the first of 60%, 70%, 80% above the loss "
+             "head's floor, in brackets) run: the fake plan's measured peak "
+             "against its prediction, and its measured step time against the real plan's.", "",
+             "| model | ops | structure | bytes | keep-all time (fake vs real) | real / fake profile | fake plan: "
+             "predicted peak | measured | step vs real plan |", "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lo, hi = r["error_spread"]
+        slo, shi = r["step_spread"]
+        measured = ", ".join(format_bytes(b) for b in r["plan_measured_peaks"])
+        lines.append(f"| {r['model']} ({r['budget']}) | {r['ops']} | {'equal' if r['structure_equal'] else 'differs'} | "
+                     f"{'equal' if r['bytes_equal'] else 'differ'} | {r['keep_all_time_error'] * 100:+.1f}% "
+                     f"[{lo * 100:+.0f}, {hi * 100:+.0f}] | {r['real_profile_s']:.1f} s / {r['fake_profile_s']:.1f} s "
+                     f"({r['distinct_ops']} distinct calls) | {format_bytes(r['plan_predicted_peak'])} | {measured} | "
+                     f"{r['step_vs_real_plan'] * 100:+.1f}% [{slo * 100:+.0f}, {shi * 100:+.0f}] |")
+    if llama:
+        lines += ["", "The 1.1B Llama of `benchmarks/llama1b.py` (TinyLlama's shape, random init on the meta device, "
+                  "sequence 2048, AdamW) profiled with `--fake --device-spec`, then solved; wall time and peak RSS "
+                  "of the whole child process (Python and transformers imports included):", "",
+                  "| spec | batch | params | ops | profile | wall (all) | peak RSS | keep-all predicted | budget | plan | "
+                  "overhead |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in llama:
+            lines.append(f"| {r['spec']} | {r['batch']} | {r['params'] / 1e9:.2f} B | {r['ops']} | {r['profile_s']:.1f} s | "
+                         f"{r['wall_s']:.1f} s | {format_bytes(r['rss_bytes'])} | {format_bytes(r['keep_all_peak'])} | "
+                         f"{format_bytes(r['budget'])} | {format_bytes(r['plan_peak'])} ({r['solver']}) | "
+                         f"{(r['plan_s'] / r['keep_all_s'] - 1) * 100:+.1f}% |")
+    if over:
+        lines += ["", "`memplan run mlp --fake --budget 14MiB --set depth=24 --set width=64 --set batch_size=4096` "
+                  "(keep-everything needs more than twice the budget): the allocator's peak while profiling and "
+                  "while training under the plan, never above the budget:", "",
+                  "| budget | profile_peak_bytes | measured_peak_bytes | predicted peak | keep-all predicted (never "
+                  "allocated) |", "|---:|---:|---:|---:|---:|",
+                  f"| {format_bytes(over['budget_bytes'])} | {format_bytes(over['profile_peak_bytes'])} | "
+                  f"{format_bytes(over['measured_peak_bytes'])} | {format_bytes(over['predicted_peak_bytes'])} | "
+                  f"{format_bytes(over['keep_all_predicted_peak_bytes'])} |"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", default=",".join(BUILTINS))
+    ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--update-doc", action="store_true")
+    ap.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()) / "memplan-fake-bench.json",
+                    help="rows kept as they come (and read back by --render-only)")
+    ap.add_argument("--render-only", action="store_true", help="write the table from --results, run nothing")
+    args = ap.parse_args()
+    if args.render_only:
+        done = json.loads(args.results.read_text())
+    else:
+        done = {"llama": [], "over": None, "rows": []}
+        steps = [] if args.skip_1b else [("llama", lambda: llama_row("h100-80gb", 1, 60 * 2**30)),
+                                         ("llama", lambda: llama_row("l4", 2, 22 * 2**30))]
+        steps.append(("over", over_budget_row))
+        steps += [("rows", lambda n=n: builtin_row(n, args.repeats)) for n in args.models.split(",")]
+        for key, step in steps:
+            value = step()
+            if key == "over":
+                done["over"] = value
+            else:
+                done[key].append(value)
+            args.results.write_text(json.dumps(done, default=list))
+            print(key, value, flush=True)
+    rows, llama, over = done["rows"], done["llama"], done["over"]
+    text = render(rows, llama, over, args.repeats)
+    print(text)
+    if args.update_doc:
+        update_section("fake", "Fake profiling against real profiling", text)
+
+
+if __name__ == "__main__":
+    main()

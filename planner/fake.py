@@ -1,0 +1,156 @@
+"""A model's training step under PyTorch's ``FakeTensorMode``: what a fake profile traces.
+
+:func:`fake_step_state` swaps the model's parameters and buffers for fake tensors of the same shapes,
+strides and dtypes on the target device (``torch.nn.utils.stateless`` reparametrisation: the user's
+module and its tensors are left as they were), makes the batch fake and builds a fake optimizer of the
+user's class and hyper-parameters over the fake parameters, so its state is created fake by its first
+step. A model built on the meta device works the same: nothing of its size is ever allocated. A batch already
+on the target device stays real, and calls on real tensors alone run for real (:func:`fake_call`).
+
+:func:`fake_call` runs one ATen call on fake tensors and turns the errors of a step that cannot be traced
+so (an output whose shape or value depends on tensor data: ``nonzero``, ``.item()``) into one
+:class:`FakeTraceError` naming the op and the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from memplan.planner.errors import MemplanError
+from memplan.planner.workloads import default_optimizer
+
+_CANNOT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
+           UnsupportedFakeTensorException)
+
+
+class FakeTraceError(MemplanError):
+    """The step cannot run under fake tensors (an op whose output depends on tensor values)."""
+
+
+def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
+    """``func(*args, **kwargs)`` under fake tensors; :class:`FakeTraceError` naming ``func`` and ``where``
+    (the module running it) when fake tensors cannot run it. A call whose tensors are all real (the
+    batch, and what is computed from it alone: an attention mask checked with ``.item()``) runs for real,
+    below every mode, as it does in a real step."""
+    tensors: list[torch.Tensor] = []
+    _leaves((args, kwargs), tensors)
+    if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+        with _disable_current_modes():
+            return func(*args, **kwargs)
+    try:
+        return func(*args, **kwargs)
+    except _CANNOT as e:
+        reason = ("its output depends on tensor values" if isinstance(e, (DataDependentOutputException,
+                                                                          DynamicOutputShapeException))
+                  else "fake tensors do not support it")
+        raise FakeTraceError(f"{func} in {where} cannot run under fake tensors ({reason}); "
+                             f"profile without --fake (fake=False)") from None
+
+
+class FakeGuard(TorchDispatchMode):
+    """Runs every call through :func:`fake_call`, naming the module on top of ``modules`` (kept by the
+    profiler's module hooks): for the fake steps that are not traced (the warm-up)."""
+
+    def __init__(self, modules: list[str]):
+        super().__init__()
+        self.modules = modules
+        self.model_called = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        where = self.modules[-1] if self.modules else ("loss" if self.model_called else "the step")
+        return fake_call(func, args, kwargs or {}, where or "the model")
+
+
+@dataclass
+class FakeState:
+    """What a fake step runs on: the fake batch and optimizer, the fake tensors by kind, and the mode."""
+
+    mode: FakeTensorMode
+    batch: Any
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    inputs: list[torch.Tensor]
+
+
+@contextlib.contextmanager
+def fake_step_state(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None,
+                    device: torch.device) -> Iterator[FakeState]:
+    """Inside: ``model``'s parameters and buffers are fake tensors on ``device`` (tied ones stay tied)
+    and ``FakeTensorMode`` is active, so every tensor the step creates is fake. Yields the
+    :class:`FakeState`; on exit the model has its own tensors back."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake_of(t: torch.Tensor) -> torch.Tensor:
+        f = memo.get(id(t))
+        if f is None:
+            with mode:
+                f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+            if t.requires_grad:
+                f.requires_grad_(True)
+            memo[id(t)] = f
+        return f
+
+    swapped = {name: fake_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    swapped |= {name: fake_of(b) for name, b in model.named_buffers(remove_duplicate=False)}
+    inputs: list[torch.Tensor] = []
+    _leaves(batch, inputs)
+    # A batch already on the device stays real (it is small, and the model may look at its values, as
+    # transformers does with an attention mask); elsewhere (the meta device, another device) it is faked.
+    fake_batch = batch if all(t.device == device for t in inputs) else _map(batch, fake_of)
+    inputs = []
+    _leaves(fake_batch, inputs)
+    with _reparametrize_module(model, swapped, tie_weights=True, strict=False), mode:
+        params = [p for _, p in model.named_parameters()]
+        buffers = [b for _, b in model.named_buffers()]
+        fake_opt = _fake_optimizer(optimizer, fake_of) if optimizer is not None else default_optimizer(model)
+        yield FakeState(mode, fake_batch, fake_opt, params, buffers, inputs)
+
+
+def _fake_optimizer(optimizer: torch.optim.Optimizer, fake_of: Any) -> torch.optim.Optimizer:
+    """The user's optimizer class and hyper-parameters (group by group) over the fake parameters."""
+    groups = [{**g, "params": [fake_of(p) for p in g["params"]]} for g in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)
+
+
+def _map(x: Any, fn: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return type(x)({k: _map(v, fn) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+        items = [_map(v, fn) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
+
+
+def _leaves(x: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _leaves(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _leaves(v, out)

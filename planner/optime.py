@@ -1,0 +1,513 @@
+"""Op times without the training step: each ATen call a fake trace recorded, timed on its own.
+
+A fake trace (:func:`memplan.planner.profiler.profile` with ``fake=True``) runs no kernel, so it knows
+every call's operator and the shapes, dtypes, strides and aliasing of its arguments, but not its time.
+:class:`OpTimer` gives each call a time and an allocator high-water mark in one of two ways:
+
+* **isolated**: the call runs alone on the target device, on real tensors of its recorded metadata
+  (floats uniform in [0, 1), integers zero so that indices are valid; arguments sharing a storage share
+  one here too). One warm-up run, then the median of at least 3 timed runs (more for calls under 50 ms
+  in all). Only one call's working set is allocated at a time. A second pass runs each call once more
+  under the allocator's eye (CPU: ``torch.profiler`` allocation events in a ``memplan:<n>`` range; CUDA:
+  ``max_memory_allocated``) for its high-water mark, which the profiler turns into workspace as it does
+  for a real step. Results go to an on-disk cache keyed by the call (operator, argument metadata), the
+  device and the torch version: repeated layers and later profiles run nothing.
+* **analytic**: the roofline ``op_overhead_s + max(flops / peak FLOP/s of its dtype, bytes moved /
+  memory bandwidth)``. FLOPs come from ``torch.utils.flop_counter``'s formulas (0 for ops it does not
+  count), bytes moved are the distinct argument bytes read plus the bytes written (0 for views). The
+  figures come from a :class:`DeviceSpec`: a shipped or given one (a device you do not have), or this
+  machine's, measured once by :func:`local_device_spec` (matmul FLOP/s per dtype, copy bandwidth, the
+  cost of a tiny op) and cached. Calls that cannot run alone fall back to it.
+
+The cache is a SQLite file in ``cache_dir`` (default ``$MEMPLAN_CACHE_DIR`` or ``~/.cache/memplan``,
+then ``optimes/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import platform
+import sqlite3
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memplan.planner.devicespec import DeviceSpec, parse_device_spec
+from memplan.planner.measure import allocation_highs, allocator_events, cpu_allocations
+
+TIME_SOURCES = ("measured", "isolated", "analytic")
+_MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
+
+
+def default_cache_dir() -> Path:
+    """``$MEMPLAN_CACHE_DIR`` or ``~/.cache/memplan``, then ``optimes``."""
+    root = os.environ.get("MEMPLAN_CACHE_DIR") or Path.home() / ".cache" / "memplan"
+    return Path(root) / "optimes"
+
+
+# ---- what a call is, without its tensors -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor argument as recorded: its view of storage ``storage`` (numbered within the call)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    storage: int
+    storage_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the view spans (at most its storage's)."""
+        return min(self.storage_bytes, math.prod(self.shape) * self.dtype.itemsize)
+
+
+@dataclass
+class OpCall:
+    """One ATen call of a fake trace: ``func`` and its arguments with tensors as :class:`TensorMeta`.
+    ``flops`` and ``written_bytes`` are counted at trace time (the fake outputs are at hand then)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    device: str
+    flops: int = 0
+    written_bytes: int = 0
+    _key: str | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return str(self.func)
+
+    @property
+    def key(self) -> str:
+        """The call's identity for the cache: operator and argument metadata."""
+        if self._key is None:
+            self._key = f"{self.func}|{_describe((self.args, self.kwargs))}"
+        return self._key
+
+    def tensors(self) -> list[TensorMeta]:
+        out: list[TensorMeta] = []
+        _metas((self.args, self.kwargs), out)
+        return out
+
+    def read_bytes(self) -> int:
+        """Bytes of the distinct argument views (what a kernel reads, at most)."""
+        return sum({(m.storage, m.offset, m.shape, m.stride): m.nbytes for m in self.tensors()}.values())
+
+    def dtype(self) -> str:
+        """The first floating argument's dtype name ("float32"), else the first argument's."""
+        metas = self.tensors()
+        chosen = next((m for m in metas if m.dtype.is_floating_point), metas[0] if metas else None)
+        return str(chosen.dtype).removeprefix("torch.") if chosen else "float32"
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, TensorMeta):
+        return f"T({x.dtype},{list(x.shape)},{list(x.stride)},{x.offset},s{x.storage}:{x.storage_bytes})"
+    if isinstance(x, (tuple, list)):
+        inner = ",".join(_describe(y) for y in x)
+        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{k}={_describe(v)}" for k, v in sorted(x.items())) + "}"
+    text = repr(x)
+    return type(x).__name__ if " at 0x" in text else text  # an object's address is no part of the call
+
+
+def _metas(x: Any, out: list[TensorMeta]) -> None:
+    if isinstance(x, TensorMeta):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _metas(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _metas(y, out)
+
+
+def _replace(x: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(x, tuple):
+        return tuple(_replace(y, fn) for y in x)
+    if isinstance(x, list):
+        return [_replace(y, fn) for y in x]
+    if isinstance(x, dict):
+        return {k: _replace(v, fn) for k, v in x.items()}
+    return fn(x)
+
+
+def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
+    """An :class:`OpCall` of ``func(*args, **kwargs) -> out`` (fake tensors): metadata only, nothing of
+    the tensors is kept. FLOPs from ``torch.utils.flop_counter``'s formula for the operator (0 if none)."""
+    from torch.utils.flop_counter import flop_registry
+
+    storages: dict[int, int] = {}
+    device = "cpu"
+
+    def meta(x: Any) -> Any:
+        nonlocal device
+        if not isinstance(x, torch.Tensor):
+            return x
+        s = x.untyped_storage()
+        index = storages.setdefault(s._cdata, len(storages))
+        device = x.device.type
+        return TensorMeta(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, index, s.nbytes())
+
+    margs, mkwargs = _replace(args, meta), _replace(kwargs, meta)
+    flops = 0
+    formula = flop_registry.get(getattr(func, "overloadpacket", None))
+    if formula is not None:
+        with contextlib.suppress(Exception):  # a formula that does not know this overload: no FLOPs
+            flops = int(formula(*args, **kwargs, out_val=out))
+    read = set(storages)
+    written = 0
+    outs: list[torch.Tensor] = []
+    _collect_tensors(out, outs)
+    for t in outs:
+        s = t.untyped_storage()
+        if s._cdata not in read or _mutates(func):  # a new storage, or an in-place write
+            written += min(s.nbytes(), t.numel() * t.element_size())
+    return OpCall(func, margs, mkwargs, device, flops, written)
+
+
+def _collect_tensors(x: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _collect_tensors(y, out)
+
+
+def _mutates(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    return bool(schema and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
+
+
+def analytic_time_s(call: OpCall, spec: DeviceSpec) -> float:
+    """Roofline time of ``call`` on ``spec``'s device (see the module docstring)."""
+    if getattr(call.func, "is_view", False):
+        return spec.op_overhead_s
+    moved = call.read_bytes() + call.written_bytes
+    return spec.op_overhead_s + max(call.flops / spec.flops_per_s(call.dtype()),
+                                    moved / spec.memory_bandwidth_bytes_per_s)
+
+
+# ---- real tensors for a call ---------------------------------------------------------------------------
+
+
+def materialise(call: OpCall, device: torch.device) -> tuple[tuple, dict]:
+    """Real arguments for ``call`` on ``device``: one filled storage per recorded storage, each tensor
+    argument a view of it with the recorded offset, shape and stride."""
+    storages: dict[int, torch.UntypedStorage] = {}
+
+    def real(x: Any) -> Any:
+        if not isinstance(x, TensorMeta):
+            return x
+        base = storages.get(x.storage)
+        if base is None:
+            n = -(-x.storage_bytes // x.dtype.itemsize)
+            if x.dtype.is_floating_point and x.dtype.itemsize >= 2:
+                filled = torch.rand(n, dtype=x.dtype, device=device)
+            else:  # integers (indices stay valid), booleans, 8-bit floats
+                filled = torch.zeros(n, dtype=x.dtype, device=device)
+            base = storages[x.storage] = filled.untyped_storage()
+        return torch.empty(0, dtype=x.dtype, device=device).set_(base, x.offset, x.shape, x.stride)
+
+    return _replace(call.args, real), _replace(call.kwargs, real)
+
+
+# ---- the cache ------------------------------------------------------------------------------------------
+
+
+class OpTimeCache:
+    """``key -> (time_s, high_bytes, output storage bytes)`` in a SQLite file; safe for several processes."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.directory / "optimes.sqlite", timeout=30)
+        self.db.execute("CREATE TABLE IF NOT EXISTS optimes2 (key TEXT PRIMARY KEY, time_s REAL, "
+                        "high_bytes INTEGER, output_bytes TEXT)")
+
+    def get(self, key: str) -> tuple[float, int, tuple[int, ...]] | None:
+        row = self.db.execute("SELECT time_s, high_bytes, output_bytes FROM optimes2 WHERE key = ?",
+                              (key,)).fetchone()
+        if not row:
+            return None
+        return float(row[0]), int(row[1]), tuple(int(b) for b in row[2].split(",") if b)
+
+    def put(self, rows: list[tuple[str, float, int, tuple[int, ...]]]) -> None:
+        with self.db:
+            self.db.executemany("INSERT OR REPLACE INTO optimes2 VALUES (?, ?, ?, ?)",
+                                [(k, t, h, ",".join(map(str, o))) for k, t, h, o in rows])
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def device_identity(device: torch.device) -> str:
+    """What a timing depends on besides the call: the device model, thread count, torch version."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = _cpu_model() + f" threads={torch.get_num_threads()}"
+    return f"{device.type}:{name}|torch={torch.__version__}"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _hashed(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ---- this machine's figures -----------------------------------------------------------------------------
+
+
+def local_device_spec(device: torch.device, cache_dir: str | Path | None = None) -> DeviceSpec:
+    """This machine's :class:`DeviceSpec`, measured once per device and torch version and cached as JSON:
+    matmul FLOP/s for float32, bfloat16 and float16, copy bandwidth, and a tiny op's cost (overhead)."""
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    identity = device_identity(device)
+    path = directory / f"device-{_hashed(identity)[:16]}.json"
+    if path.is_file():
+        with contextlib.suppress(Exception):  # a damaged cache file is measured again
+            return parse_device_spec(path.read_bytes(), source=str(path))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def median_s(fn: Callable[[], Any], runs: int = 5) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn()
+            sync()  # CUDA: the kernels are asynchronous
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    n = 4096 if device.type == "cuda" else 256
+    flops: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        a = torch.rand(n, n, dtype=dtype, device=device)
+        b = torch.rand(n, n, dtype=dtype, device=device)
+        flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / median_s(lambda a=a, b=b: a @ b, runs=3)
+    x = torch.rand(16 * 2**20, device=device)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.nbytes / median_s(lambda: y.copy_(x))
+    tiny = torch.rand(1, device=device)
+    overhead = median_s(lambda: torch.add(tiny, tiny), runs=50)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        host = _pinned_bandwidth(device)
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = 12e9  # a nominal figure: on CPU offload is a logical move
+    spec = DeviceSpec(name="local", description=f"measured on {identity}", device=device.type,
+                      memory_bytes=memory, peak_flops_per_s=flops, memory_bandwidth_bytes_per_s=bandwidth,
+                      host_bandwidth_bytes_per_s=host, op_overhead_s=overhead)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(spec.model_dump_json(indent=1))
+    tmp.replace(path)
+    return spec
+
+
+def _pinned_bandwidth(device: torch.device) -> float:
+    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(4):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)  # wait for the async copies before reading the clock
+    return 4 * host.numel() / (time.perf_counter() - start)
+
+
+# ---- the timer -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """A call's time, its allocator high-water mark (bytes above what was allocated before it, outputs
+    included; 0 when analytic), how it was timed ("isolated" or "analytic") and, when it ran, the storage
+    bytes of each tensor it returned (flattened in argument order)."""
+
+    time_s: float
+    high_bytes: int
+    source: str
+    output_bytes: tuple[int, ...] = ()  # storage bytes of each output tensor when it ran (isolated)
+
+
+@dataclass
+class TimerStats:
+    calls: int = 0          # calls asked about
+    distinct: int = 0       # distinct keys among them
+    cache_hits: int = 0     # distinct keys found in the cache
+    isolated_runs: int = 0  # distinct keys run alone now
+    analytic: int = 0       # distinct keys timed analytically
+    peak_bytes: int = 0     # allocator high-water mark of the isolated runs, above what was live before
+
+
+class OpTimer:
+    """Times :class:`OpCall` lists. ``spec``: time every call analytically for that device (nothing
+    runs); None: run each call alone on ``device``, falling back to this machine's measured spec for
+    calls that cannot run. ``cache_dir``: where the cache lives (None: :func:`default_cache_dir`).
+    ``min_runs`` timed runs at least per call, more while they total under ``target_s`` (at most 50)."""
+
+    def __init__(self, device: torch.device, *, spec: DeviceSpec | None = None,
+                 cache_dir: str | Path | None = None, min_runs: int = _MIN_RUNS, target_s: float = _TARGET_S):
+        self.device = torch.device(device)
+        self.min_runs, self.target_s = max(1, min_runs), target_s
+        self.spec = spec
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.stats = TimerStats()
+        self._local: DeviceSpec | None = None
+
+    def local_spec(self) -> DeviceSpec:
+        if self._local is None:
+            self._local = local_device_spec(self.device, self.cache_dir)
+        return self._local
+
+    def time(self, calls: list[OpCall]) -> list[Timing]:
+        """One :class:`Timing` per call, in order."""
+        self.stats.calls += len(calls)
+        distinct: dict[str, OpCall] = {}
+        for c in calls:
+            distinct.setdefault(c.key, c)
+        self.stats.distinct += len(distinct)
+        results: dict[str, Timing] = {}
+        if self.spec is not None:
+            for key, c in distinct.items():
+                results[key] = Timing(analytic_time_s(c, self.spec), 0, "analytic")
+            self.stats.analytic += len(distinct)
+        else:
+            results = self._isolated(distinct)
+        return [results[c.key] for c in calls]
+
+    def _isolated(self, distinct: dict[str, OpCall]) -> dict[str, Timing]:
+        identity = device_identity(self.device)
+        cache = OpTimeCache(self.cache_dir)
+        results: dict[str, Timing] = {}
+        todo: dict[str, OpCall] = {}
+        try:
+            for key, c in distinct.items():
+                hit = cache.get(_hashed(f"{key}|{identity}"))
+                if hit is not None:
+                    results[key] = Timing(hit[0], hit[1], "isolated", hit[2])
+                else:
+                    todo[key] = c
+            self.stats.cache_hits += len(distinct) - len(todo)
+            highs, outputs, failed = self._high_water(todo)
+            rows = []
+            for key, c in todo.items():
+                seconds = None if key in failed else self._run_timed(c)
+                if seconds is None:
+                    results[key] = Timing(analytic_time_s(c, self.local_spec()), 0, "analytic")
+                    self.stats.analytic += 1
+                    continue
+                results[key] = Timing(seconds, highs.get(key, 0), "isolated", outputs.get(key, ()))
+                rows.append((_hashed(f"{key}|{identity}"), seconds, highs.get(key, 0), outputs.get(key, ())))
+                self.stats.isolated_runs += 1
+            cache.put(rows)
+        finally:
+            cache.close()
+        return results
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # kernels are asynchronous: wait before reading the clock
+            torch.cuda.synchronize(self.device)
+
+    def _run_timed(self, call: OpCall) -> float | None:
+        """Median seconds of ``call`` run alone (None if it cannot run)."""
+        try:
+            args, kwargs = materialise(call, self.device)
+            out = call.func(*args, **kwargs)
+            self._sync()
+            del out
+            times: list[float] = []
+            while len(times) < self.min_runs or (sum(times) < self.target_s and len(times) < _MAX_RUNS):
+                start = time.perf_counter()
+                out = call.func(*args, **kwargs)
+                self._sync()
+                times.append(time.perf_counter() - start)
+                del out  # one output at a time: the working set stays one call's
+            return statistics.median(times)
+        except Exception:  # noqa: BLE001 - any failure means "cannot run alone": analytic instead
+            return None
+
+    def _high_water(self, todo: dict[str, OpCall]) -> tuple[dict[str, int], dict[str, tuple[int, ...]], set[str]]:
+        """Each call's allocator high-water mark and its outputs' storage bytes, run once; and the keys that
+        failed to run. Records the pass's own high-water mark (inputs included) in ``stats.peak_bytes``."""
+        highs: dict[str, int] = {}
+        outputs: dict[str, tuple[int, ...]] = {}
+        failed: set[str] = set()
+        if not todo:
+            return highs, outputs, failed
+        if self.device.type == "cuda":
+            base = torch.cuda.memory_allocated(self.device)
+            peak = 0
+            for key, c in todo.items():
+                with _running(key, failed):
+                    args, kwargs = materialise(c, self.device)
+                    self._sync()
+                    before = torch.cuda.memory_allocated(self.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    out = c.func(*args, **kwargs)
+                    self._sync()
+                    outputs[key] = _storage_bytes(out)
+                    high = torch.cuda.max_memory_allocated(self.device)
+                    highs[key] = high - before
+                    peak = max(peak, high - base)
+                    del out, args, kwargs
+            self.stats.peak_bytes = max(self.stats.peak_bytes, peak)
+            return highs, outputs, failed
+        names: dict[str, str] = {}
+        with allocator_events() as prof:
+            for i, (key, c) in enumerate(todo.items()):
+                with _running(key, failed):
+                    args, kwargs = materialise(c, self.device)
+                    names[f"memplan:{i}"] = key
+                    with torch._C._profiler._RecordFunctionFast(f"memplan:{i}"):
+                        out = c.func(*args, **kwargs)
+                    outputs[key] = _storage_bytes(out)
+                    del out, args, kwargs
+        for name, high in allocation_highs(prof).items():
+            if name in names:
+                highs[names[name]] = high
+        running = 0
+        for _, size in cpu_allocations(prof):
+            running += size
+            self.stats.peak_bytes = max(self.stats.peak_bytes, running)
+        return highs, outputs, failed
+
+
+def _storage_bytes(out: Any) -> tuple[int, ...]:
+    tensors: list[torch.Tensor] = []
+    _collect_tensors(out, tensors)
+    return tuple(t.untyped_storage().nbytes() for t in tensors)
+
+
+@contextlib.contextmanager
+def _running(key: str, failed: set[str]) -> Iterator[None]:
+    """Run one call; a failure marks ``key`` as one that cannot run alone."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - any failure means "cannot run alone": analytic instead
+        failed.add(key)

@@ -1,0 +1,292 @@
+"""Fake profiling (issue #10): the graph traced under FakeTensorMode equals the real profile's in every
+field but the times, on every built-in and on a model defined here (built on the meta device too); op
+timing alone (cached) or analytic from a device spec; profiling inside a budget; the refusals.
+
+Fields that differ by design, and are left out of the comparison: ``time_s``, ``backward_time_s``,
+``optimizer_time_s`` and ``time_source`` (timed differently), ``measured`` (a fake profile measures no
+step), ``meta``, ``host_bandwidth_bytes_per_s`` on CUDA, and ``fixed.optimizer_step_bytes``, which a real
+profile takes from the allocator (a few bytes of the optimizer kernels' scratch above the storages it
+sees) and a fake one from the storages alone.
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from memplan.api.cli import app
+from memplan.executor.session import run_plan
+from memplan.planner.devicespec import DeviceSpecError, load_device_spec, parse_device_spec
+from memplan.planner.fake import FakeTraceError
+from memplan.planner.optime import OpCall, OpTimer, TensorMeta, analytic_time_s
+from memplan.planner.profiler import profile
+from memplan.planner.simulator import simulate
+from memplan.planner.workloads import load_workload
+from memplan.solvers import solve
+
+TIMES = {"time_s", "backward_time_s", "time_source"}
+
+
+def _real(w, **kw):
+    return profile(w.model, w.batch, w.loss_fn, device="cpu", progress=False, measure=False, repeats=1,
+                   name=w.name, **kw)
+
+
+def _fake(w, cache, **kw):
+    timer = OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0)
+    return profile(w.model, w.batch, w.loss_fn, device="cpu", progress=False, fake=True, timer=timer,
+                   name=w.name, **kw)
+
+
+def _structure(g):
+    d = g.model_dump(exclude={"meta", "measured", "optimizer_time_s"})
+    d["fixed"].pop("optimizer_step_bytes")
+    d["ops"] = [{k: v for k, v in op.items() if k not in TIMES} for op in d["ops"]]
+    return d
+
+
+def _assert_same_structure(real, fake):
+    a, b = _structure(real), _structure(fake)
+    assert [op["name"] for op in a["ops"]] == [op["name"] for op in b["ops"]]
+    for x, y in zip(a["ops"], b["ops"], strict=True):
+        assert x == y
+    for x, y in zip(a["tensors"], b["tensors"], strict=True):
+        assert x == y
+    assert a == b
+    assert fake.meta["mutated_by"] == real.meta["mutated_by"]
+    assert fake.fingerprint == real.fingerprint
+    assert simulate(fake, None).peak_bytes == simulate(real, None).peak_bytes
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One op-time cache for the module (``$MEMPLAN_CACHE_DIR/optimes`` with the root below)."""
+    root = tmp_path_factory.mktemp("memplan-cache")
+    (root / "optimes").mkdir()
+    return root / "optimes"
+
+
+@pytest.mark.parametrize("name", ["mlp", pytest.param("unet", marks=pytest.mark.slow),
+                                  pytest.param("resnet", marks=pytest.mark.slow),
+                                  pytest.param("gpt2", marks=pytest.mark.slow),
+                                  pytest.param("bert", marks=pytest.mark.slow)])
+def test_fake_graph_equals_the_real_profile_on_builtins(name, cache):
+    small = {"mlp": {"depth": 4}, "unet": {"channels": (8, 16, 32), "image_size": 32},
+             "resnet": {"image_size": 32, "batch_size": 4}, "gpt2": {"n_layer": 2, "seq_len": 64},
+             "bert": {"num_hidden_layers": 2, "seq_len": 64}}[name]
+    w = load_workload(name, **small)
+    fake = _fake(w, cache)
+    real = _real(w)
+    _assert_same_structure(real, fake)
+    assert all(op.time_source == "isolated" for op in fake.ops)
+    assert all(op.time_source == "measured" for op in real.ops)
+    assert fake.meta["fake"] is True and fake.measured.peak_bytes is None
+
+
+class TwoBlocks(nn.Module):
+    """A model of this file: a residual MLP block with layer norm and dropout, and a GELU head."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        h = x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+        return self.head(h)
+
+
+def _ce(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def test_a_model_built_on_the_meta_device_gives_the_real_graph(cache):
+    batch = (torch.randn(16, 32), torch.randint(0, 10, (16,)))
+    with torch.device("meta"):
+        meta_model = TwoBlocks()
+    torch.manual_seed(0)
+    real_model = TwoBlocks()
+    opt = torch.optim.SGD(meta_model.parameters(), lr=0.1, momentum=0.9)
+    fake = profile(meta_model, batch, _ce, device="cpu", progress=False, fake=True, optimizer=opt,
+                   timer=OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0))
+    real = profile(real_model, batch, _ce, device="cpu", progress=False, measure=False, repeats=1,
+                   optimizer=torch.optim.SGD(real_model.parameters(), lr=0.1, momentum=0.9))
+    _assert_same_structure(real, fake)
+    assert fake.fixed.optimizer_state_bytes == fake.fixed.params_bytes  # SGD momentum buffers, fake
+    # nothing of the model was materialised, and its optimizer kept no state
+    assert all(p.device.type == "meta" for p in meta_model.parameters()) and not opt.state
+
+
+def test_the_users_model_and_optimizer_are_left_untouched(cache):
+    torch.manual_seed(0)
+    model = TwoBlocks()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(model.parameters())
+    _fake(type("W", (), {"model": model, "batch": (torch.randn(8, 32), torch.zeros(8, dtype=torch.long)),
+                         "loss_fn": staticmethod(_ce), "name": "two"})(), cache, optimizer=opt)
+    assert list(model.parameters()) == params and all(type(p) is nn.Parameter for p in params)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in params)
+
+
+def test_op_times_are_cached_repeated_layers_and_later_profiles_run_nothing(tmp_path):
+    w = load_workload("mlp", depth=6, width=64, batch_size=32)
+    first = _fake(w, tmp_path)
+    stats = first.meta["op_timing"]
+    # six identical layers: each distinct call runs once
+    assert stats["distinct"] < stats["calls"] / 3 and stats["isolated_runs"] == stats["distinct"]
+    assert (tmp_path / "optimes.sqlite").is_file()
+    again = _fake(w, tmp_path)
+    assert again.meta["op_timing"]["isolated_runs"] == 0
+    assert again.meta["op_timing"]["cache_hits"] == stats["distinct"]
+    assert [op.time_s for op in again.ops] == [op.time_s for op in first.ops]
+    assert all(op.time_s > 0 for op in first.ops if op.name == "aten.addmm.default")
+
+
+def test_device_spec_times_ops_analytically_and_rounds_cuda_blocks(tmp_path):
+    spec = load_device_spec("h100-80gb")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 3))
+    g = profile(model, torch.randn(512, 1024), lambda m, x: m(x).sum(), progress=False, device_spec=spec,
+                cache_dir=tmp_path)
+    assert g.device == "cuda" and g.meta["device_spec"] == "h100-80gb"
+    assert all(op.time_source == "analytic" for op in g.ops)
+    assert g.host_bandwidth_bytes_per_s == spec.host_bandwidth_bytes_per_s
+    addmm = next(op for op in g.ops if op.name == "aten.addmm.default")
+    flops = 2 * 512 * 1024 * 1024
+    moved = (1024 + 512 * 1024 + 1024 * 1024 + 512 * 1024) * 4
+    assert addmm.time_s == pytest.approx(spec.op_overhead_s + max(flops / 67e12, moved / 3.35e12))
+    # the loss (4 bytes) and the last layer's output (512 x 3 floats) are charged as 512-byte blocks
+    assert all(t.bytes % 512 == 0 for t in g.tensors)
+    assert g.fixed.params_bytes == sum(-(-p.numel() * 4 // 512) * 512 for p in model.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert not (tmp_path / "optimes.sqlite").exists()  # nothing ran
+
+
+def test_a_call_that_cannot_run_alone_is_timed_analytically(tmp_path):
+    bad = OpCall(torch.ops.aten.mm.default,
+                 (TensorMeta((4, 5), (5, 1), 0, torch.float32, 0, 80), TensorMeta((6, 7), (7, 1), 0, torch.float32, 1, 168)),
+                 {}, "cpu", flops=2 * 4 * 5 * 7, written_bytes=4 * 7 * 4)
+    timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path, min_runs=1, target_s=0.0)
+    (timing,) = timer.time([bad])
+    assert timing.source == "analytic" and timer.stats.analytic == 1 and timer.stats.isolated_runs == 0
+    assert timing.time_s == pytest.approx(analytic_time_s(bad, timer.local_spec()))
+    assert timer.local_spec().peak_flops_per_s["float32"] > 0
+    assert list(tmp_path.glob("device-*.json"))  # this machine's figures, measured once and cached
+
+
+def _data_dependent(kind):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.gate(x)
+            if kind == "nonzero":
+                return h[h.nonzero(as_tuple=True)].sum()
+            return h.sum() * 2 if h.sum().item() > 0 else h.sum()
+
+    return Model()
+
+
+@pytest.mark.parametrize("kind, op", [("nonzero", "aten.nonzero"), ("item", "aten._local_scalar_dense")])
+def test_a_step_that_cannot_run_under_fake_tensors_names_the_op_and_module(kind, op, tmp_path):
+    with pytest.raises(FakeTraceError, match=rf"{op}.* in the model|{op}.* in \w*") as e:
+        profile(_data_dependent(kind), torch.randn(3, 4), lambda m, x: m(x), progress=False, fake=True,
+                cache_dir=tmp_path)
+    assert "profile without --fake" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_fake_refusals_write_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build():\n"
+        "    m = nn.Linear(4, 4)\n"
+        "    return m, torch.randn(3, 4), lambda m, x: m(x)[m(x) > 0].sum()\n")
+    runner = CliRunner()
+    r = runner.invoke(app, ["plan", "bad.py:build", "--fake", "-o", "plan.json", "--graph", "graph.json"])
+    assert r.exit_code == 2 and "aten.index.Tensor in loss" in r.output and "without --fake" in r.output
+    assert not (tmp_path / "plan.json").exists() and not (tmp_path / "graph.json").exists()
+    r = runner.invoke(app, ["plan", "mlp", "--device-spec", "v100"])
+    assert r.exit_code == 2 and "a100-80gb, h100-80gb, l4, rtx-4090" in r.output
+    (tmp_path / "spec.json").write_text(json.dumps({"name": "x", "device": "cuda", "memory_bytes": 1,
+                                                    "peak_flops_per_s": {"float32": -1},
+                                                    "memory_bandwidth_bytes_per_s": 1e9,
+                                                    "host_bandwidth_bytes_per_s": 1e9}))
+    r = runner.invoke(app, ["profile", "mlp", "--device-spec", "spec.json", "-o", "g.json"])
+    assert r.exit_code == 2 and "peak_flops_per_s.float32" in r.output and not (tmp_path / "g.json").exists()
+
+
+def test_device_spec_files_are_validated_by_field():
+    with pytest.raises(DeviceSpecError, match="field memory_bandwidth_bytes_per_s"):
+        parse_device_spec('{"name": "x", "device": "cuda", "memory_bytes": 1, "peak_flops_per_s": '
+                          '{"float32": 1e12}, "host_bandwidth_bytes_per_s": 1e9}', source="x.json")
+    with pytest.raises(DeviceSpecError, match="field device"):
+        parse_device_spec('{"name": "x", "device": "tpu", "memory_bytes": 1, "peak_flops_per_s": {"float32": 1},'
+                          '"memory_bandwidth_bytes_per_s": 1, "host_bandwidth_bytes_per_s": 1}', source="x.json")
+    for name in ("a100-80gb", "h100-80gb", "l4", "rtx-4090"):
+        spec = load_device_spec(name.upper())
+        assert spec.device == "cuda" and spec.flops_per_s("bfloat16") > spec.flops_per_s("float32") / 2
+
+
+# ---- profiling inside the budget ------------------------------------------------------------------------
+
+OVER = {"depth": 24, "width": 64, "batch_size": 4096}  # keep-everything needs more than twice the budget
+
+
+@pytest.mark.slow
+def test_fake_profile_plan_and_run_never_hold_more_than_the_budget(cache):
+    w = load_workload("mlp", **OVER)
+    graph = _fake(w, cache)
+    keep_all = simulate(graph, None).peak_bytes
+    budget = keep_all * 45 // 100
+    assert keep_all > 2 * budget
+    result = solve(graph, budget, "auto", time_limit_s=3)
+    report = run_plan(w.model, w.batch, w.loss_fn, None, result.plan, graph, steps=1, warmup=1, keep_all=False)
+    assert report.profile_peak_bytes is not None and report.profile_peak_bytes <= budget
+    assert report.measured_peak_bytes == report.predicted_peak_bytes <= budget
+    assert report.keep_all_measured_peak_bytes is None and report.keep_all_predicted_peak_bytes == keep_all
+
+
+@pytest.mark.slow
+def test_cli_run_fake_reports_the_profiling_peak(cache, monkeypatch):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(cache.parent))  # the ops the test above timed
+    sets = [x for k, v in OVER.items() for x in ("--set", f"{k}={v}")]
+    r = CliRunner().invoke(app, ["run", "mlp", "--fake", "--budget", "14MiB", "--steps", "1", "--time-limit", "3", "--json", *sets])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    budget = doc["budget_bytes"]
+    assert doc["profile_peak_bytes"] <= budget and doc["measured_peak_bytes"] <= budget
+    assert doc["keep_all_measured_peak_bytes"] is None and doc["keep_all_predicted_peak_bytes"] > 2 * budget
+
+
+# ---- ranks without the ranks --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_fake_ranks_predict_each_ranks_peak_as_the_real_profile_does(engine, cache, monkeypatch):
+    from memplan.api.distributed import block_prefixes, plan_ranks_fake
+    from memplan.planner.distributed import for_ddp, for_fsdp, fsdp_units
+
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(cache.parent))
+    opts = {"n_layer": 2, "seq_len": 64}
+    rows = plan_ranks_fake("gpt2", world_size=4, engine=engine, budget="80%", time_limit_s=3,
+                           workload_options=opts)
+    assert sorted(r["rank"] for r in rows if r["plan"] == "keep all") == [0, 1, 2, 3]
+    w = load_workload("gpt2", **opts)
+    real = _real(w)
+    prefixes = block_prefixes(w.model)
+    rank_graph = for_ddp(real, 4) if engine == "ddp" else for_fsdp(real, fsdp_units(w.model, prefixes, 4), 4)
+    keep = simulate(rank_graph, None).peak_bytes
+    assert {r["predicted_peak_bytes"] for r in rows if r["plan"] == "keep all"} == {keep}
+    planned = {r["predicted_peak_bytes"] for r in rows if r["plan"] != "keep all"}
+    assert len(planned) == 1 and planned.pop() < keep
