@@ -31,12 +31,7 @@ from memplan.solvers import keep_all_report, memory_lower_bound, solve
 STEPS = 2  # training steps compared
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ResidualMLP(nn.Module):

@@ -20,15 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from memplan.api.integrations.huggingface import MemplanCallback  # noqa: E402
 from memplan.planner.errors import Infeasible, MemplanError  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @functools.cache

@@ -17,15 +17,7 @@ pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not
 from memplan.api.integrations.lightning import MemplanCallback  # noqa: E402
 from memplan.planner.errors import Infeasible, MemplanError  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 class Regressor(pl.LightningModule):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from memplan.api.cli import app
@@ -63,12 +62,7 @@ def test_bad_input_is_named():
 # ---- checked by training -----------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = {

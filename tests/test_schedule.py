@@ -28,13 +28,7 @@ from memplan.planner.plan import Action, Plan
 from memplan.planner.schedule import EXECUTED_KINDS, schedule
 from memplan.planner.simulator import simulate
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 CASES = [(m, s, False) for s in RECOMPUTE_SOLVERS for m in ("mlp", "gpt2")]

@@ -104,12 +104,7 @@ def test_matcher_binds_dimensions_and_names_the_tensor():
 SEQ = 48
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gpt2() -> torch.nn.Module:
