@@ -105,17 +105,20 @@ class Executor:
         self.graph = graph
         self.optimizer = optimizer
         self.actions = {t: a for t, a in plan.actions().items() if a != Action.KEEP}
-        self.records = any(a == Action.RECOMPUTE for a in self.actions.values())
-        # RNG state is captured only before random ops a replay can run: those that create a storage that
-        # can be rebuilt, and in-place initialisers of one (CPU dropout's ``bernoulli_`` into an
-        # ``empty_like``); a CPU generator state is 5 KiB per capture, held all step.
-        initialisers = {m for t in graph.tensors if t.recomputable for m in t.rebuilt_by}
-        self.rng_ops = {op.id for op in graph.ops if op.random and (
-            op.id in initialisers or any(graph.tensors[t].recomputable for t in op.outputs))}
         offloaded = sorted(t for t, a in self.actions.items() if a == Action.OFFLOAD)
         # the plan lowered once (planner/schedule.py): where each prefetch starts, what replays pin; a
         # step's ``events`` record what it performed in the same terms (Schedule.executed() compares)
         self.schedule: Schedule = schedule(graph, plan, check=False)
+        # Forward records a recipe only for the ops the schedule's replays run (the executor replays
+        # what the schedule says, event for event), and captures RNG state only before the random ones
+        # among them: a CPU generator state is 5 KiB per capture, held all step.
+        self.recorded_ops = frozenset(p for ev in self.schedule.replays() for p in ev.ops)
+        self.records = bool(self.recorded_ops)
+        self.rng_ops = frozenset(p for p in self.recorded_ops if graph.ops[p].random)
+        # A plan that moves nothing needs no per-op work: without fusion, a step runs with neither the
+        # op-counting mode nor the saved-tensor hooks (plain training; the op-by-op graph check is skipped,
+        # there being no decision it protects).
+        self.watch = bool(self.actions) or fuse is not None
         self.prefetch_order = prefetch_order(self.schedule.prefetch_at)
         self.pins = dict(self.schedule.pins)
         self.tag_nodes = bool(offloaded) or bool(self.pins)
@@ -169,6 +172,9 @@ class Executor:
                 self.fused.before_module(module)
         self.step_state = _Step(self)
         self.steps += 1
+        if not self.watch:
+            self.step_state.forward_done = True
+            return
         self._mode.__enter__()
         self._hooks.__enter__()
         self._entered = True
@@ -180,6 +186,8 @@ class Executor:
     def end_step(self) -> None:
         """Leave the op-counting mode and the saved-tensor hooks (the step's backward keeps working)."""
         if not self._entered:
+            if self.step_state is not None:  # an unwatched step (a plan that moves nothing)
+                self.last_step, self.step_state = self.step_state, None
             return
         if _get_current_dispatch_mode() is not self._mode:
             raise MemplanError("executor: another TorchDispatchMode was entered inside the step and is still "

@@ -171,8 +171,9 @@ class _Step:
         self.replays = 0
         self.events: list[ScheduleEvent] = []                  # what it performed, in the schedule's terms
         self.rng_device = None
-        for p in ex.fixed_tensors:
-            self._see(p, -1)
+        if ex.watch:
+            for p in ex.fixed_tensors:
+                self._see(p, -1)
 
     # ---- storages ----------------------------------------------------------------------------
     def _see(self, t: torch.Tensor, tid: int) -> int | None:
@@ -240,7 +241,10 @@ class _Step:
             # not the model's step
             self.forward_done = True
             return func(*args, **kwargs)
-        k = self._match(str(func))
+        name = _NAMES.get(func)
+        if name is None:
+            name = _NAMES[func] = str(func)
+        k = self._match(name)
         op = self.g.ops[k]
         self.events.append(ScheduleEvent("compute", "forward", k, reason=op.name))
         ex = self.ex
@@ -249,7 +253,7 @@ class _Step:
             self._see(t, -1)
         if ex.fused is not None and ex.fused.pending_keys:
             ex.fused.check_not_pending(inputs, op)
-        record = ex.records
+        record = k in ex.recorded_ops  # only the ops a replay of the schedule runs
         rng = None
         if record:
             args_r, kwargs_r = map_leaves(self._ref, (args, kwargs))
@@ -531,19 +535,15 @@ class _Step:
         if rec.rng is None:
             out = rec.func(*args, **kwargs)
         else:
+            # the op runs from the generator state it ran from in forward; fork_rng restores the training
+            # loop's stream afterwards (as torch.utils.checkpoint does)
             cpu_state, cuda_state = rec.rng
             device = self.rng_device
-            keep_cpu = torch.get_rng_state()
-            keep_cuda = torch.cuda.get_rng_state(device) if cuda_state is not None else None
-            torch.set_rng_state(torch.frombuffer(cpu_state, dtype=torch.uint8))
-            if cuda_state is not None:
-                torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
-            try:
+            with torch.random.fork_rng(devices=[device] if cuda_state is not None else []):
+                torch.set_rng_state(torch.frombuffer(cpu_state, dtype=torch.uint8))
+                if cuda_state is not None:
+                    torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
                 out = rec.func(*args, **kwargs)
-            finally:  # the replay must not shift the random stream of the training loop
-                torch.set_rng_state(keep_cpu)
-                if keep_cuda is not None:
-                    torch.cuda.set_rng_state(keep_cuda, device)
         outs = tensors_in(out)
         return [(tid, outs[pos].untyped_storage()) for pos, tid in rec.new]
 
@@ -555,6 +555,7 @@ def _reached(step_ref: weakref.ref, k: int) -> None:
 
 
 _WRITES: dict[Any, list[tuple[int, str]]] = {}
+_NAMES: dict[Any, str] = {}  # ATen op -> its name as the graph spells it (str(op), computed once)
 
 
 def _made_refs(rec: _Recipe, made: dict[int, torch.UntypedStorage]) -> set[int | str]:
