@@ -122,6 +122,14 @@ class Executor:
         self.prefetch_order = prefetch_order(self.schedule.prefetch_at)
         self.pins = dict(self.schedule.pins)
         self.tag_nodes = bool(offloaded) or bool(self.pins)
+        # The last forward op the step must watch: past it no tensor is packed for a decision, no recipe
+        # is recorded, nothing pinned, no node tagged for a prefetch. At the first module boundary after
+        # it the mode and the hooks are left, so the rest of forward and all of backward dispatch plainly.
+        savers = graph.savers
+        tail = [graph.tensors[t].producer for t in [*self.actions, *self.pins]]
+        tail += [max(savers.get(t, [-1])) for t in self.actions]
+        tail += [*self.recorded_ops, *self.schedule.prefetch_at.values()]
+        self.watch_until = max(tail) if self.actions and fuse is None else len(graph.ops)
         self.last_real_op = max((op.id for op in graph.ops if op.name != "aten.detach.default"), default=-1)
         on_cuda = graph.device == "cuda" and torch.cuda.is_available()
         self.pool = HostPool(graph, offloaded, pin=on_cuda)  # allocated once, reused every step
@@ -137,6 +145,10 @@ class Executor:
         self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
                                      max_grad_norm=max_grad_norm) if fuse is not None else None)
         self._handles = [model.register_forward_pre_hook(self._begin)]
+        if self.watch_until < self.last_real_op:
+            for module in model.modules():
+                self._handles.append(module.register_forward_pre_hook(self._past_decisions))
+                self._handles.append(module.register_forward_hook(self._past_decisions))
         if self.fused is not None and fuse == "forward":
             for module in self.fused.module_buckets:
                 if module is not model:
@@ -178,6 +190,20 @@ class Executor:
         self._mode.__enter__()
         self._hooks.__enter__()
         self._entered = True
+
+    def _past_decisions(self, *_args) -> None:
+        """At a module boundary: once forward has passed ``watch_until``, leave the mode and the saved-tensor
+        hooks for the rest of the step (handles already packed keep their unpack hook)."""
+        step = self.step_state
+        if (not self._entered or step is None or step.forward_done or self.busy
+                or step.cursor <= self.watch_until or _get_current_dispatch_mode() is not self._mode):
+            return
+        step.resolve_pending()
+        step.unwatched_from = step.cursor
+        step.forward_done = True
+        self._entered = False
+        self._hooks.__exit__(None, None, None)
+        self._mode.__exit__(None, None, None)
 
     def _before_module(self, module: nn.Module, _args) -> None:
         with self.internal():

@@ -171,6 +171,7 @@ class _Step:
         self.replays = 0
         self.events: list[ScheduleEvent] = []                  # what it performed, in the schedule's terms
         self.rng_device = None
+        self.unwatched_from: int | None = None                 # forward op from which the step ran unwatched
         if ex.watch:
             for p in ex.fixed_tensors:
                 self._see(p, -1)
@@ -372,6 +373,12 @@ class _Step:
         if self.backward_started:
             return
         self.backward_started = True
+        if self.unwatched_from is not None:
+            # the ops after the plan's last decision ran without the mode (the executor left it at a
+            # module boundary): in the schedule's terms, they were computed all the same
+            for k in range(self.unwatched_from, len(self.g.ops)):
+                self.events.append(ScheduleEvent("compute", "forward", k, reason=f"{self.g.ops[k].name} "
+                                                 f"(not watched: past the plan's last decision)"))
         # Called from inside the engine (an unpack or a node pre-hook), so the callback runs when this
         # backward pass ends: what the step still holds is released there, not when the next step
         # replaces it (``Executor.last_step`` keeps the step for inspection).
