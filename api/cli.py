@@ -549,7 +549,7 @@ def _print_run(r: Any) -> None:
     t.add_row("step time keeping everything", ms(r.keep_all_predicted_step_s), ms(r.keep_all_measured_step_s),
               pct(r.keep_all_predicted_step_s, r.keep_all_measured_step_s))
     mo = r.measured_overhead
-    t.add_row("step-time overhead vs keeping everything", f"{r.predicted_overhead * 100:+.1f}%",
+    t.add_row("step overhead vs keep-all", f"{r.predicted_overhead * 100:+.1f}%",
               f"{mo * 100:+.1f}%" if mo is not None else "-",
               f"{(r.predicted_overhead - mo) * 100:+.1f} points" if mo is not None else "-")
     out.print(t)
