@@ -256,7 +256,7 @@ def tables(results: list[dict], rounds: int) -> str:
         for v in r["fused"]:
             rel = (f"{v.peak_bytes / k.peak_bytes - 1:+.1%} memory, {v.step_s / k.step_s - 1:+.1%} time")
             out.append(f"| {r['name']} | {v.label.removeprefix('executor, keep everything, ')} under the executor "
-                       f"| {format_bytes(v.peak_bytes)} | {ms(v.step_s)} | {rel} |")
+                       f"| {format_bytes(v.peak_bytes)} | {spread(v)} | {rel} |")
     return "\n".join(out)
 
 

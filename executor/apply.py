@@ -11,6 +11,13 @@ A step begins at the model's forward (a forward pre-hook on the root module ente
 and the saved-tensor hooks; ops of the loss after the model's forward are counted too, as the profiler
 counted them) and its forward ends when backward starts; the mode is left at ``optimizer.step()``, at the
 next forward, or at ``remove()``. Only training forwards with grad enabled are planned.
+
+What a step pays is what its plan needs: a plan that moves nothing (and no fusion) runs with neither the
+mode nor the hooks, as plain training; otherwise the mode and the hooks are left at the first module
+boundary (a forward pre- or post-hook) after the last forward op the plan needs watched (``watch_until``:
+the last producer or saver of a moved tensor, the last op a replay runs, the last pin or prefetch point),
+so the rest of forward and all of backward dispatch plainly. Ops past that point are not matched against
+the graph (a divergence there cannot touch a decision).
 """
 
 from __future__ import annotations
