@@ -18,8 +18,9 @@ How a step runs (see docs/model.md for the model it reproduces):
   in-place initialisers) are replayed from recipes recorded in forward (the ATen op, its non-tensor
   arguments, and references to its input storages by tensor id with their view geometry), recursively
   through missing inputs, in forward order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack;
-  the others die after their last use in the replay. Random ops replay under the RNG state captured
-  before they ran, so dropout masks are identical. Arguments an op writes in place (batch norm's running
+  the others die after their last use in the replay. Only the ops the schedule's replays run are
+  recorded. Random ops replay under the RNG state captured before they ran (inside
+  ``torch.random.fork_rng``, which restores the loop's stream), so dropout masks are identical. Arguments an op writes in place (batch norm's running
   statistics) are cloned for the replay, so a replay changes nothing but what it returns.
 * **Pinning**: an activation that cannot be rebuilt (mutated in place later) but that a replay reads
   is held from its production until backward has passed the lowest step whose replay reads it, as the
