@@ -738,6 +738,10 @@ def _print_run(r: Any) -> None:
               format_bytes(kp) if kp is not None else "-", pct(r.keep_all_predicted_peak_bytes, kp))
     t.add_row("step time keeping everything", ms(r.keep_all_predicted_step_s), ms(r.keep_all_measured_step_s),
               pct(r.keep_all_predicted_step_s, r.keep_all_measured_step_s))
+    mo = r.measured_overhead
+    t.add_row("step overhead vs keep-all", f"{r.predicted_overhead * 100:+.1f}%",
+              f"{mo * 100:+.1f}%" if mo is not None else "-",
+              f"{(r.predicted_overhead - mo) * 100:+.1f} points" if mo is not None else "-")
     out.print(t)
     if r.budget_bytes is not None:
         within = r.within_budget()

@@ -19,8 +19,9 @@ How a step runs (see docs/model.md for the model it reproduces):
   in-place initialisers) are replayed from recipes recorded in forward (the ATen op, its non-tensor
   arguments, and references to its input storages by tensor id with their view geometry), recursively
   through missing inputs, in forward order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack;
-  the others die after their last use in the replay. Random ops replay under the RNG state captured
-  before they ran, so dropout masks are identical. Arguments an op writes in place (batch norm's running
+  the others die after their last use in the replay. Only the ops the schedule's replays run are
+  recorded. Random ops replay under the RNG state captured before they ran (inside
+  ``torch.random.fork_rng``, which restores the loop's stream), so dropout masks are identical. Arguments an op writes in place (batch norm's running
   statistics) are cloned for the replay, so a replay changes nothing but what it returns.
 * **Pinning**: an activation that cannot be rebuilt (mutated in place later) but that a replay reads
   is held from its production until backward has passed the lowest step whose replay reads it, as the
@@ -179,8 +180,10 @@ class _Step:
         # as the simulator does (static_facts.d2h_after); op -> {tensor id: its storage}
         self.d2h_after = static_facts(self.g).d2h_after
         self.deferred: dict[int, dict[int, torch.UntypedStorage]] = {}
-        for p in ex.fixed_tensors:
-            self._see(p, -1)
+        self.unwatched_from: int | None = None                 # forward op from which the step ran unwatched
+        if ex.watch:
+            for p in ex.fixed_tensors:
+                self._see(p, -1)
 
     # ---- storages ----------------------------------------------------------------------------
     def _see(self, t: torch.Tensor, tid: int) -> int | None:
@@ -248,7 +251,10 @@ class _Step:
             # not the model's step
             self.forward_done = True
             return func(*args, **kwargs)
-        k = self._match(str(func))
+        name = _NAMES.get(func)
+        if name is None:
+            name = _NAMES[func] = str(func)
+        k = self._match(name)
         op = self.g.ops[k]
         self.events.append(ScheduleEvent("compute", "forward", k, reason=op.name))
         ex = self.ex
@@ -257,7 +263,7 @@ class _Step:
             self._see(t, -1)
         if ex.fused is not None and ex.fused.pending_keys:
             ex.fused.check_not_pending(inputs, op)
-        record = ex.records
+        record = k in ex.recorded_ops  # only the ops a replay of the schedule runs
         rng = None
         if record:
             args_r, kwargs_r = map_leaves(self._ref, (args, kwargs))
@@ -388,6 +394,12 @@ class _Step:
         if self.backward_started:
             return
         self.backward_started = True
+        if self.unwatched_from is not None:
+            # the ops after the plan's last decision ran without the mode (the executor left it at a
+            # module boundary): in the schedule's terms, they were computed all the same
+            for k in range(self.unwatched_from, len(self.g.ops)):
+                self.events.append(ScheduleEvent("compute", "forward", k, reason=f"{self.g.ops[k].name} "
+                                                 f"(not watched: past the plan's last decision)"))
         # Called from inside the engine (an unpack or a node pre-hook), so the callback runs when this
         # backward pass ends: what the step still holds is released there, not when the next step
         # replaces it (``Executor.last_step`` keeps the step for inspection).
@@ -551,19 +563,15 @@ class _Step:
         if rec.rng is None:
             out = rec.func(*args, **kwargs)
         else:
+            # the op runs from the generator state it ran from in forward; fork_rng restores the training
+            # loop's stream afterwards (as torch.utils.checkpoint does)
             cpu_state, cuda_state = rec.rng
             device = self.rng_device
-            keep_cpu = torch.get_rng_state()
-            keep_cuda = torch.cuda.get_rng_state(device) if cuda_state is not None else None
-            torch.set_rng_state(torch.frombuffer(cpu_state, dtype=torch.uint8))
-            if cuda_state is not None:
-                torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
-            try:
+            with torch.random.fork_rng(devices=[device] if cuda_state is not None else []):
+                torch.set_rng_state(torch.frombuffer(cpu_state, dtype=torch.uint8))
+                if cuda_state is not None:
+                    torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
                 out = rec.func(*args, **kwargs)
-            finally:  # the replay must not shift the random stream of the training loop
-                torch.set_rng_state(keep_cpu)
-                if keep_cuda is not None:
-                    torch.cuda.set_rng_state(keep_cuda, device)
         outs = tensors_in(out)
         return [(tid, outs[pos].untyped_storage()) for pos, tid in rec.new]
 
@@ -575,6 +583,7 @@ def _reached(step_ref: weakref.ref, k: int) -> None:
 
 
 _WRITES: dict[Any, list[tuple[int, str]]] = {}
+_NAMES: dict[Any, str] = {}  # ATen op -> its name as the graph spells it (str(op), computed once)
 
 
 def _made_refs(rec: _Recipe, made: dict[int, torch.UntypedStorage]) -> set[int | str]:

@@ -85,6 +85,17 @@ class RunReport:
     def step_error(self) -> float:
         return self.predicted_step_s / self.measured_step_s - 1.0 if self.measured_step_s else 0.0
 
+    @property
+    def predicted_overhead(self) -> float:
+        """The simulator's step under the plan over its keep-everything step, minus 1."""
+        return self.predicted_step_s / self.keep_all_predicted_step_s - 1.0 if self.keep_all_predicted_step_s else 0.0
+
+    @property
+    def measured_overhead(self) -> float | None:
+        """The measured step under the plan over plain training's measured step, minus 1 (None unmeasured)."""
+        base = self.keep_all_measured_step_s
+        return self.measured_step_s / base - 1.0 if base else None
+
     def within_budget(self, tolerance: float = 0.05) -> bool | None:
         """Measured peak at most ``budget * (1 + tolerance)``; None without a budget."""
         if self.budget_bytes is None:
@@ -99,6 +110,7 @@ class RunReport:
         d["losses"] = list(self.losses)
         within = self.within_budget()
         return {"format": RUN_FORMAT, **d, "peak_error": self.peak_error, "step_error": self.step_error,
+                "predicted_overhead": self.predicted_overhead, "measured_overhead": self.measured_overhead,
                 "within_budget_5pct": within}
 
 

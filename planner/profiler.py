@@ -906,7 +906,64 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     # the allocator's view includes kernel scratch; the storages' view is the floor
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
     graph.measured = measured
+    if measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s:
+        plain = (measured.forward_time_s, measured.backward_time_s,
+                 max(measured.step_time_s - measured.forward_time_s - measured.backward_time_s, 0.0))
+    else:
+        plain = plain_step_times(model, batch, loss_fn, optimizer, sync, repeats)
+    calibrate_times(graph, *plain)
+    graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
     return graph
+
+
+# What the executor pays per replayed op beyond the op itself: resolving its recipe's tensor references
+# to views, the check for arguments written in place, and the replay's own planning (planner/replay.py).
+# Measured on the benchmark machine (2-core CPU, Python 3.11, torch 2.13) by replaying recorded ops on
+# tiny tensors against calling them directly (docs/model.md, "Time").
+REPLAY_OP_DISPATCH_S = 15e-6
+
+
+def plain_step_times(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+                     sync: Callable[[], None], repeats: int) -> tuple[float, float, float]:
+    """Median seconds of forward (with the loss), backward and ``optimizer.step()`` over ``repeats`` plain
+    training steps (no mode, no hooks): what eager training pays."""
+    fwd, bwd, opt = [], [], []
+    for _ in range(repeats):
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        t0 = time.perf_counter()
+        loss = compute_loss(model, batch, loss_fn)
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        optimizer.step()
+        sync()
+        t3 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+        opt.append(t3 - t2)
+    return statistics.median(fwd), statistics.median(bwd), statistics.median(opt)
+
+
+def calibrate_times(graph: Graph, forward_s: float, backward_s: float, optimizer_s: float) -> None:
+    """Scale the traced op times so that they sum to a plain step's: each op's ``time_s`` by
+    ``forward_s / sum(time_s)``, each ``backward_time_s`` by ``backward_s / sum(backward_time_s)``, and set
+    ``optimizer_time_s`` to ``optimizer_s``. Traced times carry the dispatch mode's instrumentation (a
+    Python call and a clock read per op) and miss the time between ops (module calls, autograd's own
+    work); plain eager training pays the second and not the first. The factors go to
+    ``graph.meta["time_calibration"]``. In place; a sum of zero leaves its times as they are."""
+    fwd_sum = sum(op.time_s for op in graph.ops)
+    bwd_sum = sum(op.backward_time_s for op in graph.ops)
+    f = forward_s / fwd_sum if fwd_sum > 0 else 1.0
+    b = backward_s / bwd_sum if bwd_sum > 0 else 1.0
+    for op in graph.ops:
+        op.time_s *= f
+        op.backward_time_s *= b
+    graph.optimizer_time_s = optimizer_s
+    graph.meta["time_calibration"] = {"forward": f, "backward": b, "plain_forward_s": forward_s,
+                                      "plain_backward_s": backward_s, "plain_optimizer_s": optimizer_s}
 
 
 @contextlib.contextmanager

@@ -454,8 +454,9 @@ class _Replay:
             note = f"recompute op {p} ({op.name}) for op {step}'s backward"
             during = self.live + op.workspace_bytes
             self._bump(during, "recompute", p, note)
-            self.now += op.time_s
-            self.recompute_s += op.time_s
+            cost_s = op.time_s + g.replay_op_dispatch_s  # the executor's dispatch of a replayed op included
+            self.now += cost_s
+            self.recompute_s += cost_s
             self.replays += 1
             for u in freed:
                 self._free(u, f"replay for tensor {target} no longer reads it")

@@ -524,3 +524,42 @@ def test_cuda_offload_and_recompute_train_like_plain_training():
         ex.remove()
     predicted = simulate(g, plan).peak_bytes
     assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
+
+
+# ---- 4. what the executor pays: nothing where the plan moves nothing, recipes only for replays ----------
+
+def test_a_plan_that_moves_nothing_runs_as_plain_training():
+    """No decision, no fusion: the step runs with neither the op-matching mode nor saved-tensor hooks."""
+    g = graph_of("gpt2")
+    empty = Plan(graph_fingerprint=g.fingerprint, model_fingerprint=g.model_fingerprint)
+    model = fresh_model("gpt2")
+    modes = []
+    model.register_forward_hook(lambda *_: modes.append(_get_current_dispatch_mode()))
+    opt = adamw(model)
+    ex = apply(model, empty, graph=g, optimizer=opt)
+    try:
+        trained = Trained(_loop("gpt2", model, opt, accumulation_steps=1, clip=None),
+                          [p.detach().clone() for p in model.parameters()])
+        assert ex.steps == STEPS and ex.last_step is not None and not ex.last_step.events
+    finally:
+        ex.remove()
+    assert modes == [None] * STEPS
+    assert_same(trained, reference("gpt2"))
+
+
+def test_forward_records_recipes_only_for_the_ops_replays_run():
+    g = graph_of("gpt2")
+    plan = plan_of("gpt2", "dp")
+    w = workload("gpt2")
+    model = fresh_model("gpt2")
+    opt = adamw(model)
+    ex = apply(model, plan, graph=g, optimizer=opt)
+    try:
+        torch.manual_seed(1000)
+        w.loss_fn(model, w.batch).backward()
+        step = ex.last_step or ex.step_state
+        replayed = {p for ev in ex.schedule.replays() for p in ev.ops}
+        assert set(step.recipes) == replayed and 0 < len(replayed) < len(g.ops)
+        assert step.replays == simulate(g, plan).recomputed_ops
+    finally:
+        ex.remove()

@@ -212,3 +212,23 @@ def test_a_saved_tensor_the_model_keeps_past_its_last_use_is_charged_until_dropp
     assert g.tensors[h].freed_after is not None and g.tensors[h].freed_after > last_reader
     # dropped when the forward returns: after the model's last op, before the loss's
     assert g.tensors[h].freed_after == max(op.id for op in g.ops if op.module != "loss")
+
+
+def test_op_times_sum_to_a_plain_steps():
+    """The traced op times are scaled to what plain eager training pays (profile: the measured or a plain
+    step's forward, backward and optimizer times); the factors are kept in the graph's meta."""
+    from memplan.planner.profiler import calibrate_times
+    from memplan.planner.synthetic import linear_chain
+
+    g = linear_chain(4)  # forward 1 s, backward 2 s per op
+    calibrate_times(g, 2.0, 4.0, 0.5)
+    assert [op.time_s for op in g.ops] == [0.5] * 4 and [op.backward_time_s for op in g.ops] == [1.0] * 4
+    assert g.optimizer_time_s == 0.5
+    assert g.meta["time_calibration"]["forward"] == 0.5 and g.meta["time_calibration"]["backward"] == 0.5
+
+
+def test_a_profiled_graph_is_timed_as_plain_training(mlp_graph):
+    cal = mlp_graph.meta["time_calibration"]
+    assert sum(op.time_s for op in mlp_graph.ops) == pytest.approx(cal["plain_forward_s"])
+    assert sum(op.backward_time_s for op in mlp_graph.ops) == pytest.approx(cal["plain_backward_s"])
+    assert mlp_graph.optimizer_time_s == cal["plain_optimizer_s"] and mlp_graph.replay_op_dispatch_s > 0

@@ -42,6 +42,9 @@ def check_report(doc, *, steps, warmup=1):
     assert len(doc["step_times_s"]) == steps
     assert doc["measured_step_s"] == pytest.approx(statistics.median(doc["step_times_s"]))
     assert doc["peak_error"] == pytest.approx(doc["predicted_peak_bytes"] / doc["measured_peak_bytes"] - 1)
+    # the overhead the plan costs, predicted (simulator) and measured (against plain training)
+    assert doc["predicted_overhead"] == pytest.approx(doc["predicted_step_s"] / doc["keep_all_predicted_step_s"] - 1)
+    assert doc["measured_overhead"] == pytest.approx(doc["measured_step_s"] / doc["keep_all_measured_step_s"] - 1)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,7 @@ def test_run_prints_predicted_against_measured(mlp_run):
     assert r.exit_code == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert "peak under the plan" in text and "step time under the plan" in text and "within budget" in text
+    assert "step overhead vs keep-all" in text
 
 
 def test_show_draws_a_run_of_memplan_run(mlp_run):

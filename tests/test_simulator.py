@@ -195,3 +195,12 @@ def test_invariants_on_random_dags(n, seed, data):
     # the lower bound used to refuse budgets is sound
     from memplan.solvers import memory_lower_bound
     assert memory_lower_bound(g) <= r.peak_bytes
+
+
+def test_a_replayed_op_costs_its_time_and_the_executors_dispatch():
+    g = linear_chain(4)
+    g.replay_op_dispatch_s = 0.25
+    r = simulate(g, Plan.for_graph(g, {1: "recompute", 2: "recompute"}))
+    # the two replayed ops of test_recompute_replays_from_the_nearest_kept_tensor_once, 1 s + 0.25 s each
+    assert r.recomputed_ops == 2 and r.recompute_time_s == 2.5 and r.time_s == 14.5
+    assert simulate(g).time_s == 12.0  # nothing replayed, nothing charged
