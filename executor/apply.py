@@ -38,8 +38,8 @@ from memplan.planner.graph import Graph
 from memplan.planner.plan import Action, Plan
 from memplan.planner.profiler import model_fingerprint
 from memplan.planner.schedule import Schedule, schedule
-from memplan.planner.simulator import static_facts
 from memplan.planner.shapes import family_of
+from memplan.planner.simulator import static_facts
 
 
 def _fingerprint_diff(model: nn.Module, graph: Graph | None) -> str:
