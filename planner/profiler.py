@@ -1083,6 +1083,9 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         op.time_source = "analytic" if op.id in analytic else "isolated"
     # the storages' view (the allocator's is not there to read)
     graph.fixed.optimizer_step_bytes = max_prefix(first.optimizer_events)
+    # the plan runs on the same executor whichever way the graph was profiled (isolated op times need no
+    # calibration: no tracing instrumentation was on while they ran)
+    graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
     return graph
 
 
