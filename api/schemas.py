@@ -106,27 +106,9 @@ SolverName = Annotated[str, AfterValidator(_known_solver),
 TimeLimit = Annotated[float, Field(gt=0, allow_inf_nan=False, description="seconds; capped by the server "
                                                                           "(max_time_limit_s)")]
 
-# Integer fields of a graph that hold bytes: each is capped, so that no sum of them overflows the solvers'
-# 64-bit arrays (the graph format itself bounds them below only).
-_TENSOR_BYTES = ("bytes",)
-_OP_BYTES = ("backward_workspace_bytes", "backward_grad_alloc_bytes", "backward_grad_free_bytes")
-
-
 def _check_graph_sizes(graph: Graph) -> Graph:
-    """Refuse byte counts over :data:`MAX_BYTES` (naming the first), and figures too large to add up."""
-    def over(where: str, value: int | None) -> None:
-        if value is not None and value > MAX_BYTES:
-            raise ValueError(f"{where} is {value if len(str(value)) <= 30 else f'a {len(str(value))}-digit number'}; "
-                             f"memplan reads sizes up to 2^50 bytes (1 PiB)")
-
-    for t in graph.tensors:
-        over(f"tensors.{t.id}.bytes", t.bytes)
-    for op in graph.ops:
-        for name in _OP_BYTES:
-            over(f"ops.{op.id}.{name}", getattr(op, name))
-    for name, value in graph.fixed:
-        over(f"fixed.{name}", value)
-    over("measured.peak_bytes", graph.measured.peak_bytes)
+    """Refuse figures too large to add up (each byte field is capped at 2^50 by the graph model itself,
+    :data:`memplan.planner.graph.MAX_BYTES`, naming the field)."""
     try:
         check_finite(graph)
     except MemplanError as e:

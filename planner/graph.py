@@ -29,10 +29,10 @@ from pydantic import (
 )
 
 from memplan.planner.errors import GraphError
+from memplan.planner.units import MAX_BYTES  # 1 PiB: no device holds more; beyond is a unit mistake
 
 GRAPH_FORMAT = "memplan.graph/1"
 
-MAX_BYTES = 2**50  # 1 PiB: no device holds more; a larger figure is a unit or overflow mistake
 MAX_TOTAL_BYTES = 2**56  # all of a graph's byte figures together (sums stay far from int64's 2^63)
 
 

@@ -17,12 +17,10 @@ from memplan.planner.errors import Infeasible, MemplanError
 from memplan.planner.graph import Graph
 from memplan.planner.plan import Plan, Prediction, SolverInfo
 from memplan.planner.simulator import Report, simulate, simulate_actions
-from memplan.planner.units import format_bytes
+from memplan.planner.units import MAX_BYTES, format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 from memplan.solvers.min_memory import smallest_known_peak
 from memplan.solvers.registry import Proposal, SolverSpec, get
-
-MAX_BYTES = 2**50  # a budget beyond any device (1 PiB) is refused: it is a unit mistake, not a plan
 
 
 @dataclass(frozen=True)

@@ -186,11 +186,11 @@ ODD_BODIES = {
     "solver settings nested 800 deep": (json.dumps({"graph": CHAIN, "plan": {"solver": {"settings": {"x": _deep(800)}}}}),
                                         None),
     "tensor bytes 2**70": (json.dumps({"graph": {**CHAIN, "tensors": [
-        {**t, "bytes": 2**70} if t["id"] == 3 else t for t in CHAIN["tensors"]]}}), "graph"),
+        {**t, "bytes": 2**70} if t["id"] == 3 else t for t in CHAIN["tensors"]]}}), "graph.tensors.3.bytes"),
     "tensor bytes 10**400": (json.dumps({"graph": {**CHAIN, "tensors": [
-        {**t, "bytes": 10**400} if t["id"] == 3 else t for t in CHAIN["tensors"]]}}), "graph"),
+        {**t, "bytes": 10**400} if t["id"] == 3 else t for t in CHAIN["tensors"]]}}), "graph.tensors.3.bytes"),
     "every tensor 2**62": (json.dumps({"graph": {**CHAIN, "tensors": [{**t, "bytes": 2**62} for t in CHAIN["tensors"]]}}),
-                           "graph"),
+                           "graph.tensors.0.bytes"),
     "budget 10**30": (json.dumps({"graph": CHAIN, "budget": 10**30}), "budget"),
     "budget of 65 digits as a string": (json.dumps({"graph": CHAIN, "budget": "9" * 65}), "budget"),
     "host_budget of 65 digits as a string": (json.dumps({"graph": CHAIN, "host_budget": "9" * 65}), "host_budget"),
@@ -214,8 +214,9 @@ def test_byte_caps_name_the_field(http):
     assert r.json()["detail"] == "budget: budget 1125899906842625 is out of range: 0 to 2^50 bytes (1 PiB)"
     bad = {**CHAIN, "tensors": [{**t, "bytes": 2**70} if t["id"] == 3 else t for t in CHAIN["tensors"]]}
     r = http.post("/v1/plans", json={"graph": bad})
-    assert r.json()["detail"] == ("graph: tensors.3.bytes is 1180591620717411303424; memplan reads sizes up to "
-                                  "2^50 bytes (1 PiB)")
+    assert r.json()["detail"] == ("graph: tensors.3.bytes: 1180591620717411303424 B is beyond any device "
+                                  "(over 2^50 B = 1 PiB); check its unit")
+    assert r.json()["field"] == "graph.tensors.3.bytes"
 
 
 # ---- parsing does not block the server ------------------------------------------------------------
