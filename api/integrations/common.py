@@ -240,3 +240,21 @@ class StepPlanner:
         if self.executor is not None:
             self.executor.remove()
             self.executor = None
+
+
+class PlannedCallback:
+    """What every framework's callback shows of its plan: ``planner`` is its :class:`StepPlanner`."""
+
+    planner: StepPlanner
+
+    @property
+    def graph(self) -> Graph | None:
+        return self.planner.graph
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.planner.plan_
+
+    @property
+    def summary(self) -> PlanSummary | None:
+        return self.planner.summary

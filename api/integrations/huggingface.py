@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.api.integrations.common import StepPlanner
+from memplan.api.integrations.common import PlannedCallback, StepPlanner
 from memplan.planner.errors import MemplanError
 
 try:
@@ -73,7 +73,7 @@ def model_loss(outputs: Any) -> torch.Tensor:
     return loss
 
 
-class MemplanCallback(TrainerCallback):
+class MemplanCallback(PlannedCallback, TrainerCallback):
     """Profile the Trainer's first training step, solve it under ``budget`` and train under the plan.
 
     ``budget``: bytes or a string (``"6GiB"``, ``"50%"`` of the activation memory); ``solver``: a memplan
@@ -103,18 +103,6 @@ class MemplanCallback(TrainerCallback):
         self._busy = False
         self._pending_logs: dict[str, float] = {}
         self._measure_step: int | None = None
-
-    @property
-    def graph(self):
-        return self.planner.graph
-
-    @property
-    def plan(self):
-        return self.planner.plan_
-
-    @property
-    def summary(self):
-        return self.planner.summary
 
     # ---- the Trainer's events ----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

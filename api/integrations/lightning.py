@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.api.integrations.common import StepPlanner
+from memplan.api.integrations.common import PlannedCallback, StepPlanner
 from memplan.planner.errors import MemplanError
 
 try:
@@ -74,7 +74,7 @@ def _profiled_step(model: nn.Module, batch: Any) -> torch.Tensor:
     return step_loss(model(batch, 0))
 
 
-class MemplanCallback(pl.Callback):
+class MemplanCallback(PlannedCallback, pl.Callback):
     """Profile Lightning's first training step, solve it under ``budget`` and fit under the plan.
 
     ``budget``: bytes or a string (``"6GiB"``, ``"50%"`` of the activation memory); ``solver``: a memplan
@@ -94,18 +94,6 @@ class MemplanCallback(pl.Callback):
         self.measured_peak_bytes: int | None = None
         self.wrapper: StepModule | None = None
         self._measuring = False
-
-    @property
-    def graph(self):
-        return self.planner.graph
-
-    @property
-    def plan(self):
-        return self.planner.plan_
-
-    @property
-    def summary(self):
-        return self.planner.summary
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
