@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memplan.planner.errors import MemplanError
+from memplan.planner.core.errors import MemplanError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS plans (

@@ -22,10 +22,10 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
-from memplan.planner.errors import Infeasible, MemplanError, PlanMismatch
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
-from memplan.planner.units import check_budget, format_bytes, parse_budget
+from memplan.planner.core.errors import Infeasible, MemplanError, PlanMismatch
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.units import check_budget, format_bytes, parse_budget
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="memplan: plan what to keep, recompute or offload so a training step fits a memory budget.")
@@ -116,8 +116,8 @@ SpecOpt = Annotated[str | None, typer.Option(
 def _profile_workload(w: Any, *, fake: bool, device_spec: str | None, device: str | None = None,
                       repeats: int = 3, json_out: bool = False) -> Graph:
     """The graph of workload ``w``: a real profile, or a fake one (``--fake``, ``--device-spec``)."""
-    from memplan.planner.devicespec import load_device_spec
-    from memplan.planner.profiler import profile as run_profile
+    from memplan.planner.core.devicespec import load_device_spec
+    from memplan.planner.probe.profiler import profile as run_profile
 
     spec = load_device_spec(device_spec) if device_spec else None
     return run_profile(w.model, w.batch, w.loss_fn, device=device, repeats=repeats, name=w.name,
@@ -214,7 +214,7 @@ def simulate(
     json_out: JsonOpt = False,
 ) -> None:
     """Replay one training step of a graph under a plan and print the predicted peak and time."""
-    from memplan.planner.simulator import simulate as run_sim
+    from memplan.planner.core.simulator import simulate as run_sim
 
     graph = Graph.load(str(graph_file))
     plan = Plan.load(str(plan_file)) if plan_file else None
@@ -499,7 +499,7 @@ def maxbatch(
         name = graph.name
     else:
         from memplan.api.integrations.common import dim_family
-        from memplan.planner.family import profile_family
+        from memplan.planner.probe.family import profile_family
         from memplan.planner.workloads import load_workload
 
         w = load_workload(workload, **_workload_options(options))
@@ -591,7 +591,7 @@ def run_workload(
                                       "--device": device is not None})
         return
     from memplan.executor.session import run_plan
-    from memplan.planner.errors import PlanError
+    from memplan.planner.core.errors import PlanError
     from memplan.planner.workloads import load_workload
     from memplan.solvers import solve as run_solve
 
@@ -683,7 +683,7 @@ def _run_distributed(workload: str, *, nproc: int, engine: str, budget: str, sol
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
     from memplan.api.distributed import format_rows
-    from memplan.planner.distributed import ENGINES
+    from memplan.planner.probe.distributed import ENGINES
 
     given = [flag for flag, on in unsupported.items() if on]
     if given:
@@ -771,7 +771,7 @@ def show(
     """Summarise a plan (what it keeps, recomputes, offloads; predicted peak and time) and plot its
     memory timeline, against the measured one when a run report is given."""
     from memplan.api.plots import load_run_report, timeline_png
-    from memplan.planner.simulator import simulate as run_sim
+    from memplan.planner.core.simulator import simulate as run_sim
     from memplan.solvers import keep_all_report
 
     _writable(output)

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m memplan.api.distributed gpt2 --budget 50% --fsdp --steps 3
 
 Rank 0 profiles the bare module with one rank's batch, adjusts the graph for what a rank holds
-(:mod:`memplan.planner.distributed`) and solves on it; every rank receives the same graph and plan, wraps
+(:mod:`memplan.planner.probe.distributed`) and solves on it; every rank receives the same graph and plan, wraps
 the model (``DistributedDataParallel``, or ``fully_shard`` on each block and the root), applies the plan
 (:mod:`memplan.executor.distributed`) and trains. Each rank's peak is measured from the allocator
 (CPU) or ``max_memory_allocated`` (CUDA) for a step without the plan and one with it, and rank 0 prints
@@ -28,7 +28,11 @@ from torch import nn
 from memplan.api.jobs import resolve_budget
 from memplan.executor.distributed import apply_distributed
 from memplan.planner import simulate
-from memplan.planner.distributed import (
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.units import format_bytes
+from memplan.planner.probe.distributed import (
     ENGINES,
     for_ddp,
     for_fsdp,
@@ -36,11 +40,7 @@ from memplan.planner.distributed import (
     keep_within_units,
     measure_rank_step,
 )
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
-from memplan.planner.profiler import move_batch, profile
-from memplan.planner.units import format_bytes
+from memplan.planner.probe.profiler import move_batch, profile
 from memplan.planner.workloads import default_optimizer, load_workload
 from memplan.solvers import solve
 

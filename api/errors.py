@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from memplan.planner.errors import (
+from memplan.planner.core.errors import (
     GraphError,
     Infeasible,
     MemplanError,

@@ -11,11 +11,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from memplan.planner.errors import GraphError, MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
-from memplan.planner.simulator import simulate
-from memplan.planner.units import MAX_BUDGET_FRACTION, parse_budget
+from memplan.planner.core.errors import GraphError, MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.units import MAX_BUDGET_FRACTION, parse_budget
 
 # Step times beyond this are refused: sums of them (recompute replays included) must stay finite, or the
 # figures would not serialise.
@@ -55,7 +55,7 @@ def check_finite(g: Graph) -> None:
 
 
 def resolve_budget(value: int | str | None, graph: Graph, *, fraction: float | None = None) -> int | None:
-    """Bytes from a budget as given (:func:`memplan.planner.units.parse_budget`; ``50%`` is of ``graph``'s
+    """Bytes from a budget as given (:func:`memplan.planner.core.units.parse_budget`; ``50%`` is of ``graph``'s
     keep-everything activation memory), or from ``fraction`` of that memory (``0.5`` is ``50%``) when no
     ``value`` is given; None when neither is. The one place the CLI, the service and the distributed
     launcher turn a budget into bytes."""
@@ -87,7 +87,7 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
              offload: bool, host_budget: int | str | None, budget_fraction: float | None = None) -> dict[str, Any]:
     """Solve; returns a :class:`memplan.api.schemas.PlanResponse` without ``cache_hit``.
 
-    Raises :class:`memplan.planner.errors.Infeasible` (with ``min_feasible_bytes``) and the other
+    Raises :class:`memplan.planner.core.errors.Infeasible` (with ``min_feasible_bytes``) and the other
     :class:`MemplanError` s for input the user can fix.
     """
     from memplan.solvers import keep_all_report, solve
@@ -119,7 +119,7 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
 
 def simulate_job(graph: Graph | str, plan: Plan | dict[str, Any] | None, *, timeline: bool) -> dict[str, Any]:
     """Replay the step under ``plan`` (None: keep everything); returns a ``SimulationResponse``.
-    Raises :class:`memplan.planner.errors.PlanMismatch` / ``PlanError`` for a plan of another graph."""
+    Raises :class:`memplan.planner.core.errors.PlanMismatch` / ``PlanError`` for a plan of another graph."""
     g = load_graph(graph)
     p = plan if plan is None or isinstance(plan, Plan) else Plan.model_validate(plan)
     report = simulate(g, p, timeline=timeline)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.simulator import Event
-from memplan.planner.units import format_bytes
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.simulator import Event
+from memplan.planner.core.units import format_bytes
 
 _PHASE_COLOURS = {"forward": "tab:blue", "backward": "tab:green", "recompute": "tab:red",
                   "prefetch": "tab:purple", "wait": "tab:orange", "optimizer": "tab:gray"}

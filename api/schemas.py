@@ -32,13 +32,13 @@ from pydantic import (
 from memplan.api.errors import LimitExceeded
 from memplan.api.jobs import check_finite
 from memplan.api.settings import Settings
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
-from memplan.planner.units import MAX_BUDGET_FRACTION, MAX_BYTES, check_budget
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.units import MAX_BUDGET_FRACTION, MAX_BYTES, check_budget
 
 # The string form of a budget, as a pattern: the schema documents it and the validator applies it, then
-# reads the string with the CLI's parser (planner/units.py).
+# reads the string with the CLI's parser (planner/core/units.py).
 _SIZE_PATTERN = r"[0-9]*\.?[0-9]+([eE][+-]?[0-9]+)?\s*(([kKmMgGtT][iI]?)?[bB]|[kKmMgG])?"
 _BUDGET_PATTERN = rf"^\s*({_SIZE_PATTERN}|[0-9]*\.?[0-9]+\s*%)\s*$"
 _HOST_BUDGET_PATTERN = rf"^\s*{_SIZE_PATTERN}\s*$"
@@ -108,7 +108,7 @@ TimeLimit = Annotated[float, Field(gt=0, allow_inf_nan=False, description="secon
 
 def _check_graph_sizes(graph: Graph) -> Graph:
     """Refuse figures too large to add up (each byte field is capped at 2^50 by the graph model itself,
-    :data:`memplan.planner.graph.MAX_BYTES`, naming the field)."""
+    :data:`memplan.planner.core.graph.MAX_BYTES`, naming the field)."""
     try:
         check_finite(graph)
     except MemplanError as e:

@@ -28,7 +28,7 @@ from memplan.api.schemas import (
     SimulationResponse,
 )
 from memplan.api.settings import Settings
-from memplan.planner.graph import Graph
+from memplan.planner.core.graph import Graph
 
 _MAX_BODY_KEYS = 65_536  # request bodies remembered for cached_for_body (~10 MiB)
 

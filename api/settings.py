@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from memplan.planner.errors import MemplanError
+from memplan.planner.core.errors import MemplanError
 
 
 def default_cache_path() -> str:

@@ -1,7 +1,7 @@
 """The executor measured against the simulator, against PyTorch's checkpointing, and with fused steps.
 
 For each model: profile it, solve at 30/50/70% of its activation memory, and train under each plan
-(``memplan.executor.apply``), measuring the peak as planner/measure.py does (one step after warm-up,
+(``memplan.executor.apply``), measuring the peak as planner/probe/measure.py does (one step after warm-up,
 ``executor/session.py:peak_step``) and the step time (median of timed steps). Side by side, on copies of
 the same model: keeping everything; ``torch.utils.checkpoint`` (non-reentrant) on every block; PyTorch's
 selective activation checkpointing (``create_selective_checkpoint_contexts``, matmuls and convolutions
@@ -39,11 +39,11 @@ from fidelity import machine  # noqa: E402  (benchmarks/ is not a package)
 
 from memplan.executor import apply  # noqa: E402
 from memplan.executor.session import peak_step  # noqa: E402
-from memplan.planner.errors import Infeasible  # noqa: E402
-from memplan.planner.plan import Plan  # noqa: E402
-from memplan.planner.profiler import profile  # noqa: E402
-from memplan.planner.simulator import simulate  # noqa: E402
-from memplan.planner.units import format_bytes  # noqa: E402
+from memplan.planner.core.errors import Infeasible  # noqa: E402
+from memplan.planner.core.plan import Plan  # noqa: E402
+from memplan.planner.core.simulator import simulate  # noqa: E402
+from memplan.planner.core.units import format_bytes  # noqa: E402
+from memplan.planner.probe.profiler import profile  # noqa: E402
 from memplan.planner.workloads import default_optimizer, load_workload, training_step  # noqa: E402
 from memplan.solvers import activation_bytes, smallest_known_peak, solve  # noqa: E402
 

@@ -32,11 +32,11 @@ from _doc import update_section  # benchmarks/_doc.py (the scripts run from this
 from fidelity import machine
 
 from memplan.executor.session import run_plan
-from memplan.planner.errors import Infeasible
-from memplan.planner.optime import OpTimer
-from memplan.planner.profiler import profile
-from memplan.planner.simulator import simulate
-from memplan.planner.units import format_bytes, parse_budget
+from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.units import format_bytes, parse_budget
+from memplan.planner.probe.optime import OpTimer
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import load_workload
 from memplan.solvers import activation_bytes, solve
 
@@ -100,9 +100,9 @@ LLAMA = """
 import resource, sys, time, torch
 sys.path.insert(0, {bench!r})
 from llama1b import build
-from memplan.planner.devicespec import load_device_spec
-from memplan.planner.profiler import profile
-from memplan.planner.simulator import simulate
+from memplan.planner.core.devicespec import load_device_spec
+from memplan.planner.probe.profiler import profile
+from memplan.planner.core.simulator import simulate
 from memplan.solvers import solve
 start = time.perf_counter()
 model, batch, loss_fn = build(batch_size={batch})

@@ -1,7 +1,7 @@
 """Fidelity: the simulator's peak for the keep-everything plan against the measured peak of a real step.
 
-For each workload: profile it (planner/profiler.py), simulate ``Plan.keep_all`` (planner/simulator.py),
-and compare with the peak of a real training step measured by the allocator (planner/measure.py, which
+For each workload: profile it (planner/probe/profiler.py), simulate ``Plan.keep_all`` (planner/core/simulator.py),
+and compare with the peak of a real training step measured by the allocator (planner/probe/measure.py, which
 shares nothing with the profiler's bookkeeping). Prints a markdown table; ``--update-doc`` also replaces
 the table in docs/benchmarks.md (between the ``fidelity:begin``/``fidelity:end`` markers).
 
@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
 
-from memplan.planner.measure import measure_step
-from memplan.planner.plan import Plan
-from memplan.planner.profiler import profile
-from memplan.planner.simulator import simulate
-from memplan.planner.units import format_bytes
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.units import format_bytes
+from memplan.planner.probe.measure import measure_step
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import load_workload
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

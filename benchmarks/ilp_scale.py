@@ -32,9 +32,9 @@ import importlib.util  # noqa: E402
 
 from _doc import update_section  # noqa: E402
 
-from memplan.planner.errors import Infeasible  # noqa: E402
-from memplan.planner.graph import Graph  # noqa: E402
-from memplan.planner.simulator import simulate_actions  # noqa: E402
+from memplan.planner.core.errors import Infeasible  # noqa: E402
+from memplan.planner.core.graph import Graph  # noqa: E402
+from memplan.planner.core.simulator import simulate_actions  # noqa: E402
 from memplan.solvers import activation_bytes, keep_all_report, solve  # noqa: E402
 
 # the solver benchmark's graph cache and PyTorch-knapsack peers (by path: "solvers" is also a folder here)

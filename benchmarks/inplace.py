@@ -17,9 +17,9 @@ import time
 import torch
 from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
 
-from memplan.planner.errors import Infeasible
-from memplan.planner.profiler import profile
-from memplan.planner.units import format_bytes
+from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.units import format_bytes
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import load_workload
 from memplan.solvers import keep_all_report, memory_lower_bound, smallest_known_peak, solve
 

@@ -91,7 +91,7 @@ def start_server(workers: int, cache: Path) -> tuple[subprocess.Popen, str]:
 def load_graph(args: argparse.Namespace) -> dict:
     if args.graph:
         return json.loads(Path(args.graph).read_text())
-    from memplan.planner.profiler import profile
+    from memplan.planner.probe.profiler import profile
     from memplan.planner.workloads import load_workload
 
     w = load_workload(args.workload)
@@ -101,7 +101,7 @@ def load_graph(args: argparse.Namespace) -> dict:
 def budgets_for(graph: dict, n: int) -> list[int]:
     """``n`` distinct byte budgets from a quarter of the way between the smallest known feasible one and
     keep-everything up to keep-everything (near the minimum a heuristic may rightly find no plan)."""
-    from memplan.planner.graph import Graph
+    from memplan.planner.core.graph import Graph
     from memplan.solvers import keep_all_report, smallest_known_peak
 
     g = Graph.model_validate(graph)
@@ -276,7 +276,7 @@ async def main_async(args: argparse.Namespace, url: str, graph: dict) -> tuple[l
                                  time.monotonic() + args.max_seconds)
         sat = None
         if args.saturate_seconds > 0:
-            from memplan.planner.synthetic import linear_chain
+            from memplan.planner.core.synthetic import linear_chain
 
             overrun = json.dumps({"graph": linear_chain(2000).model_dump(mode="json"), "budget": 0,
                                   "solver": "auto", "time_limit_s": 0.3}).encode()

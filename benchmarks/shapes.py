@@ -18,9 +18,9 @@ import torch
 from memplan.executor import apply
 from memplan.executor.session import peak_step
 from memplan.planner import simulate
-from memplan.planner.family import profile_family
-from memplan.planner.shapes import at_shape
-from memplan.planner.units import format_bytes, parse_budget
+from memplan.planner.core.shapes import at_shape
+from memplan.planner.core.units import format_bytes, parse_budget
+from memplan.planner.probe.family import profile_family
 from memplan.planner.workloads import SIZES
 from memplan.solvers import activation_bytes, keep_all_report, solve
 

@@ -34,11 +34,11 @@ from pathlib import Path
 
 from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
-from memplan.planner.simulator import simulate_actions
-from memplan.planner.synthetic import linear_chain
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import simulate_actions
+from memplan.planner.core.synthetic import linear_chain
 from memplan.solvers import activation_bytes, keep_all_report, solve, solvers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,7 +239,7 @@ def sac_milp_actions(graph: Graph, budget: int, scan: int = 7) -> tuple[dict[int
 # ---- graphs --------------------------------------------------------------------------------------
 def profiled(name: str, **overrides) -> Graph:
     """The profiled graph of built-in workload ``name`` (cached as JSON; profiled on first use)."""
-    from memplan.planner.profiler import profile
+    from memplan.planner.probe.profiler import profile
     from memplan.planner.workloads import load_workload
 
     key = name + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))

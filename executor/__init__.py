@@ -5,6 +5,6 @@ see :mod:`memplan.executor.apply` and :mod:`memplan.executor.runtime`.
 """
 
 from memplan.executor.apply import Executor, apply
-from memplan.planner.errors import PlanMismatch
+from memplan.planner.core.errors import PlanMismatch
 
 __all__ = ["Executor", "PlanMismatch", "apply"]

@@ -33,13 +33,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.executor.optim import FusedOptimizer
 from memplan.executor.runtime import HostPool, _Mode, _Packed, _Step, prefetch_order
-from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action, Plan
-from memplan.planner.profiler import model_fingerprint
-from memplan.planner.schedule import Schedule, schedule
-from memplan.planner.shapes import family_of
-from memplan.planner.simulator import static_facts
+from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action, Plan
+from memplan.planner.core.schedule import Schedule, schedule
+from memplan.planner.core.shapes import family_of
+from memplan.planner.core.simulator import static_facts
+from memplan.planner.probe.profiler import model_fingerprint
 
 
 def _fingerprint_diff(model: nn.Module, graph: Graph | None) -> str:
@@ -116,7 +116,7 @@ class Executor:
         self.family = family_of(graph)  # a step may run any shape of it up to the graph's own
         self.actions = {t: a for t, a in plan.actions().items() if a != Action.KEEP}
         offloaded = sorted(t for t, a in self.actions.items() if a == Action.OFFLOAD)
-        # the plan lowered once (planner/schedule.py): where each prefetch starts, what replays pin; a
+        # the plan lowered once (planner/core/schedule.py): where each prefetch starts, what replays pin; a
         # step's ``events`` record what it performed in the same terms (Schedule.executed() compares)
         self.schedule: Schedule = schedule(graph, plan, check=False)
         # Forward records a recipe only for the ops the schedule's replays run (the executor replays

@@ -47,10 +47,10 @@ from torch import nn
 
 from memplan.executor.apply import Executor, apply
 from memplan.executor.optim import SUPPORTED
-from memplan.planner.distributed import DistributedPlanError, cross_unit_recomputes
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.probe.distributed import DistributedPlanError, cross_unit_recomputes
 
 
 class DistributedError(DistributedPlanError):
@@ -157,7 +157,7 @@ class DistributedExecutor:
             raise DistributedError(
                 f"under FSDP2, recomputing tensor {t} (first read in the backward of unit {home or '<root>'!r}) "
                 f"replays ops of unit {other!r}, whose parameters are resharded by then; {len(bad)} recomputed "
-                f"tensor(s) cross units: memplan.planner.distributed.keep_within_units(graph, plan, prefixes) "
+                f"tensor(s) cross units: memplan.planner.probe.distributed.keep_within_units(graph, plan, prefixes) "
                 f"keeps them instead")
 
     def _hide_fsdp_hooks(self) -> None:

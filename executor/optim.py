@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from memplan.planner.errors import MemplanError
+from memplan.planner.core.errors import MemplanError
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 FUSE_MODES = ("backward", "forward")

@@ -15,7 +15,7 @@ How a step runs (see docs/model.md for the model it reproduces):
   use. An *offloaded* one is copied to its slot of the host pool as it is packed (one written in place
   later, a recurrent cell's gates, when its last writer has run) and packed as a handle.
 * **Recompute** is the simulator's lazy replay, decided by the same function
-  (:func:`memplan.planner.replay.replay`): when backward unpacks a missing tensor, its producer (and its
+  (:func:`memplan.planner.core.replay.replay`): when backward unpacks a missing tensor, its producer (and its
   in-place initialisers) are replayed from recipes recorded in forward (the ATen op, its non-tensor
   arguments, and references to its input storages by tensor id with their view geometry), recursively
   through missing inputs, in forward order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack;
@@ -27,7 +27,7 @@ How a step runs (see docs/model.md for the model it reproduces):
   is held from its production until backward has passed the lowest step whose replay reads it, as the
   simulator charges it (its first pass finds these tensors; node pre-hooks tell how far backward is).
 * **Events.** Each step logs what it performs (forward ops, copies both ways, replays with their ops) as
-  :class:`memplan.planner.schedule.ScheduleEvent` in ``events``; prefetch points and pins come from the
+  :class:`memplan.planner.core.schedule.ScheduleEvent` in ``events``; prefetch points and pins come from the
   plan's schedule (``Executor.schedule``), so a test compares the two event for event.
 * **Offload** uses one pinned host pool, allocated once from the plan and reused every step. On CUDA the
   device -> host copy runs on a dedicated copy stream after an event recorded on the compute stream;
@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.planner.errors import MemplanError, PlanError, PlanMismatch
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
-from memplan.planner.profiler import map_leaves, storage_of, tensors_in
-from memplan.planner.replay import replay
-from memplan.planner.schedule import ScheduleEvent
-from memplan.planner.shapes import ShapeMatcher
-from memplan.planner.simulator import static_facts
+from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
+from memplan.planner.core.replay import replay
+from memplan.planner.core.schedule import ScheduleEvent
+from memplan.planner.core.shapes import ShapeMatcher
+from memplan.planner.core.simulator import static_facts
+from memplan.planner.probe.profiler import map_leaves, storage_of, tensors_in
 
 if TYPE_CHECKING:
     from memplan.executor.apply import Executor
@@ -510,7 +510,7 @@ class _Step:
 
     # ---- recompute -----------------------------------------------------------------------------
     def _replay(self, target: int) -> None:
-        """Rebuild ``target`` by the replay :func:`memplan.planner.replay.replay` defines (the one the
+        """Rebuild ``target`` by the replay :func:`memplan.planner.core.replay.replay` defines (the one the
         simulator charges): fetch what it needs from the host, run its ops in forward order, drop what it
         made after its last use unless a handle still waits for it; leaves the target in ``self.cache``."""
         g = self.g

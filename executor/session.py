@@ -5,7 +5,7 @@
     report.predicted_step_s, report.measured_step_s            # median of the timed steps
 
 The steps are the unchanged training step of :mod:`memplan.planner.workloads` with the plan applied by
-:func:`memplan.executor.apply`. Memory is measured as :mod:`memplan.planner.measure` measures it (CPU: the
+:func:`memplan.executor.apply`. Memory is measured as :mod:`memplan.planner.probe.measure` measures it (CPU: the
 allocator's own reports under ``torch.profiler`` on top of the storages live when the step starts; CUDA:
 ``torch.cuda.max_memory_allocated`` after a reset), on one step after the warm-up; that step is not timed
 (the profiler slows it). Then the same measurement without the plan (keep everything), on the same model.
@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from memplan.executor.apply import Executor, apply
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.measure import allocator_events, cpu_allocations, live_storage_bytes, measure_step
-from memplan.planner.plan import Plan
-from memplan.planner.profiler import move_batch
-from memplan.planner.simulator import simulate
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.simulator import simulate
+from memplan.planner.probe.measure import allocator_events, cpu_allocations, live_storage_bytes, measure_step
+from memplan.planner.probe.profiler import move_batch
 from memplan.planner.workloads import LossFn, compute_loss, default_optimizer
 
 RUN_FORMAT = "memplan.run/1"
@@ -126,7 +126,7 @@ def _thin(points: list[tuple[float, int]], limit: int) -> list[tuple[float, int]
 
 def peak_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
               executor: Executor | None = None) -> tuple[int, int, list[tuple[float, int]], torch.Tensor]:
-    """One training step measured as :mod:`memplan.planner.measure` measures it, on the device of the
+    """One training step measured as :mod:`memplan.planner.probe.measure` measures it, on the device of the
     model's parameters, with whatever plan or checkpointing the model has applied.
 
     Returns ``(peak_bytes, baseline_bytes, timeline, loss)``: the peak includes what was live when the step
@@ -190,7 +190,7 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
     profiled on CUDA needs a GPU here). ``optimizer`` defaults to AdamW (foreach), as profiled; it must be
     built over ``model``'s parameters. ``fuse`` (None, "backward", "forward") and ``max_grad_norm`` go to
     :func:`memplan.executor.apply`. With ``keep_all``, ``warmup + 1 + steps`` more steps are then run
-    without the plan (:func:`memplan.planner.measure.measure_step`) for the keep-everything figures.
+    without the plan (:func:`memplan.planner.probe.measure.measure_step`) for the keep-everything figures.
     The model is trained by all of these steps.
 
     Raises :class:`PlanMismatch` if the plan is for another graph or model (before any step runs), and
@@ -227,7 +227,7 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
     try:
         for _ in range(warmup):
             losses.append(step())
-        # the memory step: the allocator's view, as planner/measure.py takes it
+        # the memory step: the allocator's view, as planner/probe/measure.py takes it
         peak, baseline, timeline, loss = peak_step(model, batch, loss_fn, optimizer, ex)
         losses.append(loss)
         replays = ex.last_step.replays if ex.last_step is not None else 0

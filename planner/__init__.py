@@ -1,11 +1,16 @@
-"""memplan.planner: the graph and plan schema, the profiler and the simulator (the cost model).
+"""memplan.planner: from a training step to a scored plan, in two layers.
 
-The torch-free parts (graph, plan, replay, schedule, simulator, units, errors) import without torch; the profiler,
-the measurement harness and the built-in workloads import torch lazily, in their own modules. The functions ``replay`` and ``schedule`` are not re-exported
-here (they would shadow their modules): import them from ``memplan.planner.replay`` / ``.schedule``.
+- ``core/`` (no torch): the graph and plan schema, the replay of one tensor, the schedule a plan lowers
+  to, and the simulator that scores it. Solvers and the service import only this layer.
+- ``probe/`` (torch): the profiler that turns a step into a graph (really or under FakeTensorMode), op
+  timing, and the allocator measurements that check predictions.
+- ``workloads.py``: the built-in models and the one training-step convention everything runs.
+
+The names below are the core's; ``replay`` and ``schedule`` are functions in modules of the same name
+(import them from ``memplan.planner.core.replay`` / ``.schedule``).
 """
 
-from memplan.planner.errors import (
+from memplan.planner.core.errors import (
     GraphError,
     Infeasible,
     MemplanError,
@@ -13,12 +18,12 @@ from memplan.planner.errors import (
     PlanMismatch,
     WorkloadError,
 )
-from memplan.planner.graph import Chain, ChainStage, FixedMemory, Graph, Op, TensorInfo, coarsen
-from memplan.planner.plan import Action, Decision, Plan, Prediction, SolverInfo
-from memplan.planner.replay import Replay
-from memplan.planner.schedule import Schedule, ScheduleEvent
-from memplan.planner.simulator import Report, simulate
-from memplan.planner.units import format_bytes, parse_budget
+from memplan.planner.core.graph import Chain, ChainStage, FixedMemory, Graph, Op, TensorInfo, coarsen
+from memplan.planner.core.plan import Action, Decision, Plan, Prediction, SolverInfo
+from memplan.planner.core.replay import Replay
+from memplan.planner.core.schedule import Schedule, ScheduleEvent
+from memplan.planner.core.simulator import Report, simulate
+from memplan.planner.core.units import format_bytes, parse_budget
 
 __all__ = [
     "Action", "Chain", "ChainStage", "Decision", "FixedMemory", "Graph", "GraphError", "Infeasible",

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.planner.errors import MemplanError, WorkloadError
+from memplan.planner.core.errors import MemplanError, WorkloadError
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 

@@ -11,9 +11,9 @@ returns in ``Proposal.method``.
 
 from __future__ import annotations
 
-from memplan.planner.errors import Infeasible
-from memplan.planner.graph import Graph
-from memplan.planner.simulator import Report, simulate_actions
+from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.core import propose
 from memplan.solvers.min_memory import min_memory_actions
 from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register, solvers

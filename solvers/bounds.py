@@ -6,8 +6,8 @@ Achievable peaks (the least peak memplan can find) are in :mod:`memplan.solvers.
 
 from __future__ import annotations
 
-from memplan.planner.graph import Graph
-from memplan.planner.simulator import Report, simulate_actions
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.simulator import Report, simulate_actions
 
 
 def keep_all_report(graph: Graph) -> Report:

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import heapq
 
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
-from memplan.planner.replay import replay
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
+from memplan.planner.core.replay import replay
 from memplan.solvers.evict import EPS, Actions, Facts, copy_stream, run_eviction
 from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register
 
 
 def _replay_cost(graph: Graph, facts: Facts, missing: set[int], t: int) -> float:
     """Forward time to rebuild ``t`` from resident tensors: the ops of its replay
-    (:func:`memplan.planner.replay.replay`: producers and their in-place initialisers), each once."""
+    (:func:`memplan.planner.core.replay.replay`: producers and their in-place initialisers), each once."""
     ops = graph.ops
     r = replay(graph, t, available=lambda u: not (u in missing or facts.missing_in_backward[u]))
     return sum(ops[p].time_s for p in r.ops)

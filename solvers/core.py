@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.planner.errors import Infeasible, MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan, Prediction, SolverInfo
-from memplan.planner.simulator import Report, simulate, simulate_actions
-from memplan.planner.units import MAX_BYTES, format_bytes
+from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan, Prediction, SolverInfo
+from memplan.planner.core.simulator import Report, simulate, simulate_actions
+from memplan.planner.core.units import MAX_BYTES, format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 from memplan.solvers.min_memory import smallest_known_peak
 from memplan.solvers.registry import Proposal, SolverSpec, get

@@ -4,7 +4,7 @@ and scored by the simulator like every other method.
 
 **What ``dp`` is exact for.** On a graph that *is* a chain (op ``i`` has one output ``a_i``, reads only
 ``a_{i-1}`` among activations, its backward saves ``a_{i-1}``, and the last op also saves its own output:
-the shape of :func:`memplan.planner.synthetic.linear_chain`), the simulator's lazy replay reduces to
+the shape of :func:`memplan.planner.core.synthetic.linear_chain`), the simulator's lazy replay reduces to
 single-level checkpointing: with ``K`` the kept activations, backward step ``s`` that finds ``a_{s-1}``
 missing replays the run of recomputed ops above the nearest kept ``a_k``, and every replayed tensor stays
 resident until its own backward (its saver is still to come), so each recomputed op runs exactly once.
@@ -40,7 +40,7 @@ units (grid), or the total size of the frontiers merged (Pareto).
 **DAGs.** The graph DP of Kusumoto et al. 2019 enumerates lower sets, exponential in the graph's width,
 and the simulator's lazy replay on a DAG does not decompose into runs; the exact method on DAGs is the
 ILP (``solvers/ilp.py``). ``dp`` covers DAGs by the chain DP on the module-level chain
-(:func:`memplan.planner.graph.coarsen`: a stage is kept or recomputed as a whole), scoring the DP's plans
+(:func:`memplan.planner.core.graph.coarsen`: a stage is kept or recomputed as a whole), scoring the DP's plans
 at many memory levels in the simulator and returning the fastest that fits (together with the uniform
 segmentations of ``chen`` and every-k, so it is never worse than those): status ``feasible``, never
 ``optimal``.
@@ -70,10 +70,10 @@ from functools import reduce
 
 import numpy as np
 
-from memplan.planner.errors import Infeasible, MemplanError
-from memplan.planner.graph import Graph, coarsen
-from memplan.planner.plan import Action
-from memplan.planner.simulator import Report, default_prefetch_at, simulate_actions
+from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.graph import Graph, coarsen
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import Report, default_prefetch_at, simulate_actions
 from memplan.solvers.bounds import keep_all_report
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
 from memplan.solvers.registry import Proposal, register

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph, coarsen
-from memplan.planner.plan import Action
-from memplan.planner.simulator import Report, simulate_actions
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph, coarsen
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.registry import CONFIG, Proposal, register
 
 Actions = dict[int, Action]

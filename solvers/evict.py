@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
-from memplan.planner.simulator import Report, simulate_actions
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.bounds import memory_lower_bound
 from memplan.solvers.registry import Proposal
 

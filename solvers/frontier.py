@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.planner.errors import Infeasible
-from memplan.planner.graph import Graph
+from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.graph import Graph
 from memplan.solvers.bounds import keep_all_report
 from memplan.solvers.core import solve
 from memplan.solvers.dp import dp_frontier

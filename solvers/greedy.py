@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import heapq
 
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
 from memplan.solvers.evict import EPS, Actions, Components, Facts, copy_stream, run_eviction
 from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register
 

@@ -1,7 +1,7 @@
 """Hierarchical planning for real models (after Rockmate, Zhao et al. ICML 2023, and HiRemate 2025): solve
 each block of the model exactly on its own, then choose one solution per block with a chain DP.
 
-**Blocks** are the stages of :func:`memplan.planner.graph.coarsen` (runs of ops sharing a module prefix)
+**Blocks** are the stages of :func:`memplan.planner.core.graph.coarsen` (runs of ops sharing a module prefix)
 at the shallowest module depth where none has more than ``MAX_BLOCK_OPS`` ops: a transformer layer, a
 ResNet bottleneck. Each saved activation is *owned* by the block of its first saver
 (the first op whose backward reads it): the block's inner activations, and its *input* (activations an
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memplan.planner.errors import Infeasible, MemplanError
-from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo, coarsen
-from memplan.planner.plan import Action
-from memplan.planner.simulator import Report, simulate_actions
+from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo, coarsen
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.bounds import keep_all_report
 from memplan.solvers.core import solve
 from memplan.solvers.registry import Proposal, register

@@ -7,9 +7,9 @@ import difflib
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
 from memplan.solvers.registry import Proposal, register
 
 

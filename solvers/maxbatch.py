@@ -4,7 +4,7 @@
     answer.value, answer.result.plan, answer.graph      # the plan is for ``answer.graph`` (that shape)
 
 No trial runs: each candidate value is the family evaluated at that shape
-(:func:`memplan.planner.shapes.at_shape`, extrapolating past the profiled shapes) and solved with
+(:func:`memplan.planner.core.shapes.at_shape`, extrapolating past the profiled shapes) and solved with
 :func:`memplan.solvers.solve`. A value *fits* when a plan's predicted peak is within the budget and, with
 ``max_overhead``, its step time is at most ``1 + max_overhead`` times keeping everything at that shape.
 Fitting is taken to be monotone in the value (a larger batch never needs less memory): the search doubles
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.planner.errors import GraphError, Infeasible, MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.shapes import at_shape, family_of
-from memplan.planner.units import format_bytes
+from memplan.planner.core.errors import GraphError, Infeasible, MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.shapes import at_shape, family_of
+from memplan.planner.core.units import format_bytes
 from memplan.solvers import (
     SolveResult,
     keep_all_report,

@@ -1,6 +1,6 @@
 """The least peak memplan can find cheaply: :func:`min_memory_actions` (a search combining the
 segmentations of the finest chain, every-k, the eviction loops driven to budget 0, and single-tensor
-descent), :func:`smallest_known_peak` (what :class:`~memplan.planner.errors.Infeasible` errors quote as
+descent), :func:`smallest_known_peak` (what :class:`~memplan.planner.core.errors.Infeasible` errors quote as
 the minimum feasible budget). ``auto`` falls back to that plan (naming it ``min-memory``) when its
 methods find none near the minimum budget.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from memplan.planner.graph import Graph, coarsen
-from memplan.planner.plan import Action
-from memplan.planner.simulator import Report, simulate_actions
+from memplan.planner.core.graph import Graph, coarsen
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.capuchin import pick_capuchin
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.evict import Actions, Facts, Site, candidates, graph_facts, peak_site, shrink, simulate

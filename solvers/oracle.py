@@ -19,10 +19,10 @@ from typing import Literal
 
 from pydantic.dataclasses import dataclass
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
-from memplan.planner.simulator import simulate_actions, static_facts
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import simulate_actions, static_facts
 from memplan.solvers.registry import CONFIG, Proposal, register
 
 MAX_SAVED = 14

@@ -21,9 +21,9 @@ from typing import Any
 from pydantic import ConfigDict, ValidationError
 from pydantic.dataclasses import dataclass as config_dataclass
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
 
 STATUSES = ("optimal", "feasible", "timeout", "infeasible")
 

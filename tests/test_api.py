@@ -16,11 +16,11 @@ from memplan.api.errors import Overloaded, SolveTimeout
 from memplan.api.pool import WorkerPool
 from memplan.api.schemas import FrontierResponse, PlanResponse, SimulationResponse
 from memplan.api.settings import Settings
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
-from memplan.planner.simulator import simulate
-from memplan.planner.synthetic import linear_chain
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.synthetic import linear_chain
 
 CHAIN8 = linear_chain(8)  # keep-all peak 1000 B (100 B fixed), the smallest feasible peak is 600 B
 FAST = Settings(pool="thread", workers=2, max_ops=50, max_time_limit_s=10.0, default_time_limit_s=5.0,

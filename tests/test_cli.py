@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.api import cli
-from memplan.planner.plan import Plan
-from memplan.planner.synthetic import linear_chain
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.synthetic import linear_chain
 
 MEMPLAN = [sys.executable, "-m", "memplan.api.cli"]
 

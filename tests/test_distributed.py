@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from memplan.planner.plan import Action, Plan
+from memplan.planner.core.plan import Action, Plan
 
 pytestmark = pytest.mark.slow
 
@@ -73,8 +73,8 @@ def _workload(rank: int):
 
 def _plans(model, batch, loss_fn):
     """Rank 0 profiles the bare module and builds the plans; every rank receives the same ones."""
-    from memplan.planner.graph import Graph
-    from memplan.planner.profiler import profile
+    from memplan.planner.core.graph import Graph
+    from memplan.planner.probe.profiler import profile
 
     box = [None]
     if dist.get_rank() == 0:
@@ -174,7 +174,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
     def full(model):
         return [p.full_tensor().detach() for p in model.parameters()]
 
-    from memplan.planner.distributed import keep_within_units
+    from memplan.planner.probe.distributed import keep_within_units
 
     prefixes = [f"transformer.h.{i}" for i in range(TINY["n_layer"])]
     results = {}
@@ -336,9 +336,9 @@ _TOY_FSDP = {
 
 
 def test_per_rank_graph_adjustments_are_exact_on_a_toy():
-    from memplan.planner.distributed import for_ddp, for_fsdp, fsdp_units
-    from memplan.planner.profiler import profile
-    from memplan.planner.simulator import simulate
+    from memplan.planner.core.simulator import simulate
+    from memplan.planner.probe.distributed import for_ddp, for_fsdp, fsdp_units
+    from memplan.planner.probe.profiler import profile
 
     torch.manual_seed(0)
     model = _Blocks()
@@ -366,7 +366,7 @@ def test_per_rank_graph_adjustments_are_exact_on_a_toy():
 
 
 def test_frees_the_profiler_missed_are_restored():
-    from memplan.planner.distributed import restore_missed_frees
+    from memplan.planner.probe.distributed import restore_missed_frees
 
     # (time, ±bytes, address, end of the enclosing c10d:: range): a reduce-scatter's copy (100 B at 0xA,
     # range ends at 15) freed on gloo's thread unreported, its address reused at 40; a plain block at 0xB
@@ -381,9 +381,9 @@ def test_frees_the_profiler_missed_are_restored():
 def test_replay_ops_include_the_in_place_initialisers():
     # a dropout-like mask: made by op 1, finished in place by op 2; replaying it runs both, so the FSDP2
     # unit check must see op 2 (it could sit in another unit's module)
-    from memplan.planner.distributed import _replay_ops
-    from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo
-    from memplan.planner.synthetic import fill_structural_grads
+    from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
+    from memplan.planner.core.synthetic import fill_structural_grads
+    from memplan.planner.probe.distributed import _replay_ops
 
     tensors = [TensorInfo(id=0, kind="input", bytes=100),
                TensorInfo(id=1, kind="activation", producer=0, bytes=100, requires_grad=True),

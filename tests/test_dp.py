@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memplan.planner.errors import Infeasible, MemplanError
-from memplan.planner.plan import Action
-from memplan.planner.simulator import simulate_actions
-from memplan.planner.synthetic import linear_chain, random_dag
+from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import simulate_actions
+from memplan.planner.core.synthetic import linear_chain, random_dag
 from memplan.solvers import dp as dp_mod
 from memplan.solvers import keep_all_report, memory_lower_bound, solve, solve_frontier
 from memplan.solvers.dp import dp_frontier, revolve_checkpoints
@@ -411,7 +411,7 @@ def test_rotor_on_a_homogeneous_chain_recovers_the_dp_optimum_at_ample_memory():
 @pytest.fixture(scope="module")
 def mlp_graph():
     torch = pytest.importorskip("torch")
-    from memplan.planner.profiler import profile
+    from memplan.planner.probe.profiler import profile
     from memplan.planner.workloads import load_workload
 
     torch.manual_seed(0)

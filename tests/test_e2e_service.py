@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
-from memplan.planner.simulator import simulate
-from memplan.planner.synthetic import linear_chain
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.synthetic import linear_chain
 
 pytestmark = pytest.mark.slow  # a server start (worker processes) and a profile: ~10 s together
 
@@ -33,7 +33,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def graph() -> Graph:
     """A profiled training step of a small real model (a 4-layer MLP)."""
-    from memplan.planner.profiler import profile
+    from memplan.planner.probe.profiler import profile
     from memplan.planner.workloads import load_workload
 
     w = load_workload("mlp", depth=4, width=64, batch_size=512)  # the smallest plan peaks at ~73%

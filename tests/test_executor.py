@@ -29,11 +29,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from memplan.executor import apply
 from memplan.executor.runtime import _Step
 from memplan.planner import simulate
-from memplan.planner.errors import Infeasible, MemplanError, PlanMismatch
-from memplan.planner.graph import Graph
-from memplan.planner.measure import measure_step
-from memplan.planner.plan import Action, Plan
-from memplan.planner.profiler import profile
+from memplan.planner.core.errors import Infeasible, MemplanError, PlanMismatch
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action, Plan
+from memplan.planner.probe.measure import measure_step
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import Workload, load_workload
 from memplan.solvers import keep_all_report, smallest_known_peak, solve
 

@@ -1,5 +1,5 @@
 """The executor's measured peak against the simulator's prediction: a training step under a plan, measured
-as :mod:`memplan.planner.measure` measures it (CPU: the allocator's reports through ``torch.profiler``),
+as :mod:`memplan.planner.probe.measure` measures it (CPU: the allocator's reports through ``torch.profiler``),
 peaks within 1% of ``simulate(graph, plan).peak_bytes`` and below the measured keep-everything step.
 
 On CPU the host pool is allocated once at ``apply`` (before the measured step), so offloaded bytes leave
@@ -20,8 +20,8 @@ from test_executor import adamw, fresh_model, graph_of, plan_of, workload
 
 from memplan.executor import apply
 from memplan.planner import simulate
-from memplan.planner.measure import measure_step
-from memplan.planner.plan import Action
+from memplan.planner.core.plan import Action
+from memplan.planner.probe.measure import measure_step
 
 
 @pytest.fixture(autouse=True, scope="module")

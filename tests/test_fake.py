@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 
 from memplan.api.cli import app
 from memplan.executor.session import run_plan
-from memplan.planner.devicespec import DeviceSpecError, load_device_spec, parse_device_spec
-from memplan.planner.fake import FakeTraceError
-from memplan.planner.optime import OpCall, OpTimer, TensorMeta, analytic_time_s
-from memplan.planner.profiler import profile
-from memplan.planner.simulator import simulate
+from memplan.planner.core.devicespec import DeviceSpecError, load_device_spec, parse_device_spec
+from memplan.planner.core.simulator import simulate
+from memplan.planner.probe.fake import FakeTraceError
+from memplan.planner.probe.optime import OpCall, OpTimer, TensorMeta, analytic_time_s
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import load_workload
 from memplan.solvers import solve
 
@@ -275,7 +275,7 @@ def test_cli_run_fake_reports_the_profiling_peak(cache, monkeypatch):
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_fake_ranks_predict_each_ranks_peak_as_the_real_profile_does(engine, cache, monkeypatch):
     from memplan.api.distributed import block_prefixes, plan_ranks_fake
-    from memplan.planner.distributed import for_ddp, for_fsdp, fsdp_units
+    from memplan.planner.probe.distributed import for_ddp, for_fsdp, fsdp_units
 
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(cache.parent))
     opts = {"n_layer": 2, "seq_len": 64}

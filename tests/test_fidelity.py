@@ -1,6 +1,6 @@
 """Does the simulator, fed the profiler's graph, predict the peak that a real training step reaches?
 
-The measured peak (planner/measure.py) comes from the allocator's own accounting, not from the graph.
+The measured peak (planner/probe/measure.py) comes from the allocator's own accounting, not from the graph.
 A toy model pins both numbers to a hand computation; the built-in models must agree within 10%
 (docs/benchmarks.md records the actual errors)."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.planner.measure import measure_step
-from memplan.planner.plan import Plan
-from memplan.planner.profiler import profile
-from memplan.planner.simulator import simulate
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.simulator import simulate
+from memplan.planner.probe.measure import measure_step
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import load_workload
 
 KIB4 = 1024 * 4  # one float32 vector of 1024 elements

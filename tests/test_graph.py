@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from memplan.planner.errors import GraphError
-from memplan.planner.graph import Graph, coarsen
-from memplan.planner.synthetic import linear_chain, random_dag
+from memplan.planner.core.errors import GraphError
+from memplan.planner.core.graph import Graph, coarsen
+from memplan.planner.core.synthetic import linear_chain, random_dag
 
 
 def _chain_dict():

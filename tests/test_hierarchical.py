@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.planner.errors import Infeasible
-from memplan.planner.simulator import simulate_actions
+from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.simulator import simulate_actions
 from memplan.solvers import keep_all_report, smallest_known_peak, solve
 from memplan.solvers.dp import dp_frontier
 from memplan.solvers.hierarchical import Option, block_subgraph, blocks, chain_dp, has_blocks
@@ -50,7 +50,7 @@ def test_chain_dp_is_the_brute_force_optimum(menus, grads, spare):
 @pytest.fixture(scope="module")
 def gpt():
     torch = pytest.importorskip("torch")
-    from memplan.planner.profiler import profile
+    from memplan.planner.probe.profiler import profile
     from memplan.planner.workloads import load_workload
 
     torch.manual_seed(0)
@@ -117,8 +117,8 @@ def test_the_frontier_on_a_model_is_solve_at_each_budget(gpt):
 
 
 def test_options_are_refused_with_a_clear_message():
-    from memplan.planner.errors import MemplanError
-    from memplan.planner.synthetic import random_dag
+    from memplan.planner.core.errors import MemplanError
+    from memplan.planner.core.synthetic import random_dag
 
     g = random_dag(12, seed=1)
     with pytest.raises(MemplanError, match="hierarchical: unknown option"):

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memplan.planner.errors import Infeasible, MemplanError
-from memplan.planner.plan import Action
-from memplan.planner.simulator import simulate_actions
-from memplan.planner.synthetic import linear_chain, random_dag
+from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import simulate_actions
+from memplan.planner.core.synthetic import linear_chain, random_dag
 from memplan.solvers import activation_bytes, keep_all_report, solve, solvers
 from memplan.solvers.oracle import oracle_min_peak
 
@@ -236,7 +236,7 @@ def test_decoded_plan_replays_as_the_model_predicts():
 def test_small_gpt2_fits_and_is_no_slower_than_greedy():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from memplan.planner.profiler import profile
+    from memplan.planner.probe.profiler import profile
     from memplan.planner.workloads import load_workload
     from memplan.solvers import keep_all_report, smallest_known_peak
 

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memplan.planner.errors import Infeasible
-from memplan.planner.graph import Graph
-from memplan.planner.simulator import simulate_actions
-from memplan.planner.synthetic import fill_structural_grads, linear_chain, random_dag
+from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.simulator import simulate_actions
+from memplan.planner.core.synthetic import fill_structural_grads, linear_chain, random_dag
 from memplan.solvers import solve
 from memplan.solvers.oracle import _plans
 

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from memplan.executor import apply
-from memplan.planner.errors import Infeasible, WorkloadError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action, Plan
-from memplan.planner.profiler import profile
-from memplan.planner.replay import rebuild_ops, replay
-from memplan.planner.schedule import schedule
-from memplan.planner.simulator import simulate
+from memplan.planner.core.errors import Infeasible, WorkloadError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action, Plan
+from memplan.planner.core.replay import rebuild_ops, replay
+from memplan.planner.core.schedule import schedule
+from memplan.planner.core.simulator import simulate
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import Workload, load_workload
 from memplan.solvers import keep_all_report, memory_lower_bound, solve
 

@@ -18,7 +18,7 @@ pytest.importorskip("accelerate", reason="the hf extra (transformers, accelerate
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from memplan.api.integrations.huggingface import MemplanCallback  # noqa: E402
-from memplan.planner.errors import Infeasible, MemplanError  # noqa: E402
+from memplan.planner.core.errors import Infeasible, MemplanError  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

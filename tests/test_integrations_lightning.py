@@ -15,7 +15,7 @@ from torch import nn
 pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
 
 from memplan.api.integrations.lightning import MemplanCallback  # noqa: E402
-from memplan.planner.errors import Infeasible, MemplanError  # noqa: E402
+from memplan.planner.core.errors import Infeasible, MemplanError  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.api.cli import app
-from memplan.planner.errors import GraphError, Infeasible
-from memplan.planner.shapes import at_shape, fit_family
-from memplan.planner.synthetic import linear_chain
+from memplan.planner.core.errors import GraphError, Infeasible
+from memplan.planner.core.shapes import at_shape, fit_family
+from memplan.planner.core.synthetic import linear_chain
 from memplan.solvers import keep_all_report, smallest_known_peak, solve
 from memplan.solvers.maxbatch import max_dim
 
@@ -78,7 +78,7 @@ TINY = {
 
 def _family(name: str):
     from memplan.api.integrations.common import dim_family
-    from memplan.planner.family import profile_family
+    from memplan.planner.probe.family import profile_family
     from memplan.planner.workloads import load_workload
 
     w = load_workload(name, **TINY[name])

@@ -12,10 +12,10 @@ import pytest
 from matplotlib.image import imread
 
 from memplan.api.plots import MeasuredRun, frontier_png, read_run_report, timeline_png
-from memplan.planner.errors import MemplanError
-from memplan.planner.plan import Plan
-from memplan.planner.simulator import simulate
-from memplan.planner.synthetic import linear_chain
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.synthetic import linear_chain
 
 MEMPLAN = [sys.executable, "-m", "memplan.api.cli"]
 CHAIN = linear_chain(8)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.planner.errors import WorkloadError
-from memplan.planner.graph import Graph
-from memplan.planner.profiler import model_fingerprint, profile
+from memplan.planner.core.errors import WorkloadError
+from memplan.planner.core.graph import Graph
+from memplan.planner.probe.profiler import model_fingerprint, profile
 
 
 def _profile(model, batch, loss_fn, **kw):
@@ -217,8 +217,8 @@ def test_a_saved_tensor_the_model_keeps_past_its_last_use_is_charged_until_dropp
 def test_op_times_sum_to_a_plain_steps():
     """The traced op times are scaled to what plain eager training pays (profile: the measured or a plain
     step's forward, backward and optimizer times); the factors are kept in the graph's meta."""
-    from memplan.planner.profiler import calibrate_times
-    from memplan.planner.synthetic import linear_chain
+    from memplan.planner.core.synthetic import linear_chain
+    from memplan.planner.probe.profiler import calibrate_times
 
     g = linear_chain(4)  # forward 1 s, backward 2 s per op
     calibrate_times(g, 2.0, 4.0, 0.5)

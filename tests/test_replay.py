@@ -1,4 +1,4 @@
-"""planner/replay.py: what a replay runs, on hand-built graphs (a chain, layer norm's input, mean and
+"""planner/core/replay.py: what a replay runs, on hand-built graphs (a chain, layer norm's input, mean and
 rstd, a dropout mask with its in-place initialisers, a pinned tensor that cannot be rebuilt, an
 offloaded input, a depth limit), and on random DAGs against a plain recursive reference (the simulator's
 former ``_materialize`` traversal, extended to the initialisers' inputs)."""
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.planner.errors import PlanError
-from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo
-from memplan.planner.replay import rebuild_ops, replay
-from memplan.planner.synthetic import linear_chain, random_dag
+from memplan.planner.core.errors import PlanError
+from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
+from memplan.planner.core.replay import rebuild_ops, replay
+from memplan.planner.core.synthetic import linear_chain, random_dag
 
 
 def test_a_chain_replays_from_the_nearest_available_tensor():

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from memplan.api.cli import app
 from memplan.executor.session import run_plan
-from memplan.planner.errors import MemplanError, PlanMismatch
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
+from memplan.planner.core.errors import MemplanError, PlanMismatch
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
 from memplan.planner.workloads import load_workload
 
 MLP = ["--set", "depth=6", "--set", "width=64", "--set", "batch_size=256"]

@@ -1,7 +1,7 @@
 """One schedule for cost and execution: for every built-in workload and every solver family (with and
 without offload), the events the executor performs in a training step -- forward ops, copies to host,
 copies back, replays with their ops -- equal, event for event and in order, the events of the schedule
-the simulator scores (``planner/schedule.py``). And the schedule itself, on hand-built graphs: every
+the simulator scores (``planner/core/schedule.py``). And the schedule itself, on hand-built graphs: every
 event at its position with its reason.
 
 The workloads, graphs and plans are test_executor's (cached per session), so this adds one step per
@@ -23,10 +23,10 @@ from test_executor import (
 )
 
 from memplan.executor import apply
-from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo
-from memplan.planner.plan import Action, Plan
-from memplan.planner.schedule import EXECUTED_KINDS, schedule
-from memplan.planner.simulator import simulate
+from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
+from memplan.planner.core.plan import Action, Plan
+from memplan.planner.core.schedule import EXECUTED_KINDS, schedule
+from memplan.planner.core.simulator import simulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

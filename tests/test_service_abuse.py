@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from memplan.planner.synthetic import linear_chain
+from memplan.planner.core.synthetic import linear_chain
 
 pytestmark = pytest.mark.slow  # one server start (3 worker processes) and a few seconds of solves
 

@@ -15,11 +15,11 @@ import torch
 from memplan.executor import apply
 from memplan.executor.session import peak_step
 from memplan.planner import simulate
-from memplan.planner.errors import GraphError, PlanMismatch
-from memplan.planner.family import profile_family
-from memplan.planner.graph import Graph, Op, TensorInfo
-from memplan.planner.shapes import Poly, ShapeMatcher, at_shape, family_of, fit_family
-from memplan.planner.units import parse_budget
+from memplan.planner.core.errors import GraphError, PlanMismatch
+from memplan.planner.core.graph import Graph, Op, TensorInfo
+from memplan.planner.core.shapes import Poly, ShapeMatcher, at_shape, family_of, fit_family
+from memplan.planner.core.units import parse_budget
+from memplan.planner.probe.family import profile_family
 from memplan.solvers import solve
 from memplan.solvers.bounds import activation_bytes
 

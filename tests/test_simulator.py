@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.planner import Action, Plan, PlanError, PlanMismatch, simulate
-from memplan.planner.errors import GraphError
-from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo
-from memplan.planner.simulator import simulate_actions
-from memplan.planner.synthetic import fill_structural_grads, linear_chain, random_dag
+from memplan.planner.core.errors import GraphError
+from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
+from memplan.planner.core.simulator import simulate_actions
+from memplan.planner.core.synthetic import fill_structural_grads, linear_chain, random_dag
 
 
 def _phases(report):

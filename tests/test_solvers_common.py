@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memplan.planner.errors import Infeasible, MemplanError
-from memplan.planner.plan import Action, Plan
-from memplan.planner.simulator import simulate, simulate_actions
-from memplan.planner.synthetic import linear_chain, random_dag
+from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.plan import Action, Plan
+from memplan.planner.core.simulator import simulate, simulate_actions
+from memplan.planner.core.synthetic import linear_chain, random_dag
 from memplan.solvers import (
     Proposal,
     SolverSpec,

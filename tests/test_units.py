@@ -1,7 +1,7 @@
 import pytest
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.units import format_bytes, parse_budget, parse_bytes
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.units import format_bytes, parse_budget, parse_bytes
 
 
 @pytest.mark.parametrize(("text", "expected"), [

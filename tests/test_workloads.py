@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from memplan.planner.errors import WorkloadError
+from memplan.planner.core.errors import WorkloadError
 from memplan.planner.workloads import BUILTINS, SIZES, compute_loss, load_workload
 
 

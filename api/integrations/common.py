@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from memplan.executor.apply import Executor, apply
-from memplan.planner.errors import Infeasible, MemplanError
-from memplan.planner.family import profile_family, restored, twin_optimizer
-from memplan.planner.graph import Graph
-from memplan.planner.measure import allocator_events, cpu_allocations, live_storage_bytes
-from memplan.planner.plan import Plan
-from memplan.planner.profiler import profile
-from memplan.planner.units import format_bytes, parse_budget
+from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.units import format_bytes, parse_budget
+from memplan.planner.probe.family import profile_family, restored, twin_optimizer
+from memplan.planner.probe.measure import allocator_events, cpu_allocations, live_storage_bytes
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import LossFn
 from memplan.solvers import activation_bytes, keep_all_report, solve
 
@@ -83,7 +83,7 @@ def _first_length(x: Any, axis: int) -> int | None:
 def dim_family(batch: Any, dim: str, largest: int | None = None) -> list[tuple[dict[str, int], Any]]:
     """Batches at ``dim`` (``"batch"``: axis 0; ``"seq"``: axis 1) = ``largest`` (default: the batch's
     own), about 3/4 and 1/2 of it, made from ``batch``: every tensor whose axis has the length the first
-    tensor's has is cut, or repeated and cut. For :func:`memplan.planner.family.profile_family`. Raises
+    tensor's has is cut, or repeated and cut. For :func:`memplan.planner.probe.family.profile_family`. Raises
     :class:`MemplanError` for another ``dim``, a batch with no tensor of that many dimensions, or a size
     too small to vary."""
     if dim not in DIM_AXES:
@@ -202,7 +202,7 @@ class StepPlanner:
     def start_measure(self, model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:
         """Begin measuring a step's peak (fixed memory included): CUDA's allocator peak after a reset; on
         CPU the allocator's reports on top of what is live now (parameters, gradients, optimizer state and
-        ``batch``), as :mod:`memplan.planner.measure` reads them."""
+        ``batch``), as :mod:`memplan.planner.probe.measure` reads them."""
         if self._measure is not None:
             return
         device = next(model.parameters()).device

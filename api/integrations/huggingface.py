@@ -17,7 +17,7 @@ the graph.
 
 **Dynamic padding.** With ``max_seq_len``, the first batch is cut or repeated along its sequence
 dimension to ``max_seq_len``, 3/4 and 1/2 of it, the step is profiled at the three and fitted into one
-shape family (:mod:`memplan.planner.shapes`), and the plan, made for ``max_seq_len``, runs every batch up
+shape family (:mod:`memplan.planner.core.shapes`), and the plan, made for ``max_seq_len``, runs every batch up
 to it. A model that branches on the batch's content cannot be one graph: transformers' ``sdpa`` attention
 skips building the mask when the attention mask is all ones, so under it a batch without padding and one
 with padding run different ops (the second is refused, naming the op); ``attn_implementation="eager"``
@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from memplan.api.integrations.common import PlannedCallback, StepPlanner
-from memplan.planner.errors import MemplanError
+from memplan.planner.core.errors import MemplanError
 
 try:
     from transformers import TrainerCallback
@@ -82,7 +82,7 @@ class MemplanCallback(PlannedCallback, TrainerCallback):
     batch may have (the plan then covers a shape family over the sequence length, see
     :func:`memplan.api.integrations.common.sequence_family`; without it a batch longer than the first is
     refused in one line). A budget below what any plan reaches raises
-    :class:`memplan.planner.errors.Infeasible` (the line ``memplan solve`` prints, naming the minimum
+    :class:`memplan.planner.core.errors.Infeasible` (the line ``memplan solve`` prints, naming the minimum
     feasible budget) in the first forward, before any parameter is updated.
 
     After training, ``graph``, ``plan``, ``summary`` and ``measured_peak_bytes`` hold what was used.

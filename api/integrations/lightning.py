@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from memplan.api.integrations.common import PlannedCallback, StepPlanner
-from memplan.planner.errors import MemplanError
+from memplan.planner.core.errors import MemplanError
 
 try:
     import lightning.pytorch as pl
@@ -80,7 +80,7 @@ class MemplanCallback(PlannedCallback, pl.Callback):
     ``budget``: bytes or a string (``"6GiB"``, ``"50%"`` of the activation memory); ``solver``: a memplan
     solver or ``"auto"``; ``fuse``: None or ``"backward"`` (refused with ``gradient_clip_val``);
     ``max_seq_len``: batches vary in sequence length up to this (a shape family over ``seq``). A budget
-    below what any plan reaches raises :class:`memplan.planner.errors.Infeasible` (the line ``memplan
+    below what any plan reaches raises :class:`memplan.planner.core.errors.Infeasible` (the line ``memplan
     solve`` prints) at the first batch, before any parameter is updated.
     """
 

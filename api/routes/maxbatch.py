@@ -1,7 +1,7 @@
 """POST /v1/maxbatch: the largest batch (or sequence length) whose best plan fits a budget.
 
 The graph must carry a shape family (``memplan maxbatch WORKLOAD`` or
-``memplan.planner.family.profile_family`` makes one); the search is
+``memplan.planner.probe.family.profile_family`` makes one); the search is
 :func:`memplan.solvers.maxbatch.max_dim`, run in the service's worker pool. Its cost is bounded: at most
 ``max_value`` (<= 65536, so at most 34 candidates) and ``time_limit_s`` per candidate, whose product with
 the candidate count must fit the server's ``max_time_limit_s``.
@@ -19,10 +19,10 @@ from memplan.api.jobs import load_graph
 from memplan.api.routes.body import documented, json_body
 from memplan.api.schemas import ERROR_RESPONSES, Budget, ReadRequest, check_ops, check_time_limit, settings_of
 from memplan.api.service import ServiceDep
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
-from memplan.planner.shapes import family_of
-from memplan.planner.units import parse_budget
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.shapes import family_of
+from memplan.planner.core.units import parse_budget
 
 router = APIRouter(prefix="/v1", tags=["maxbatch"])
 
@@ -62,7 +62,7 @@ class MaxBatchRequest(BaseModel):
         fam = family_of(self.graph)
         if fam is None:
             raise ValueError("the graph has no shape family (meta.shape_family): profile it at several shapes "
-                             "(memplan maxbatch WORKLOAD, or memplan.planner.family.profile_family)")
+                             "(memplan maxbatch WORKLOAD, or memplan.planner.probe.family.profile_family)")
         if self.dim not in fam.dims:
             raise ValueError(f"the graph's shape family varies {', '.join(fam.dims)}, not {self.dim!r}")
         settings = settings_of(info)

@@ -3,7 +3,7 @@ with Optimal Tensor Rematerialization", MLSys 2020) for general DAGs, in memplan
 
 Checkmate lets the solver pick any schedule (``R[t,i]`` compute op i at stage t, ``S[t,i]`` keep it).
 memplan's plans are narrower -- per saved activation keep / recompute / offload, plus a prefetch point --
-and the simulator (:mod:`memplan.planner.simulator`) fixes everything else: a missing saved tensor is
+and the simulator (:mod:`memplan.planner.core.simulator`) fixes everything else: a missing saved tensor is
 rebuilt *lazily* when its backward step needs it, by replaying its producer and, recursively, the
 producers of missing inputs. So the stages here are the simulator's own: one per forward op, and in
 backward one per (step ``s``, k-th saved tensor of op ``s``) materialisation pass. The variables encode

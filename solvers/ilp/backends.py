@@ -13,7 +13,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from memplan.planner.errors import MemplanError, SolverUnavailable
+from memplan.planner.core.errors import MemplanError, SolverUnavailable
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.linear import LinearModel
 

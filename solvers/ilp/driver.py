@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import time
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
-from memplan.planner.simulator import Report, default_prefetch_at, simulate_actions, static_facts
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import Report, default_prefetch_at, simulate_actions, static_facts
 from memplan.solvers.capuchin import solve_capuchin
 from memplan.solvers.greedy import solve_greedy
 from memplan.solvers.ilp.backends import run_backend

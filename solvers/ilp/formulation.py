@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from memplan.planner.graph import Graph
-from memplan.planner.replay import replay
-from memplan.planner.simulator import default_prefetch_at, static_facts
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.replay import replay
+from memplan.planner.core.simulator import default_prefetch_at, static_facts
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.linear import ConstantlyViolated, Expr, LinearModel, choose_unit, lin
 
@@ -271,7 +271,7 @@ class Builder:
 
     # -- backward ------------------------------------------------------------------------------------
     def _closure(self, t: int, s: int) -> tuple[list[int], set[int]]:
-        """Tensors a replay for target t at step s may traverse (:func:`memplan.planner.replay.replay`,
+        """Tensors a replay for target t at step s may traverse (:func:`memplan.planner.core.replay.replay`,
         breadth first, with every activation missing unless it is always there at s: not an activation,
         held by the caller, or kept for certain and not yet released), and the ones past the depth limit
         (they must then be available when reached)."""

@@ -31,9 +31,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action
-from memplan.planner.simulator import Report, simulate_actions, static_facts
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import Report, simulate_actions, static_facts
 from memplan.solvers.ilp.backends import Answer, run_backend
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.linear import ConstantlyViolated, LinearModel, choose_unit, lin, no_good

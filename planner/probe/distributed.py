@@ -16,7 +16,7 @@ unchanged simulator predicts a rank's peak:
 
 :func:`cross_unit_recomputes` and :func:`keep_within_units` keep a plan's replays inside FSDP units (a
 replay in one unit's backward cannot read another unit's resharded parameters). :func:`measure_rank_step`
-measures a rank's peak from the allocator, as :mod:`memplan.planner.measure` does for one process,
+measures a rank's peak from the allocator, as :mod:`memplan.planner.probe.measure` does for one process,
 restoring the frees the profiler misses under gloo (:func:`restore_missed_frees`).
 """
 
@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action, Plan
-from memplan.planner.replay import replay
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action, Plan
+from memplan.planner.core.replay import replay
 
 ENGINES = ("ddp", "fsdp")
 
@@ -199,7 +199,7 @@ def for_fsdp(graph: Graph, units: list[FSDPUnit], world_size: int, *, backend: s
 
 
 def _replay_ops(graph: Graph, actions: dict[int, Action], target: int) -> set[int]:
-    """Ops a replay of ``target`` may run (:func:`memplan.planner.replay.replay`), counting as missing
+    """Ops a replay of ``target`` may run (:func:`memplan.planner.core.replay.replay`), counting as missing
     every activation the plan does not keep for backward (an over-approximation of the simulator's
     replay: a tensor rebuilt earlier and still cached is counted as missing). Kept, caller-held and
     offloaded (fetched, not rebuilt) tensors are read; one that cannot be rebuilt is pinned (read)."""
@@ -282,7 +282,7 @@ def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn:
     """
     import torch
 
-    from memplan.planner.measure import _leaves, allocator_events
+    from memplan.planner.probe.measure import _leaves, allocator_events
     from memplan.planner.workloads import compute_loss
 
     if warmup < 1:

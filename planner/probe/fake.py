@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from memplan.planner.errors import MemplanError
+from memplan.planner.core.errors import MemplanError
 from memplan.planner.workloads import default_optimizer
 
 _CANNOT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,

@@ -1,6 +1,6 @@
 """Device specifications: what an analytic op time needs to know about a device you may not have.
 
-A spec is a small JSON file (``memplan.planner.device_specs/*.json`` ships A100-80GB, H100-80GB, L4 and
+A spec is a small JSON file (``memplan.planner.core.device_specs/*.json`` ships A100-80GB, H100-80GB, L4 and
 RTX 4090; any file of the same shape works)::
 
     {"name": "h100-80gb", "device": "cuda", "memory_bytes": 85899345920,
@@ -8,7 +8,7 @@ RTX 4090; any file of the same shape works)::
      "memory_bandwidth_bytes_per_s": 3.35e12, "host_bandwidth_bytes_per_s": 50e9, "op_overhead_s": 4e-6}
 
 An op's analytic time is the roofline ``op_overhead_s + max(flops / peak_flops_per_s[dtype],
-bytes_moved / memory_bandwidth_bytes_per_s)`` (:mod:`memplan.planner.optime`). Torch-free: pydantic only.
+bytes_moved / memory_bandwidth_bytes_per_s)`` (:mod:`memplan.planner.probe.optime`). Torch-free: pydantic only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from memplan.planner.errors import MemplanError
+from memplan.planner.core.errors import MemplanError
 
 PositiveRate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize), and
@@ -67,7 +67,7 @@ def round_allocation(nbytes: int, device_type: str) -> int:
 
 def shipped_specs() -> dict[str, Path]:
     """Name -> file of the specs shipped with memplan."""
-    folder = resources.files("memplan.planner") / "device_specs"
+    folder = resources.files("memplan.planner.core") / "device_specs"
     return {Path(str(f)).stem: Path(str(f)) for f in folder.iterdir() if str(f).endswith(".json")}
 
 

@@ -28,8 +28,8 @@ from pydantic import (
     model_validator,
 )
 
-from memplan.planner.errors import GraphError
-from memplan.planner.units import MAX_BYTES  # 1 PiB: no device holds more; beyond is a unit mistake
+from memplan.planner.core.errors import GraphError
+from memplan.planner.core.units import MAX_BYTES  # 1 PiB: no device holds more; beyond is a unit mistake
 
 GRAPH_FORMAT = "memplan.graph/1"
 

@@ -40,8 +40,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from memplan.planner.errors import GraphError
-from memplan.planner.graph import Graph
+from memplan.planner.core.errors import GraphError
+from memplan.planner.core.graph import Graph
 
 FAMILY_KEY = "shape_family"
 FAMILY_FORMAT = "memplan.shapes/1"
@@ -360,7 +360,7 @@ def at_shape(graph: Graph, point: Mapping[str, int], *, extrapolate: bool = Fals
     fam = family_of(graph)
     if fam is None:
         raise GraphError(f"graph {graph.name} was profiled at one shape; profile a shape family "
-                         f"(memplan.planner.family.profile_family) to evaluate it at others")
+                         f"(memplan.planner.probe.family.profile_family) to evaluate it at others")
     if sorted(point) != sorted(fam.dims):
         raise GraphError(f"a shape of graph {graph.name} gives {', '.join(fam.dims)}; got {', '.join(point) or 'none'}")
     for d in fam.dims:

@@ -16,14 +16,14 @@ backward step's op id in backward, None for the optimizer step):
   plan, late because the step needs it, or needed by a replay);
 * ``wait``: compute waits for ``tensor``'s copy back before step ``at`` reads it (exposed transfer time);
 * ``replay``: to rebuild ``tensor`` for backward step ``at`` the ops ``ops`` run in forward order
-  (:func:`memplan.planner.replay.replay` decides them);
+  (:func:`memplan.planner.core.replay.replay` decides them);
 * ``backward``: backward step ``at`` runs;
 * ``optimizer``: the optimizer step.
 
 When copies end decides what is resident (an offloaded tensor is released at the first op boundary after
 its copy ends, and a prefetch of a tensor still on the device moves nothing), so the lowering is the
 simulator's timed pass: :func:`schedule` records the events that pass takes, and
-:func:`memplan.planner.simulator.simulate` scores the same pass. The executor logs what it performs in
+:func:`memplan.planner.core.simulator.simulate` scores the same pass. The executor logs what it performs in
 this vocabulary (``Executor.last_step.events``), and :meth:`Schedule.executed` is the part of a
 schedule that a run performs observably (compute, d2h, h2d, replay), for comparison event for event.
 """
@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Plan
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
 
 EventKind = Literal["compute", "d2h", "free", "h2d", "wait", "replay", "backward", "optimizer"]
 Phase = Literal["forward", "backward", "optimizer"]
@@ -89,7 +89,7 @@ class Schedule:
 
 def schedule(graph: Graph, plan: Plan | None = None, *, check: bool = True) -> Schedule:
     """Lower ``plan`` (keep everything when None) on ``graph`` into a :class:`Schedule`. Raises
-    :class:`memplan.planner.errors.PlanError` / ``PlanMismatch`` as :func:`simulate` does."""
-    from memplan.planner.simulator import lower  # the lowering is the simulator's timed pass
+    :class:`memplan.planner.core.errors.PlanError` / ``PlanMismatch`` as :func:`simulate` does."""
+    from memplan.planner.core.simulator import lower  # the lowering is the simulator's timed pass
 
     return lower(graph, plan, check=check)

@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from memplan.planner.errors import PlanError
-from memplan.planner.graph import Graph
+from memplan.planner.core.errors import PlanError
+from memplan.planner.core.graph import Graph
 
 Predicate = Callable[[int], bool]
 

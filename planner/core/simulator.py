@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from memplan.planner.graph import Graph
-from memplan.planner.plan import Action, Plan
-from memplan.planner.replay import replay
-from memplan.planner.schedule import Schedule, ScheduleEvent
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action, Plan
+from memplan.planner.core.replay import replay
+from memplan.planner.core.schedule import Schedule, ScheduleEvent
 
 _NEVER = 1 << 62
 
@@ -192,8 +192,8 @@ def simulate(graph: Graph, plan: Plan | None = None, *, timeline: bool = True, c
 
 
 def lower(graph: Graph, plan: Plan | None = None, *, check: bool = True) -> Schedule:
-    """``plan`` lowered into a :class:`~memplan.planner.schedule.Schedule` by the pass that
-    :func:`simulate` scores (use :func:`memplan.planner.schedule.schedule`)."""
+    """``plan`` lowered into a :class:`~memplan.planner.core.schedule.Schedule` by the pass that
+    :func:`simulate` scores (use :func:`memplan.planner.core.schedule.schedule`)."""
     if plan is None:
         plan = Plan.keep_all(graph)
     if check:
@@ -254,7 +254,7 @@ class _Replay:
         self.at: int | None = None  # the graph position being run (for schedule events)
         self.waited: set[int] = set()
         self.recording = record
-        self.schedule: list[ScheduleEvent] = []  # the pass as schedule events (planner/schedule.py)
+        self.schedule: list[ScheduleEvent] = []  # the pass as schedule events (planner/core/schedule.py)
         n_t = len(graph.tensors)
         self.resident = [not a for a in self.st.is_activation]  # params/buffers/inputs always resident
         self.ready_at = [0.0] * n_t         # when a prefetched buffer's data has arrived

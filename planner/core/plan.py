@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from memplan.planner.errors import PlanError, PlanMismatch
-from memplan.planner.graph import Graph, _first_error
+from memplan.planner.core.errors import PlanError, PlanMismatch
+from memplan.planner.core.graph import Graph, _first_error
 
 PLAN_FORMAT = "memplan.plan/1"
 

@@ -38,9 +38,9 @@ Profiling runs real training steps (``warmup + 1 + repeats`` of them, plus those
 the model's parameters and the optimizer's state are updated as in training.
 
 **Fake profiles** (``fake=True``, or a ``device_spec``) run the same steps through the same tracer with
-the model's tensors swapped for fake ones (:mod:`memplan.planner.fake`): nothing of the step is allocated,
+the model's tensors swapped for fake ones (:mod:`memplan.planner.probe.fake`): nothing of the step is allocated,
 the model is left untouched and may live on the meta device. The tracer then records each ATen call's
-metadata instead of timing it, and :mod:`memplan.planner.optime` times the calls afterwards (alone on the
+metadata instead of timing it, and :mod:`memplan.planner.probe.optime` times the calls afterwards (alone on the
 device, cached, or analytically for a device spec), giving also each call's allocator high-water mark.
 """
 
@@ -62,12 +62,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.planner.devicespec import DeviceSpec, round_allocation
-from memplan.planner.errors import MemplanError
-from memplan.planner.fake import FakeGuard, fake_call, fake_step_state
-from memplan.planner.graph import FixedMemory, Graph, Measured, Op, TensorInfo
-from memplan.planner.measure import allocation_highs, max_prefix
-from memplan.planner.optime import OpCall, OpTimer, record_call
+from memplan.planner.core.devicespec import DeviceSpec, round_allocation
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import FixedMemory, Graph, Measured, Op, TensorInfo
+from memplan.planner.probe.fake import FakeGuard, fake_call, fake_step_state
+from memplan.planner.probe.measure import allocation_highs, max_prefix
+from memplan.planner.probe.optime import OpCall, OpTimer, record_call
 from memplan.planner.workloads import LossFn, compute_loss, default_optimizer, training_step
 
 _TAG = "memplan_op"
@@ -495,7 +495,7 @@ def _traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
     trace.n_fixed = len(trace.storages)
     allocator_events = contextlib.nullcontext()
     if memory == "cpu":
-        from memplan.planner.measure import allocator_events as quiet_allocator_events
+        from memplan.planner.probe.measure import allocator_events as quiet_allocator_events
         allocator_events = quiet_allocator_events()
 
     optimizer.zero_grad(set_to_none=True)
@@ -827,7 +827,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     model itself and returns a scalar tensor. ``optimizer`` defaults to AdamW (foreach). ``device``:
     ``None`` is CUDA when available, else CPU; the model and batch are moved there. ``warmup`` (>= 1)
     untimed steps create the optimizer state; then ``repeats`` traced steps give the structure (from the
-    first) and median times. With ``measure``, :func:`memplan.planner.measure.measure_step` fills
+    first) and median times. With ``measure``, :func:`memplan.planner.probe.measure.measure_step` fills
     ``graph.measured`` with an independent measurement of the peak and step time.
 
     With ``fake`` (implied by ``device_spec``) nothing of the step is allocated: see :func:`_profile_fake`;
@@ -836,7 +836,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
 
     Raises ``ValueError`` for warmup < 1 or repeats < 1, :class:`WorkloadError` if ``loss_fn`` does not
     return a scalar that requires grad, and :class:`MemplanError` if the op sequence changes between steps
-    (:class:`memplan.planner.fake.FakeTraceError` if a fake step cannot run).
+    (:class:`memplan.planner.probe.fake.FakeTraceError` if a fake step cannot run).
     """
     if fake or device_spec is not None:
         return _profile_fake(model, example_batch, loss_fn, optimizer=optimizer, device=device,
@@ -880,7 +880,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
             advance()
         measured = Measured()
         if measure:
-            from memplan.planner.measure import measure_step
+            from memplan.planner.probe.measure import measure_step
             m = measure_step(model, batch, loss_fn, optimizer, steps=repeats, warmup=0)
             measured = Measured(peak_bytes=m.peak_bytes, step_time_s=m.step_time_s,
                                 forward_time_s=m.forward_time_s, backward_time_s=m.backward_time_s)
@@ -893,7 +893,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                                f"traced step's ({len(tr.ops)} vs {len(names)} ops); data-dependent control "
                                f"flow cannot be recorded as one graph")
     meta = {
-        "profiler": "memplan.planner.profiler", "torch": torch.__version__, "warmup": warmup,
+        "profiler": "memplan.planner.probe.profiler", "torch": torch.__version__, "warmup": warmup,
         "repeats": repeats, "optimizer": type(optimizer).__name__,
         "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
         "threads": torch.get_num_threads(),
@@ -917,7 +917,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
 
 
 # What the executor pays per replayed op beyond the op itself: resolving its recipe's tensor references
-# to views, the check for arguments written in place, and the replay's own planning (planner/replay.py).
+# to views, the check for arguments written in place, and the replay's own planning (planner/core/replay.py).
 # Measured on the benchmark machine (2-core CPU, Python 3.11, torch 2.13) by replaying recorded ops on
 # tiny tensors against calling them directly (docs/model.md, "Time").
 REPLAY_OP_DISPATCH_S = 15e-6
@@ -988,12 +988,12 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                   optimizer: torch.optim.Optimizer | None, device: str | torch.device | None,
                   device_spec: DeviceSpec | None, cache_dir: str | Path | None, progress: bool,
                   name: str, timer: OpTimer | None = None) -> Graph:
-    """The graph of one training step traced under ``FakeTensorMode`` (:mod:`memplan.planner.fake`):
+    """The graph of one training step traced under ``FakeTensorMode`` (:mod:`memplan.planner.probe.fake`):
     parameters, buffers, optimizer state and batch are fake, so no activation, gradient or optimizer
     state is allocated and ``model`` may live on the meta device; ``model`` and ``optimizer`` are left
     untouched. The steps are those of a real profile (a warm-up that creates the optimizer state, the
     traced step, the lifetime pass), through the same tracer; only the times differ: each recorded ATen
-    call is timed by :class:`memplan.planner.optime.OpTimer`, alone on ``device`` (cached), or for
+    call is timed by :class:`memplan.planner.probe.optime.OpTimer`, alone on ``device`` (cached), or for
     ``device_spec``'s device analytically. ``device``: None is ``device_spec``'s device type, else CUDA
     when available, else CPU. ``graph.meta["profile_peak_bytes"]`` is the allocator's peak while
     profiling (the real tensors the caller already had on the device, plus one op's working set).
@@ -1063,7 +1063,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     advance()
     stats = timer.stats
     meta = {
-        "profiler": "memplan.planner.profiler", "fake": True, "torch": torch.__version__,
+        "profiler": "memplan.planner.probe.profiler", "fake": True, "torch": torch.__version__,
         "optimizer": optimizer_name, "threads": torch.get_num_threads(),
         "device_name": device_spec.name if device_spec else (
             torch.cuda.get_device_name(device) if on_cuda else "cpu"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from memplan.planner.graph import FixedMemory, Graph, Op, TensorInfo
+from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
 
 
 def fill_structural_grads(graph: Graph) -> Graph:

@@ -4,7 +4,7 @@ import math
 import re
 from collections.abc import Callable
 
-from memplan.planner.errors import MemplanError
+from memplan.planner.core.errors import MemplanError
 
 _UNITS = {
     "": 1, "b": 1,

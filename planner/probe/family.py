@@ -2,13 +2,13 @@
 
     graph = profile_family(model, [({"seq": 128}, batch_128), ({"seq": 96}, batch_96),
                                    ({"seq": 64}, batch_64)], loss_fn)
-    at_64 = memplan.planner.shapes.at_shape(graph, {"seq": 64})   # any shape up to the largest
+    at_64 = memplan.planner.core.shapes.at_shape(graph, {"seq": 64})   # any shape up to the largest
 
-The first batch is the largest shape: it is profiled as :func:`memplan.planner.profiler.profile` profiles
+The first batch is the largest shape: it is profiled as :func:`memplan.planner.probe.profiler.profile` profiles
 (its timings and measurement are the graph's). The others only need the step's structure and sizes: one
 warm-up and one traced step each, on a twin of the optimizer, with the model's parameters, buffers,
 gradients and random streams restored afterwards (:func:`restored`). The fit itself is
-:func:`memplan.planner.shapes.fit_family` (torch-free; its docstring states the size and time models).
+:func:`memplan.planner.core.shapes.fit_family` (torch-free; its docstring states the size and time models).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.planner.errors import MemplanError
-from memplan.planner.graph import Graph
-from memplan.planner.profiler import profile
-from memplan.planner.shapes import fit_family
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.shapes import fit_family
+from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import LossFn, default_optimizer
 
 
@@ -67,10 +67,10 @@ def profile_family(model: nn.Module, batches: Sequence[tuple[Mapping[str, int], 
     graph with its shape family (``graph.meta["shape_family"]``).
 
     ``batches[0]`` is the largest shape, profiled with ``optimizer``, ``warmup``, ``repeats`` and
-    ``measure`` as :func:`memplan.planner.profiler.profile` does (the model is trained by those steps, as
+    ``measure`` as :func:`memplan.planner.probe.profiler.profile` does (the model is trained by those steps, as
     there); the others get a structure-only profile under :func:`restored`. Raises :class:`GraphError`
     when the step's structure differs between shapes or a size is no polynomial of the dimensions (see
-    :func:`memplan.planner.shapes.fit_family`), :class:`MemplanError` as ``profile`` does.
+    :func:`memplan.planner.core.shapes.fit_family`), :class:`MemplanError` as ``profile`` does.
     """
     if len(batches) < 2:
         raise MemplanError("profile_family needs batches at two or more shapes (three for sizes such as "

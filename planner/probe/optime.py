@@ -1,6 +1,6 @@
 """Op times without the training step: each ATen call a fake trace recorded, timed on its own.
 
-A fake trace (:func:`memplan.planner.profiler.profile` with ``fake=True``) runs no kernel, so it knows
+A fake trace (:func:`memplan.planner.probe.profiler.profile` with ``fake=True``) runs no kernel, so it knows
 every call's operator and the shapes, dtypes, strides and aliasing of its arguments, but not its time.
 :class:`OpTimer` gives each call a time and an allocator high-water mark in one of two ways:
 
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from memplan.planner.devicespec import DeviceSpec, parse_device_spec
-from memplan.planner.measure import allocation_highs, allocator_events, cpu_allocations
+from memplan.planner.core.devicespec import DeviceSpec, parse_device_spec
+from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
 _MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
