@@ -25,6 +25,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from memplan.planner.core.errors import GraphError, first_validation_error
 from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
 
 NOMINAL_HOST_BANDWIDTH_BYTES_PER_S = 12e9  # on CPU offload is a logical move (see docs/model.md)
@@ -194,8 +197,8 @@ def build_graph(trace: Trace, *, name: str = "graph", device: str = "cpu", fixed
     as saved by the op whose backward step released it (``meta["saved_inferred"]`` counts them). A
     mutated activation is recomputable only when its in-place ops can be replayed after its producer
     (:func:`initialisers`) and none of them, nor the producer, reads a stale input (:func:`stale_readers`).
-    Raises :class:`memplan.planner.core.errors.GraphError` (from the graph's own checks) for a trace that
-    makes no valid graph (an op reading a storage it creates, a dangling id).
+    Raises :class:`memplan.planner.core.errors.GraphError`, naming the field, for a trace that makes no
+    valid graph (an op reading a storage a later op creates, a dangling id).
     """
     n_ops = len(trace.ops)
     times = times if times is not None else [[op.time_s for op in trace.ops]]
@@ -266,6 +269,9 @@ def build_graph(trace: Trace, *, name: str = "graph", device: str = "cpu", fixed
         "optimizer_step_survivors_bytes": trace.optimizer_survivors_bytes,
         "mutated_by": {str(t): ops_ for t, ops_ in mutated_by.items()},
     })
-    return Graph(name=name, device=device, model_fingerprint=fingerprint, tensors=tensors, ops=ops, fixed=fixed,
-                 optimizer_time_s=trace.optimizer_time_s if optimizer_time_s is None else optimizer_time_s,
-                 host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s, meta=meta)
+    try:
+        return Graph(name=name, device=device, model_fingerprint=fingerprint, tensors=tensors, ops=ops,
+                     fixed=fixed, optimizer_time_s=trace.optimizer_time_s if optimizer_time_s is None
+                     else optimizer_time_s, host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s, meta=meta)
+    except ValidationError as e:
+        raise GraphError(f"the trace of {name} makes no valid graph: {first_validation_error(e)}") from None
