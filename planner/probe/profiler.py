@@ -1,5 +1,12 @@
 """The profiler: runs real training steps of a model and records them as a :class:`Graph`.
 
+:func:`profile` orchestrates; the work is in the layers below it. Each step is
+:func:`memplan.planner.workloads.training_step`; :func:`memplan.planner.probe.tracing.traced_step` runs it
+under the tracing mode and returns a :class:`memplan.planner.core.build.Trace` (plain records);
+:func:`memplan.planner.core.build.build_graph` (torch-free) makes the graph of it;
+:mod:`memplan.planner.probe.measure` measures the plain step's peak and phase times;
+:mod:`memplan.planner.probe.storage` says how a tensor's storage is seen.
+
 What it observes, and how (torch >= 2.4):
 
 * **Ops.** A ``TorchDispatchMode`` sees every ATen operator below autograd, in execution order, forward
