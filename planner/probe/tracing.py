@@ -77,7 +77,7 @@ class Tracer(TorchDispatchMode):
         born = (self.phase, self.clock) if kind == "activation" else None
         nbytes = round_allocation(s.nbytes(), self.charge_as or t.device.type)
         self.trace.storages.append(TraceStorage(tid, kind, nbytes, dtype_name(t.dtype), list(t.shape), born,
-                                        requires_grad=kind != "activation" and t.requires_grad))
+                                                requires_grad=kind != "activation" and t.requires_grad))
         self.by_key[key] = tid
         self.refs[tid] = weakref.ref(s, lambda _ref, tid=tid, key=key: self._died(tid, key))
         return tid
@@ -311,7 +311,8 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
             continue
         op = node.metadata.get(TAG)
         if op is None:  # untagged node: the latest op that produced one of its saved tensors
-            producers = [tracer.trace.storages[t].producer for t in tids if tracer.trace.storages[t].producer is not None]
+            storages = tracer.trace.storages
+            producers = [storages[t].producer for t in tids if storages[t].producer is not None]
             if not producers:
                 continue
             op = max(producers)
