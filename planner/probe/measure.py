@@ -379,12 +379,12 @@ class StepTimes:
 
 
 def time_steps(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
-               steps: int) -> StepTimes:
+               steps: int, device: torch.device | None = None) -> StepTimes:
     """``steps`` plain training steps (no mode, no hooks: what eager training pays), each phase timed by a
-    :class:`PhaseClock` (synchronised on CUDA, the device of ``model``'s parameters)."""
+    :class:`PhaseClock`, synchronised when ``device`` (None: that of ``model``'s parameters) is CUDA."""
     if steps < 1:
         raise ValueError(f"time_steps needs steps >= 1, got {steps}")
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     clock = PhaseClock((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None))
     for _ in range(steps):
         training_step(model, batch, loss_fn, optimizer, run_phase=clock)
@@ -412,7 +412,7 @@ def measure_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
     for _ in range(warmup):
         training_step(model, batch, loss_fn, optimizer)
     reading, _ = step_peak(model, batch, loss_fn, optimizer)
-    times = time_steps(model, batch, loss_fn, optimizer, steps=steps)
+    times = time_steps(model, batch, loss_fn, optimizer, steps=steps, device=device)
     return StepMeasurement(peak_bytes=reading.peak_bytes, step_time_s=times.step_s,
                            forward_time_s=times.forward_s, backward_time_s=times.backward_s,
                            baseline_bytes=reading.baseline_bytes, device=str(device))

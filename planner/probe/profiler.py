@@ -184,7 +184,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         plain = (measured.forward_time_s, measured.backward_time_s,
                  max(measured.step_time_s - measured.forward_time_s - measured.backward_time_s, 0.0))
     else:
-        t = time_steps(model, batch, loss_fn, optimizer, steps=repeats)
+        t = time_steps(model, batch, loss_fn, optimizer, steps=repeats, device=device)
         plain = (t.forward_s, t.backward_s, t.optimizer_s)
     calibrate_times(graph, *plain)
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
