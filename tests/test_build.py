@@ -91,20 +91,22 @@ def test_in_place_chain_is_rebuilt_by_its_initialisers():
 
 
 def test_stale_reader_blocks_the_replay_that_needs_it():
-    """h = f(x); y = h * 3; h.relu_(): replaying y's producer would read relu'd h, so y cannot be rebuilt;
-    h itself can (its producer and relu_ read nothing stale)."""
+    """h = f(x); y = h * 3; then an op that writes h in place and also creates a tensor (no replayable
+    chain): replaying y's producer would read the written h, so y cannot be rebuilt, nor can h."""
     trace = Trace(
         storages=[pre(0, "input"), act(1, 0, died=("backward", 3)), act(2, 1, died=("backward", 3)),
-                  act(3, 3, held=True)],
+                  act(3, 2, died=("backward", 3)), act(4, 3, held=True)],
         n_fixed=1,
         ops=[op("aten.exp.default", [0], [1]), op("aten.mul.Tensor", [1], [2]),
-             op("aten.relu_.default", [1], writes=[1]), op("aten.add.Tensor", [1, 2], [3])],
-        saved={3: [1, 2]},
+             op("aten.frexp.Tensor_out", [1], [3], writes=[1]), op("aten.add.Tensor", [1, 2, 3], [4])],
+        saved={3: [1, 2, 3]},
     )
     g = build_graph(trace)
-    h, y = g.tensors[1], g.tensors[2]
-    assert h.recomputable and h.rebuilt_by == [2]
+    h, y, z = g.tensors[1], g.tensors[2], g.tensors[3]
+    assert not h.recomputable and h.rebuilt_by == []
     assert not y.recomputable and y.rebuilt_by == []
+    assert not z.recomputable  # its producer writes into an input
+    assert g.meta["mutated_by"] == {"1": [2]}
 
 
 def test_in_place_on_an_output_of_a_multi_output_op_is_not_recomputable():
