@@ -38,10 +38,11 @@ from memplan.planner.probe.distributed import (
     for_fsdp,
     fsdp_units,
     keep_within_units,
-    measure_rank_step,
 )
-from memplan.planner.probe.profiler import move_batch, profile
-from memplan.planner.workloads import default_optimizer, load_workload
+from memplan.planner.probe.measure import measure_rank_step
+from memplan.planner.probe.profiler import profile
+from memplan.planner.probe.storage import move_batch
+from memplan.planner.workloads import default_optimizer, load_workload, training_step
 from memplan.solvers import solve
 
 
@@ -130,11 +131,8 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
         def build(wrap=wrap):
             return wrap(copy.deepcopy(model0))  # the rank's model is made inside the measured window
 
-        if on_cuda:
-            peak, start = _cuda_rank_peak(build, batch, wl.loss_fn, device)
-        else:
-            m = measure_rank_step(build, batch, wl.loss_fn, warmup=2, rank=rank)  # 2: DDP rebuilds buckets
-            peak, start = m.peak_bytes, m.start_bytes
+        m = measure_rank_step(build, batch, wl.loss_fn, warmup=2, rank=rank, device=device)  # 2: DDP rebuilds buckets
+        peak, start = m.peak_bytes, m.start_bytes
         predicted = simulate(rank_graph, p or Plan.keep_all(rank_graph), timeline=False).peak_bytes
         rows.append({"rank": rank, "engine": engine, "world_size": world, "plan": label,
                      "recomputed": sum(a == "recompute" for a in (p.actions() if p else {}).values()),
@@ -144,11 +142,7 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
     train_model, optimizer = _wrap(engine, prefixes, plan, graph, fuse)(model)
     losses = []
     for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = wl.loss_fn(train_model, batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        losses.append(training_step(train_model, batch, wl.loss_fn, optimizer).item())
     rows[-1]["losses"] = losses
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, rows)
@@ -189,22 +183,6 @@ def plan_ranks_fake(workload: str, *, world_size: int, engine: str, budget: str,
                          "predicted_peak_bytes": predicted, "measured_peak_bytes": None,
                          "measured_start_bytes": None, "error": None, "fake": True})
     return rows
-
-
-def _cuda_rank_peak(build, batch, loss_fn, device) -> tuple[int, int]:
-    train_model, optimizer = build()
-    for _ in range(2):  # warm-up: optimizer state, DDP's bucket rebuild
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(train_model, batch).backward()
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device)
-    start = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    loss_fn(train_model, batch).backward()
-    optimizer.step()
-    torch.cuda.synchronize(device)  # wait for the step's kernels before reading the allocator
-    return torch.cuda.max_memory_allocated(device), start
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:

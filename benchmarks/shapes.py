@@ -21,7 +21,7 @@ from memplan.planner import simulate
 from memplan.planner.core.shapes import at_shape
 from memplan.planner.core.units import format_bytes, parse_budget
 from memplan.planner.probe.family import profile_family
-from memplan.planner.workloads import SIZES
+from memplan.planner.workloads import SIZES, training_step
 from memplan.solvers import activation_bytes, keep_all_report, solve
 
 
@@ -78,11 +78,8 @@ def main() -> None:
             first = not opt.state
             peak, _, _, loss = peak_step(model, batch, _loss, opt, ex)
             torch.set_rng_state(rng)
-            ref_opt.zero_grad(set_to_none=True)
-            ref_loss = _loss(ref, batch)
-            ref_loss.backward()
-            ref_opt.step()
-            bitwise &= torch.equal(loss, ref_loss.detach())
+            ref_loss = training_step(ref, batch, _loss, ref_opt)
+            bitwise &= torch.equal(loss, ref_loss)
             here = simulate(at_shape(graph, {"seq": max(lengths)}), plan, check=False).peak_bytes
             keep = keep_all_report(at_shape(graph, {"seq": max(lengths)})).peak_bytes
             rows.append((step + 1, max(lengths), here, peak, keep, first))

@@ -55,7 +55,7 @@ from memplan.planner.core.replay import replay
 from memplan.planner.core.schedule import ScheduleEvent
 from memplan.planner.core.shapes import ShapeMatcher
 from memplan.planner.core.simulator import static_facts
-from memplan.planner.probe.profiler import map_leaves, storage_of, tensors_in
+from memplan.planner.probe.storage import map_leaves, storage_of, tensors_in
 
 if TYPE_CHECKING:
     from memplan.executor.apply import Executor

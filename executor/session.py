@@ -27,9 +27,9 @@ from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.core.simulator import simulate
-from memplan.planner.probe.measure import allocator_events, cpu_allocations, live_storage_bytes, measure_step
-from memplan.planner.probe.profiler import move_batch
-from memplan.planner.workloads import LossFn, compute_loss, default_optimizer
+from memplan.planner.probe.measure import measure_step, step_peak
+from memplan.planner.probe.storage import move_batch
+from memplan.planner.workloads import LossFn, default_optimizer, training_step
 
 RUN_FORMAT = "memplan.run/1"
 MAX_TIMELINE_POINTS = 2000
@@ -136,34 +136,15 @@ def peak_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.op
     before the profiler started, so the gradients that forward fusion holds from the previous step (applied
     and freed during this step's forward) are re-allocated inside the window: their frees are then seen.
     """
-    device = next(model.parameters()).device
-    optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # earlier kernels' memory is settled before the reset
-        baseline = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss = compute_loss(model, batch, loss_fn)
-        loss.backward()
-        optimizer.step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device), baseline, [], loss.detach()
-    baseline = live_storage_bytes(model, batch, optimizer)
-    with allocator_events() as prof:
-        originals = _reallocate_held(executor)
-        loss = compute_loss(model, batch, loss_fn)
-        loss.backward()
-        optimizer.step()
-        loss = loss.detach()
-    del originals  # freed outside the window: neither in the baseline nor in the reports
-    reports = cpu_allocations(prof)
-    start_ns = reports[0][0] if reports else 0
-    timeline = [(0.0, baseline)]
-    running = high = 0
-    for t_ns, size in reports:
+    reading, loss = step_peak(model, batch, loss_fn, optimizer, cpu_setup=lambda: _reallocate_held(executor))
+    start_ns = reading.reports[0][0] if reading.reports else 0
+    on_cpu = next(model.parameters()).device.type != "cuda"  # CUDA reads no reports: no timeline
+    timeline = [(0.0, reading.baseline_bytes)] if on_cpu else []
+    running = 0
+    for t_ns, size in reading.reports:
         running += size
-        high = max(high, running)
-        timeline.append(((t_ns - start_ns) * 1e-9, baseline + running))
-    return baseline + high, baseline, _thin(timeline, MAX_TIMELINE_POINTS), loss
+        timeline.append(((t_ns - start_ns) * 1e-9, reading.baseline_bytes + running))
+    return reading.peak_bytes, reading.baseline_bytes, _thin(timeline, MAX_TIMELINE_POINTS), loss
 
 
 def _reallocate_held(executor: Executor | None) -> list[torch.Tensor]:
@@ -215,11 +196,7 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
             torch.cuda.synchronize(device)
 
     def step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = compute_loss(model, batch, loss_fn)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
+        return training_step(model, batch, loss_fn, optimizer)
 
     losses: list[torch.Tensor] = []
     times: list[float] = []

@@ -1,9 +1,10 @@
 """memplan.planner: from a training step to a scored plan, in two layers.
 
-- ``core/`` (no torch): the graph and plan schema, the replay of one tensor, the schedule a plan lowers
-  to, and the simulator that scores it. Solvers and the service import only this layer.
-- ``probe/`` (torch): the profiler that turns a step into a graph (really or under FakeTensorMode), op
-  timing, and the allocator measurements that check predictions.
+- ``core/`` (no torch): a trace turned into a graph (``build``), the graph and plan schema, the replay of
+  one tensor, the schedule a plan lowers to, and the simulator that scores it. Solvers and the service
+  import only this layer.
+- ``probe/`` (torch): the tracing mode that records a step (really or under FakeTensorMode) and the
+  profiler around it, op timing, and the allocator measurements that check predictions.
 - ``workloads.py``: the built-in models and the one training-step convention everything runs.
 
 The names below are the core's; ``replay`` and ``schedule`` are functions in modules of the same name

@@ -76,12 +76,31 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
     return loss
 
 
-def training_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> None:
-    """One real training step, the one memplan models (see the module docstring)."""
+STEP_PHASES = ("forward", "backward", "optimizer")
+T = typing.TypeVar("T")
+PhaseRunner = Callable[[str, Callable[[], T]], T]
+
+
+def _run(_phase: str, fn: Callable[[], T]) -> T:
+    return fn()
+
+
+def training_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
+                  run_phase: PhaseRunner | None = None) -> torch.Tensor:
+    """One real training step, the one memplan models (see the module docstring); returns the loss,
+    detached. Every caller that trains a step (the profiler's tracer, the measurement, the executor's
+    runs, the distributed harness) runs this one.
+
+    ``run_phase(phase, fn)`` runs each phase of the step and returns ``fn()``'s result: ``"forward"`` (the
+    model and the loss; ``fn`` returns the loss), ``"backward"`` and ``"optimizer"``, in that order, after
+    ``zero_grad``. It is where a caller times a phase (:class:`memplan.planner.probe.measure.PhaseClock`),
+    traces it or reads the loss before backward; None runs them as they are."""
+    run = run_phase or _run
     optimizer.zero_grad(set_to_none=True)
-    loss = compute_loss(model, batch, loss_fn)
-    loss.backward()
-    optimizer.step()
+    loss = run("forward", lambda: compute_loss(model, batch, loss_fn))
+    run("backward", lambda: loss.backward())
+    run("optimizer", lambda: optimizer.step())
+    return loss.detach()
 
 
 def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:

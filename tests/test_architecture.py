@@ -2,6 +2,7 @@
 solvers never import torch or the layers above them; the planner never imports solvers/executor/api."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,21 @@ def test_planner_core_is_torch_free():
     assert sorted(top) == ["__init__.py", "workloads.py"], "planner/ holds core/, probe/ and workloads.py only"
 
 
+PROBE_LAYERS = {
+    # the probe reads bottom-up: storage helpers <- measurement <- the tracing mode <- the profiler
+    "storage.py": ("memplan.planner.probe", "memplan.planner.workloads"),
+    "measure.py": ("memplan.planner.probe.tracing", "memplan.planner.probe.profiler",
+                   "memplan.planner.probe.optime", "memplan.planner.probe.fake"),
+    "tracing.py": ("memplan.planner.probe.profiler",),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROBE_LAYERS))
+def test_probe_layers(name):
+    assert (ROOT / "planner" / "probe" / name).is_file()
+    assert _violations("planner/probe", PROBE_LAYERS[name], files={name}) == []
+
+
 def test_no_bare_package_imports():
     bare = ("planner", "solvers", "api", "executor")
     bad = [f"{p.relative_to(ROOT)} imports {n}" for folder in (*bare, "tests", "benchmarks")
@@ -57,13 +73,59 @@ def test_no_bare_package_imports():
     assert bad == []
 
 
-def test_the_executor_imports_no_private_names_of_other_modules():
-    """The executor reaches the planner through public names only (it once ran the simulator's private
-    probe and the profiler's private storage helpers)."""
-    bad = []
-    for path in sorted((ROOT / "executor").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memplan."):
-                if not node.module.startswith("memplan.executor"):
-                    bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-    assert bad == []
+# Imports of private names still waiting for their owner: (importing file, module, name). Each entry is a
+# debt with a name on it, not a permission.
+KNOWN_PRIVATE_IMPORTS = {
+    # executor/apply.py builds the runtime's modes and steps; the execspeed work (#11 parts 2-3) owns both
+    # files: remove these three at merge once runtime.py makes them public (or apply.py stops needing them).
+    ("executor/apply.py", "memplan.executor.runtime", "_Mode"),
+    ("executor/apply.py", "memplan.executor.runtime", "_Packed"),
+    ("executor/apply.py", "memplan.executor.runtime", "_Step"),
+}
+
+
+def _private_imports(path: Path) -> list[tuple[str, str, str]]:
+    """(file, module, name) for every private name ``path`` takes from another memplan module: ``from
+    memplan.x import _name``, and ``x._name`` where ``x`` is a memplan module it imported."""
+    rel = str(path.relative_to(ROOT))
+    tree = ast.parse(path.read_text())
+    found: list[tuple[str, str, str]] = []
+    modules: dict[str, str] = {}  # local name -> memplan module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memplan."):
+            for a in node.names:
+                if a.name.startswith("_"):
+                    found.append((rel, node.module, a.name))
+                if (ROOT / Path(*node.module.split(".")[1:]) / f"{a.name}.py").is_file():
+                    modules[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("memplan.") and a.asname:
+                    modules[a.asname] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append((rel, modules[node.value.id], node.attr))
+    return found
+
+
+@pytest.mark.parametrize("folder", ["planner", "solvers", "api", "executor"])
+def test_no_module_imports_another_modules_private_names(folder):
+    """STYLE.md: if two modules need a function, it is public somewhere. Once broken by plan.py taking
+    graph.py's ``_first_error``, the executor taking the profiler's storage helpers and the rank measurement
+    taking measure.py's ``_leaves``."""
+    found = [f for path in sorted((ROOT / folder).rglob("*.py")) for f in _private_imports(path)]
+    assert [f for f in found if f not in KNOWN_PRIVATE_IMPORTS] == []
+
+
+def test_the_private_import_check_sees_both_forms(tmp_path, monkeypatch):
+    """The check above finds ``from memplan.x import _y`` and ``module._y`` on an imported memplan module."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "planner" / "probe").mkdir(parents=True)
+    (tmp_path / "planner" / "probe" / "measure.py").write_text("")
+    user = tmp_path / "planner" / "user.py"
+    user.write_text("from memplan.planner.core.graph import _check_graph, Graph\n"
+                    "from memplan.planner.probe import measure\n"
+                    "measure._without_kineto_chatter()\nmeasure.max_prefix([])\n")
+    assert _private_imports(user) == [("planner/user.py", "memplan.planner.core.graph", "_check_graph"),
+                                      ("planner/user.py", "memplan.planner.probe.measure", "_without_kineto_chatter")]

@@ -366,7 +366,7 @@ def test_per_rank_graph_adjustments_are_exact_on_a_toy():
 
 
 def test_frees_the_profiler_missed_are_restored():
-    from memplan.planner.probe.distributed import restore_missed_frees
+    from memplan.planner.probe.measure import restore_missed_frees
 
     # (time, ±bytes, address, end of the enclosing c10d:: range): a reduce-scatter's copy (100 B at 0xA,
     # range ends at 15) freed on gloo's thread unreported, its address reused at 40; a plain block at 0xB

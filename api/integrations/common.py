@@ -21,7 +21,7 @@ from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.core.units import format_bytes, parse_budget
 from memplan.planner.probe.family import profile_family, restored, twin_optimizer
-from memplan.planner.probe.measure import allocator_events, cpu_allocations, live_storage_bytes
+from memplan.planner.probe.measure import PeakReading, peak_window
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import LossFn
 from memplan.solvers import activation_bytes, keep_all_report, solve
@@ -145,7 +145,7 @@ class StepPlanner:
         self.plan_: Plan | None = None
         self.summary: PlanSummary | None = None
         self.executor: Executor | None = None
-        self._measure: tuple[contextlib.ExitStack, Any, int, torch.device] | None = None
+        self._measure: tuple[contextlib.ExitStack, PeakReading] | None = None
 
     def plan(self, model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
              accumulation_steps: int = 1, max_grad_norm: float | None = None,
@@ -205,32 +205,18 @@ class StepPlanner:
         ``batch``), as :mod:`memplan.planner.probe.measure` reads them."""
         if self._measure is not None:
             return
-        device = next(model.parameters()).device
         stack = contextlib.ExitStack()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            self._measure = (stack, None, 0, device)
-            return
-        baseline = live_storage_bytes(model, batch, optimizer)
-        prof = stack.enter_context(allocator_events())
-        self._measure = (stack, prof, baseline, device)
+        reading = stack.enter_context(peak_window(model, batch, optimizer))
+        self._measure = (stack, reading)
 
     def stop_measure(self) -> int | None:
         """The peak since :meth:`start_measure` (None when not measuring)."""
         if self._measure is None:
             return None
-        stack, prof, baseline, device = self._measure
+        stack, reading = self._measure
         self._measure = None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            return torch.cuda.max_memory_allocated(device)
         stack.close()
-        running = high = 0
-        for _, size in cpu_allocations(prof):
-            running += size
-            high = max(high, running)
-        return baseline + high
+        return reading.peak_bytes
 
     def remove(self) -> None:
         """Give the model and optimizer back as they were (pending fused updates applied)."""

@@ -4,6 +4,13 @@ The CLI and the REST service map these to exit codes / HTTP statuses in one plac
 that escapes is a bug.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class MemplanError(Exception):
     """Base class of every error memplan raises on purpose."""
@@ -37,3 +44,12 @@ class WorkloadError(MemplanError):
 
 class SolverUnavailable(MemplanError):
     """An optional solver backend is not installed; the message says what to install."""
+
+
+def first_validation_error(e: ValidationError) -> str:
+    """The first problem of a pydantic ``ValidationError`` as one line, ``"field.path: message"``: what a
+    graph or plan file's loader reports (the one culprit, not pydantic's full listing)."""
+    err = e.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from memplan.planner.core.errors import GraphError
+from memplan.planner.core.errors import GraphError, first_validation_error
 from memplan.planner.core.units import MAX_BYTES  # 1 PiB: no device holds more; beyond is a unit mistake
 
 GRAPH_FORMAT = "memplan.graph/1"
@@ -195,7 +195,7 @@ class Graph(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise GraphError(f"{source}: {_first_error(e)}") from None
+            raise GraphError(f"{source}: {first_validation_error(e)}") from None
 
     @classmethod
     def load(cls, path: str) -> Graph:
@@ -263,13 +263,6 @@ class Graph(_Strict):
     def activation_bytes_kept(self) -> int:
         """Bytes of all saved activations (what keep-everything holds for backward)."""
         return sum(self.tensors[t].bytes for t in self.saved_activations)
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{loc}: {msg}" if loc else msg
 
 
 def _check_graph(g: Graph) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from memplan.planner.core.errors import PlanError, PlanMismatch
-from memplan.planner.core.graph import Graph, _first_error
+from memplan.planner.core.errors import PlanError, PlanMismatch, first_validation_error
+from memplan.planner.core.graph import Graph
 
 PLAN_FORMAT = "memplan.plan/1"
 
@@ -152,7 +152,7 @@ class Plan(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise PlanError(f"{source}: {_first_error(e)}") from None
+            raise PlanError(f"{source}: {first_validation_error(e)}") from None
 
     @classmethod
     def load(cls, path: str) -> Plan:

@@ -1,7 +1,9 @@
 """memplan.planner.probe: where torch meets the planner. It turns a real (or fake) training step into a
-``memplan.planner.core.graph.Graph`` and measures what steps really cost.
+trace, hands it to ``memplan.planner.core.build`` for its graph, and measures what steps really cost.
 
-``profiler`` traces a step and builds the graph; ``fake`` runs the trace under FakeTensorMode; ``optime``
-times ops one at a time or analytically; ``measure`` reads the allocator (CPU, CUDA, per rank);
-``family`` profiles a family of shapes; ``distributed`` adapts graphs to DDP/FSDP ranks.
+Read bottom-up: ``storage`` says how a tensor's storage is seen; ``measure`` reads the allocator (CPU,
+CUDA, per rank) and the clock, the one place that does; ``tracing`` is the dispatch mode that records a
+step as a trace; ``fake`` runs the trace under FakeTensorMode; ``optime`` times ops one at a time or
+analytically; ``profiler`` (``profile()``) orchestrates them into a graph; ``family`` profiles a family
+of shapes; ``distributed`` adapts graphs to DDP/FSDP ranks.
 """

@@ -15,15 +15,14 @@ unchanged simulator predicts a rank's peak:
   copies each collective's full flat buffer once.
 
 :func:`cross_unit_recomputes` and :func:`keep_within_units` keep a plan's replays inside FSDP units (a
-replay in one unit's backward cannot read another unit's resharded parameters). :func:`measure_rank_step`
-measures a rank's peak from the allocator, as :mod:`memplan.planner.probe.measure` does for one process,
-restoring the frees the profiler misses under gloo (:func:`restore_missed_frees`).
+replay in one unit's backward cannot read another unit's resharded parameters). A rank's peak is measured
+by :func:`memplan.planner.probe.measure.measure_rank_step`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -247,145 +246,3 @@ def keep_within_units(graph: Graph, plan: Plan, prefixes: list[str]) -> tuple[Pl
         decisions = [d.model_copy(update={"action": Action.KEEP, "prefetch_at": None}) if d.tensor in demote else d
                      for d in plan.decisions]
         plan = plan.model_copy(update={"decisions": decisions, "predicted": None})
-
-
-# ---- measuring a rank ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankMeasurement:
-    """One rank's training step as the allocator saw it: ``peak_bytes`` (everything live included),
-    ``start_bytes`` (live when the step began, gradients already released: parameters, buckets or shards,
-    optimizer state, batch)."""
-
-    rank: int
-    peak_bytes: int
-    start_bytes: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn: Callable[[Any, Any], Any], *,
-                      warmup: int = 1, rank: int = 0) -> RankMeasurement:
-    """Measure one training step of this rank on CPU from the allocator's events.
-
-    ``build()`` returns ``(train_model, optimizer)``: it creates the rank's model (a copy of the bare
-    module), wraps it (DDP or fully_shard, optionally with a plan applied) and makes the optimizer. It runs
-    inside the measured window, so that every allocation the rank's training holds is seen, and every free
-    too (the CPU allocator reports no free of a block allocated before the window: the full parameters
-    that fully_shard replaces must be allocated inside it). ``batch`` is allocated before and counted.
-    ``warmup`` steps create the optimizer state (and let DDP rebuild its buckets); the next step is
-    measured. Memory that the allocator does not report (gloo's own buffers, allocations on threads the
-    profiler does not follow) is not counted; a free the profiler misses is restored
-    (:func:`_cpu_allocations`).
-    """
-    import torch
-
-    from memplan.planner.probe.measure import _leaves, allocator_events
-    from memplan.planner.workloads import compute_loss
-
-    if warmup < 1:
-        raise ValueError(f"measure_rank_step needs warmup >= 1 (to create the optimizer state), got {warmup}")
-    seen: set[int] = set()
-    baseline = 0
-    for t in _leaves(batch):
-        s = t.untyped_storage()
-        if s._cdata not in seen:
-            seen.add(s._cdata)
-            baseline += s.nbytes()
-
-    def step(train_model, optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss = compute_loss(train_model, batch, loss_fn)
-        loss.backward()
-        optimizer.step()
-        del loss
-
-    with allocator_events() as prof:
-        train_model, optimizer = build()
-        for _ in range(warmup):
-            step(train_model, optimizer)
-        optimizer.zero_grad(set_to_none=True)  # the step starts without gradients, as the graph's does
-        with torch.profiler.record_function("memplan:rank_step"):
-            step(train_model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    window = None
-    allocations: list[tuple[int, int]] = []
-    for at, size in _cpu_allocations(prof):
-        if at == "window":
-            window = size
-        else:
-            allocations.append((at, size))
-    if window is None:
-        raise MemplanError("measure_rank_step: the profiler recorded no step range (a bug)")
-    running = 0
-    start = high = None
-    for at, size in allocations:
-        if at >= window[0] and start is None:
-            start = high = running
-        if at > window[1]:
-            break
-        running += size
-        if start is not None:
-            high = max(high, running)
-    if start is None:
-        start = high = running
-    return RankMeasurement(rank=rank, peak_bytes=baseline + high, start_bytes=baseline + start)
-
-
-def _cpu_allocations(prof: Any) -> list[tuple[Any, Any]]:
-    """The CPU allocations and frees of ``prof`` as ``(time_ns, ±bytes)`` in time order, and one
-    ``("window", (start_ns, end_ns))`` for the ``memplan:rank_step`` range.
-
-    The profiler misses some frees: a block allocated inside a collective (gloo's copy of the input of
-    ``reduce_scatter_tensor``) is freed by whichever thread drops the work's last reference, and when that
-    is gloo's worker thread, after the work ran, the thread no longer reports to the profiler. The block
-    then looks live for ever (its address is handed out again later, which proves it was freed). Every
-    allocation whose free is not reported is therefore freed here at the end of the innermost ``c10d::``
-    range that made it (the collective is synchronous: its temporaries go when it returns), or, outside
-    collectives, when its address is allocated again (the latest it can have been freed).
-    """
-    from torch._C._profiler import _EventType
-
-    window = None
-    events: list[tuple[int, int, int, int | None]] = []  # (time, size, ptr, end of the c10d range)
-    stack = [(e, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
-    while stack:
-        e, c10d_end = stack.pop()
-        if e.name == "memplan:rank_step" and window is None:
-            window = (e.start_time_ns, e.end_time_ns)
-        if e.tag == _EventType.Allocation:
-            if e.extra_fields.device.type == "cpu" and e.extra_fields.alloc_size:
-                events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr, c10d_end))
-            continue
-        if e.name.startswith("c10d::"):
-            c10d_end = e.end_time_ns
-        stack.extend((c, c10d_end) for c in e.children)
-    out: list[tuple[Any, Any]] = list(restore_missed_frees(events))
-    if window is not None:
-        out.append(("window", window))
-    return out
-
-
-def restore_missed_frees(events: list[tuple[int, int, int, int | None]]) -> list[tuple[int, int]]:
-    """``(time_ns, ±bytes)`` in time order from allocator events ``(time_ns, ±bytes, address, end_ns of
-    the innermost enclosing c10d:: range or None)``, with the frees the profiler missed put back: a block
-    whose address is allocated again while it looks live is freed at the end of its collective's range if
-    it has one, else at that reallocation; a block never freed that a collective made is freed at the end
-    of its range. A free of a block allocated before the events is dropped (its size is unknown)."""
-    out: list[tuple[int, int]] = []
-    live: dict[int, tuple[int, int | None]] = {}  # address -> (bytes, end of its c10d range)
-    for at, size, ptr, c10d_end in sorted(events, key=lambda e: e[0]):
-        if size > 0:
-            if ptr in live:  # reallocated: the earlier block was freed without a report
-                old, old_end = live.pop(ptr)
-                out.append((min(old_end, at) if old_end is not None else at, -old))
-            live[ptr] = (size, c10d_end)
-            out.append((at, size))
-        elif ptr in live:
-            live.pop(ptr)
-            out.append((at, size))
-    out += [(end, -size) for size, end in live.values() if end is not None]
-    out.sort(key=lambda a: a[0])
-    return out

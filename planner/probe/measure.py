@@ -1,4 +1,7 @@
-"""The measured peak of a real training step: the number the simulator is held to.
+"""Measuring real training steps: peaks from the allocator, phase times from the clock. The one place
+that reads either, for one process (:func:`measure_step`, :func:`step_peak`, :func:`peak_window`), for
+one rank of a distributed step (:func:`measure_rank_step`), and for the profiler's per-op high-water
+marks (:func:`allocation_highs`). The executor's runs and the framework callbacks measure through it.
 
 It shares nothing with the profiler's bookkeeping (no dispatch mode, no graph): the peak comes from the
 allocator's own accounting.
@@ -8,6 +11,10 @@ allocator's own accounting.
   every allocation and free made during the step; the peak is the bytes live at the start (the storages
   of the parameters, buffers, batch and optimizer state, gradients if any) plus the highest running sum of
   those reports. Memory that bypasses PyTorch's allocator (a BLAS library's own buffers) is in neither.
+  The profiler's event tree is walked once, by :func:`allocator_walk`; :func:`cpu_allocations`,
+  :func:`allocation_highs` and :func:`measure_rank_step` read its result.
+* **Time**: ``time.perf_counter`` around each phase of the step (:class:`PhaseClock`), synchronised on
+  CUDA; medians over the timed steps (:func:`time_steps`).
 """
 
 from __future__ import annotations
@@ -18,14 +25,17 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from memplan.planner.workloads import LossFn, compute_loss, default_optimizer, training_step
+from memplan.planner.core.build import NOMINAL_HOST_BANDWIDTH_BYTES_PER_S
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.probe.storage import tensors_in, unique_bytes
+from memplan.planner.workloads import STEP_PHASES, LossFn, default_optimizer, training_step
 
 
 @dataclass(frozen=True)
@@ -49,27 +59,13 @@ def live_storage_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Opti
     batch's tensors and the optimizer's state."""
     tensors: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += _leaves(batch)
+    tensors += tensors_in(batch)
     for state in optimizer.state.values():
-        tensors += _leaves(state)
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if s._cdata not in seen:
-            seen.add(s._cdata)
-            total += s.nbytes()
-    return total
+        tensors += tensors_in(state)
+    return unique_bytes(tensors, set())
 
 
-def _leaves(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _leaves(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _leaves(v)]
-    return []
+# ---- the CPU allocator's reports, through torch.profiler -----------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -116,127 +112,72 @@ def allocator_events() -> Iterator[Any]:
             prof.__exit__(None, None, None)
 
 
-def _cpu_step_peak(model, batch, loss_fn, optimizer) -> tuple[int, int]:
-    optimizer.zero_grad(set_to_none=True)
-    baseline = live_storage_bytes(model, batch, optimizer)
-    with allocator_events() as prof:
-        loss = compute_loss(model, batch, loss_fn)
-        loss.backward()
-        optimizer.step()
-        del loss
-    running = high = 0
-    for _, size in cpu_allocations(prof):
-        running += size
-        high = max(high, running)
-    return baseline + high, baseline
+@dataclass(frozen=True)
+class AllocatorReport:
+    """One report of an allocator inside an :func:`allocator_events` block: ``bytes`` positive for an
+    allocation, negative for a free; ``scope``: the ``memplan:*`` range around it (None: none);
+    ``collective_end_ns``: the end of the innermost ``c10d::`` range around it (None: none)."""
+
+    time_ns: int
+    bytes: int
+    address: int
+    device_type: str
+    scope: str | None
+    collective_end_ns: int | None
+
+
+@dataclass
+class AllocatorWalk:
+    """What :func:`allocator_walk` read: every allocator report in the event tree's walk order (sort by
+    ``time_ns`` for time order), and each outermost ``memplan:*`` range's ``(start_ns, end_ns)`` (the
+    first seen of a name)."""
+
+    reports: list[AllocatorReport] = field(default_factory=list)
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def allocator_walk(prof: Any) -> AllocatorWalk:
+    """The one walk of a finished :func:`allocator_events` profiler's event tree. ``memplan:*`` ranges do
+    not nest (the profiler's and the measurement's ranges are opened with every mode off): a report's
+    scope is the outermost one around it."""
+    from torch._C._profiler import _EventType
+
+    walk = AllocatorWalk()
+    stack = [(e, None, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        e, scope, c10d_end = stack.pop()
+        if e.tag == _EventType.Allocation:
+            walk.reports.append(AllocatorReport(e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr,
+                                                e.extra_fields.device.type, scope, c10d_end))
+            continue
+        if scope is None and e.name.startswith("memplan:"):
+            walk.ranges.setdefault(e.name, (e.start_time_ns, e.end_time_ns))
+            scope = e.name
+        if e.name.startswith("c10d::"):
+            c10d_end = e.end_time_ns
+        stack.extend((c, scope, c10d_end) for c in e.children)
+    return walk
 
 
 def cpu_allocations(prof: Any) -> list[tuple[int, int]]:
     """``(time_ns, bytes)`` of every report the CPU allocator made inside an :func:`allocator_events`
     block, in time order: positive for an allocation, negative for a free. Their running sum on top of
-    the bytes live before the block is the memory in use over time."""
-    from torch._C._profiler import _EventType
-
-    allocations: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            # only CPU reports count: a CPU step may still touch other devices' allocators
-            if e.extra_fields.device.type == torch.device("cpu").type:
-                allocations.append((e.start_time_ns, e.extra_fields.alloc_size))
-        stack.extend(e.children)
-    allocations.sort(key=lambda a: a[0])
-    return allocations
-
-
-def _cuda_step_peak(model, batch, loss_fn, optimizer, device) -> tuple[int, int]:
-    optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device)
-    baseline = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    loss = compute_loss(model, batch, loss_fn)
-    loss.backward()
-    optimizer.step()
-    del loss
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device), baseline
-
-
-def measure_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None = None,
-                 *, steps: int = 3, warmup: int = 1) -> StepMeasurement:
-    """Measure a real training step (``zero_grad(set_to_none=True)``, ``loss_fn(model, batch)``, backward,
-    ``optimizer.step()``) of ``model`` on the device its parameters are on.
-
-    ``warmup`` steps first (at least one is needed unless the optimizer already has state, so that the
-    state is part of the baseline, as in steady training); then one step whose peak is measured, and
-    ``steps`` timed steps whose median forward, backward and total times are returned. The model is
-    trained by these steps. ``optimizer`` defaults to AdamW (foreach).
-    """
-    if steps < 1:
-        raise ValueError(f"measure_step needs steps >= 1, got {steps}")
-    optimizer = optimizer or default_optimizer(model)
-    device = next(model.parameters()).device
-    on_cuda = device.type == "cuda"
-
-    def sync() -> None:
-        if on_cuda:  # CUDA kernels are asynchronous: wait for them before reading the clock
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        training_step(model, batch, loss_fn, optimizer)
-    if on_cuda:
-        peak, baseline = _cuda_step_peak(model, batch, loss_fn, optimizer, device)
-    else:
-        peak, baseline = _cpu_step_peak(model, batch, loss_fn, optimizer)
-    fwd, bwd, total = [], [], []
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        sync()
-        t0 = time.perf_counter()
-        loss = compute_loss(model, batch, loss_fn)
-        sync()
-        t1 = time.perf_counter()
-        loss.backward()
-        sync()
-        t2 = time.perf_counter()
-        optimizer.step()
-        sync()
-        t3 = time.perf_counter()
-        del loss
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
-        total.append(t3 - t0)
-    return StepMeasurement(peak_bytes=peak, step_time_s=statistics.median(total),
-                           forward_time_s=statistics.median(fwd), backward_time_s=statistics.median(bwd),
-                           baseline_bytes=baseline, device=str(device))
+    the bytes live before the block is the memory in use over time (other devices' reports are left out:
+    a CPU step may still touch their allocators)."""
+    out = [(r.time_ns, r.bytes) for r in allocator_walk(prof).reports if r.device_type == "cpu"]
+    out.sort(key=lambda a: a[0])
+    return out
 
 
 def allocation_highs(prof: Any) -> dict[str, int]:
     """``memplan:*`` range name -> the highest running sum of the allocation events inside it, from a
     :func:`allocator_events` block whose calls ran inside ``_RecordFunctionFast("memplan:<n>")`` ranges."""
-    from torch._C._profiler import _EventType
-
-    highs: dict[str, int] = {}
-
-    def allocations(event: Any) -> list[tuple[int, int]]:
-        found = []
-        stack = list(event.children)
-        while stack:
-            e = stack.pop()
-            if e.tag == _EventType.Allocation:
-                found.append((e.start_time_ns, e.extra_fields.alloc_size))
-            stack.extend(e.children)
-        return sorted(found)
-
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.name.startswith("memplan:"):
-            highs[e.name] = max_prefix([size for _, size in allocations(e)])
-            continue  # ranges do not nest: the handler runs with the mode off
-        stack.extend(e.children)
-    return highs
+    walk = allocator_walk(prof)
+    inside: dict[str, list[tuple[int, int]]] = {name: [] for name in walk.ranges}
+    for r in walk.reports:
+        if r.scope is not None:
+            inside[r.scope].append((r.time_ns, r.bytes))
+    return {name: max_prefix([size for _, size in sorted(found)]) for name, found in inside.items()}
 
 
 def max_prefix(deltas: list[int]) -> int:
@@ -246,3 +187,248 @@ def max_prefix(deltas: list[int]) -> int:
         running += d
         best = max(best, running)
     return best
+
+
+# ---- peaks ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PeakReading:
+    """What :func:`peak_window` read: ``baseline_bytes`` live when it opened, ``peak_bytes`` the highest
+    in use inside it (baseline included), and on CPU the allocator's ``reports`` as ``(time_ns, ±bytes)``
+    in time order (empty on CUDA). Filled when the window closes."""
+
+    baseline_bytes: int = 0
+    peak_bytes: int = 0
+    reports: list[tuple[int, int]] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def peak_window(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> Iterator[PeakReading]:
+    """The allocator's peak over the block, on the device of ``model``'s parameters: CUDA's
+    ``max_memory_allocated`` after a reset (baseline: ``memory_allocated``); on CPU the allocator's reports
+    on top of :func:`live_storage_bytes` of ``model``, ``batch`` and ``optimizer``. The CPU allocator
+    reports no free of a block allocated before the window: what the block frees must be allocated in it."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # earlier kernels' memory is settled before the reset
+        reading = PeakReading(baseline_bytes=torch.cuda.memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        yield reading
+        torch.cuda.synchronize(device)  # the block's kernels are asynchronous
+        reading.peak_bytes = torch.cuda.max_memory_allocated(device)
+        return
+    reading = PeakReading(baseline_bytes=live_storage_bytes(model, batch, optimizer))
+    with allocator_events() as prof:
+        yield reading
+    reading.reports = cpu_allocations(prof)
+    reading.peak_bytes = reading.baseline_bytes + max_prefix([size for _, size in reading.reports])
+
+
+def step_peak(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
+              cpu_setup: Callable[[], Any] | None = None) -> tuple[PeakReading, torch.Tensor]:
+    """One :func:`memplan.planner.workloads.training_step` inside a :func:`peak_window` (the gradients
+    released first, outside it); returns the reading and the step's loss (detached). ``cpu_setup`` runs
+    first inside a CPU window; what it returns is held until the window has closed (the executor's
+    re-allocation of held gradients, so that their frees are reported)."""
+    optimizer.zero_grad(set_to_none=True)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    with peak_window(model, batch, optimizer) as reading:
+        held = cpu_setup() if cpu_setup is not None and not on_cuda else None
+        loss = training_step(model, batch, loss_fn, optimizer)
+    del held  # freed outside the window: neither in the baseline nor in the reports
+    return reading, loss
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """One rank's training step as the allocator saw it: ``peak_bytes`` (everything live included),
+    ``start_bytes`` (live when the step began, gradients already released: parameters, buckets or shards,
+    optimizer state, batch)."""
+
+    rank: int
+    peak_bytes: int
+    start_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_RANK_STEP = "memplan:rank_step"
+
+
+def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn: LossFn, *,
+                      warmup: int = 1, rank: int = 0, device: torch.device | None = None) -> RankMeasurement:
+    """Measure one training step of this rank (a DDP or FSDP2 rank: see :mod:`memplan.planner.probe.distributed`).
+
+    ``build()`` returns ``(train_model, optimizer)``: it creates the rank's model (a copy of the bare
+    module), wraps it (DDP or fully_shard, optionally with a plan applied) and makes the optimizer.
+    ``warmup`` steps create the optimizer state (and let DDP rebuild its buckets); the next step is
+    measured, its gradients released first.
+
+    On CUDA (``device``) the allocator's peak over the step after a reset, ``start_bytes`` its
+    ``memory_allocated`` before. On CPU (``device`` None or CPU) from the allocator's events: ``build()``
+    runs inside the measured window, so that every allocation the rank's training holds is seen, and every
+    free too (the CPU allocator reports no free of a block allocated before the window: the full parameters
+    that fully_shard replaces must be allocated inside it). ``batch`` is allocated before and counted.
+    Memory that the allocator does not report (gloo's own buffers, allocations on threads the profiler
+    does not follow) is not counted; a free the profiler misses is restored (:func:`restore_missed_frees`).
+    """
+    if warmup < 1:
+        raise ValueError(f"measure_rank_step needs warmup >= 1 (to create the optimizer state), got {warmup}")
+    if device is not None and device.type == "cuda":
+        train_model, optimizer = build()
+        for _ in range(warmup):
+            training_step(train_model, batch, loss_fn, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        training_step(train_model, batch, loss_fn, optimizer)
+        torch.cuda.synchronize(device)  # wait for the step's kernels before reading the allocator
+        return RankMeasurement(rank=rank, peak_bytes=torch.cuda.max_memory_allocated(device), start_bytes=start)
+    baseline = unique_bytes(tensors_in(batch), set())
+    with allocator_events() as prof:
+        train_model, optimizer = build()
+        for _ in range(warmup):
+            training_step(train_model, batch, loss_fn, optimizer)
+        optimizer.zero_grad(set_to_none=True)  # the step starts without gradients, as the graph's does
+        with torch.profiler.record_function(_RANK_STEP):
+            training_step(train_model, batch, loss_fn, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    walk = allocator_walk(prof)
+    window = walk.ranges.get(_RANK_STEP)
+    if window is None:
+        raise MemplanError("measure_rank_step: the profiler recorded no step range (a bug)")
+    events = [(r.time_ns, r.bytes, r.address, r.collective_end_ns) for r in walk.reports
+              if r.device_type == "cpu" and r.bytes]
+    running = 0
+    start = high = None
+    for at, size in restore_missed_frees(events):
+        if at >= window[0] and start is None:
+            start = high = running
+        if at > window[1]:
+            break
+        running += size
+        if start is not None:
+            high = max(high, running)
+    if start is None:
+        start = high = running
+    return RankMeasurement(rank=rank, peak_bytes=baseline + high, start_bytes=baseline + start)
+
+
+def restore_missed_frees(events: list[tuple[int, int, int, int | None]]) -> list[tuple[int, int]]:
+    """``(time_ns, ±bytes)`` in time order from allocator events ``(time_ns, ±bytes, address, end_ns of
+    the innermost enclosing c10d:: range or None)``, with the frees the profiler missed put back: a block
+    whose address is allocated again while it looks live is freed at the end of its collective's range if
+    it has one, else at that reallocation; a block never freed that a collective made is freed at the end
+    of its range. A free of a block allocated before the events is dropped (its size is unknown).
+
+    The profiler misses some frees: a block allocated inside a collective (gloo's copy of the input of
+    ``reduce_scatter_tensor``) is freed by whichever thread drops the work's last reference, and when that
+    is gloo's worker thread, after the work ran, the thread no longer reports to the profiler. The block
+    then looks live for ever (its address is handed out again later, which proves it was freed). The
+    collective is synchronous: its temporaries go when it returns."""
+    out: list[tuple[int, int]] = []
+    live: dict[int, tuple[int, int | None]] = {}  # address -> (bytes, end of its c10d range)
+    for at, size, ptr, c10d_end in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            if ptr in live:  # reallocated: the earlier block was freed without a report
+                old, old_end = live.pop(ptr)
+                out.append((min(old_end, at) if old_end is not None else at, -old))
+            live[ptr] = (size, c10d_end)
+            out.append((at, size))
+        elif ptr in live:
+            live.pop(ptr)
+            out.append((at, size))
+    out += [(end, -size) for size, end in live.values() if end is not None]
+    out.sort(key=lambda a: a[0])
+    return out
+
+
+# ---- times ------------------------------------------------------------------------------------------------------
+
+
+class PhaseClock:
+    """A ``run_phase`` for :func:`memplan.planner.workloads.training_step` that times each phase:
+    ``seconds[phase]`` gains one entry per step. ``sync`` (CUDA: ``torch.cuda.synchronize``) runs before
+    each phase starts and after it ends, so that queued kernels are waited for before the clock is read."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
+        self.sync = sync
+        self.seconds: dict[str, list[float]] = {phase: [] for phase in STEP_PHASES}
+
+    def __call__(self, phase: str, fn: Callable[[], Any]) -> Any:
+        self.sync()
+        start = time.perf_counter()
+        out = fn()
+        self.sync()
+        self.seconds[phase].append(time.perf_counter() - start)
+        return out
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Median seconds over timed training steps: of forward (with the loss), backward, ``optimizer.step()``
+    and of the three together (``step_s``, the median of each step's sum)."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    step_s: float
+
+
+def time_steps(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
+               steps: int, device: torch.device | None = None) -> StepTimes:
+    """``steps`` plain training steps (no mode, no hooks: what eager training pays), each phase timed by a
+    :class:`PhaseClock`, synchronised when ``device`` (None: that of ``model``'s parameters) is CUDA."""
+    if steps < 1:
+        raise ValueError(f"time_steps needs steps >= 1, got {steps}")
+    device = device or next(model.parameters()).device
+    clock = PhaseClock((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None))
+    for _ in range(steps):
+        training_step(model, batch, loss_fn, optimizer, run_phase=clock)
+    fwd, bwd, opt = (clock.seconds[p] for p in STEP_PHASES)
+    return StepTimes(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
+                     optimizer_s=statistics.median(opt),
+                     step_s=statistics.median(f + b + o for f, b, o in zip(fwd, bwd, opt, strict=True)))
+
+
+def measure_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None = None,
+                 *, steps: int = 3, warmup: int = 1) -> StepMeasurement:
+    """Measure a real training step (:func:`memplan.planner.workloads.training_step`) of ``model`` on the
+    device its parameters are on.
+
+    ``warmup`` steps first (at least one is needed unless the optimizer already has state, so that the
+    state is part of the baseline, as in steady training); then one step whose peak is measured
+    (:func:`step_peak`), and ``steps`` timed steps whose median forward, backward and total times are
+    returned (:func:`time_steps`). The model is trained by these steps. ``optimizer`` defaults to AdamW
+    (foreach).
+    """
+    if steps < 1:
+        raise ValueError(f"measure_step needs steps >= 1, got {steps}")
+    optimizer = optimizer or default_optimizer(model)
+    device = next(model.parameters()).device
+    for _ in range(warmup):
+        training_step(model, batch, loss_fn, optimizer)
+    reading, _ = step_peak(model, batch, loss_fn, optimizer)
+    times = time_steps(model, batch, loss_fn, optimizer, steps=steps, device=device)
+    return StepMeasurement(peak_bytes=reading.peak_bytes, step_time_s=times.step_s,
+                           forward_time_s=times.forward_s, backward_time_s=times.backward_s,
+                           baseline_bytes=reading.baseline_bytes, device=str(device))
+
+
+def host_bandwidth_bytes_per_s(device: torch.device) -> float:
+    """Pinned host -> device copy bandwidth (CUDA, measured over four 64 MiB copies); a nominal figure
+    elsewhere (on CPU offload is a logical move)."""
+    if device.type != "cuda":
+        return NOMINAL_HOST_BANDWIDTH_BYTES_PER_S
+    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=device)
+    dev.copy_(host, non_blocking=True)  # warm-up
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(4):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)  # wait for the async copies before reading the clock
+    return 4 * host.numel() / (time.perf_counter() - start)

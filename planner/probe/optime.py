@@ -41,7 +41,12 @@ from typing import Any
 import torch
 
 from memplan.planner.core.devicespec import DeviceSpec, parse_device_spec
-from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
+from memplan.planner.probe.measure import (
+    allocation_highs,
+    allocator_events,
+    cpu_allocations,
+    host_bandwidth_bytes_per_s,
+)
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
 _MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
@@ -314,7 +319,7 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
     overhead = median_s(lambda: torch.add(tiny, tiny), runs=50)
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
-        host = _pinned_bandwidth(device)
+        host = host_bandwidth_bytes_per_s(device)
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         host = 12e9  # a nominal figure: on CPU offload is a logical move
@@ -326,18 +331,6 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
     tmp.write_text(spec.model_dump_json(indent=1))
     tmp.replace(path)
     return spec
-
-
-def _pinned_bandwidth(device: torch.device) -> float:
-    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=device)
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(4):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)  # wait for the async copies before reading the clock
-    return 4 * host.numel() / (time.perf_counter() - start)
 
 
 # ---- the timer -----------------------------------------------------------------------------------------

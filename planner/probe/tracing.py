@@ -1,0 +1,466 @@
+"""The tracing mode: what one real (or fake) training step does, recorded as a :class:`Trace`.
+
+:func:`traced_step` runs :func:`memplan.planner.workloads.training_step` under :class:`Tracer`, a
+``TorchDispatchMode`` that sees every ATen call below autograd (see :mod:`memplan.planner.probe.profiler`
+for what it observes and how), with forward hooks keeping the module stack (:func:`module_stack`) and, after
+forward, a walk of the autograd graph for the tensors each node saved (:func:`saved_by_node`).
+:func:`forward_lifetimes` runs one more forward under saved-tensor hooks that hold nothing
+(:class:`LifetimeMode`): when the program itself drops each storage. The trace is plain data; turning it
+into a graph is :func:`memplan.planner.core.build.build_graph`'s job (torch-free).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memplan.planner.core.build import Trace, TraceOp, TraceStorage
+from memplan.planner.core.devicespec import round_allocation
+from memplan.planner.probe.fake import fake_call
+from memplan.planner.probe.measure import allocation_highs, allocator_events
+from memplan.planner.probe.optime import OpCall, record_call
+from memplan.planner.probe.storage import dtype_name, storage_keys, storage_of, tensors_in
+from memplan.planner.workloads import LossFn, compute_loss, training_step
+
+TAG = "memplan_op"  # key of the forward op's number in an autograd node's metadata
+# Metadata queries that reach a dispatch mode only for tensor subclasses (a FakeTensor's ``.device``, which
+# autograd asks while it wires up an output): not ops of the program, never recorded.
+METADATA = frozenset({torch.ops.prim.device.default, torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
+                      torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default})
+
+
+class Tracer(TorchDispatchMode):
+    """The dispatch mode behind :func:`traced_step`: records into ``trace`` what each ATen call of the step
+    does. ``phase`` says what the step is doing ("forward", "backward", "optimizer"; "idle" records
+    nothing); ``clock`` is the forward op or backward step the next events belong to."""
+
+    def __init__(self, trace: Trace, modules: list[str], sync: Callable[[], None], memory: str,
+                 charge_as: str | None = None):
+        super().__init__()
+        self.charge_as = charge_as       # device type whose allocator rounding applies (None: the tensor's)
+        self.trace = trace
+        self.modules = modules           # the module stack, kept by forward hooks
+        self.model_called = False
+        self.sync = sync
+        self.memory = memory             # how to read kernel scratch: "off", "cuda" (allocator), "cpu" (scopes),
+                                         # "fake" (nothing runs: each call is recorded, timed later)
+        self.scope = 0                   # calls so far; a call's number keys its high-water mark
+        self.high: dict[int, int] = {}    # call number -> allocator high-water mark above its start
+        self.born_in: dict[int, int] = {}  # backward call number -> bytes of the storages it created
+        # fake steps: (call number, phase, clock, the call's metadata) per ATen call, for op timing
+        self.calls: list[tuple[int, str, int, OpCall]] = []
+        self.phase = "idle"
+        self.clock = -1                  # forward op / backward step the next events belong to
+        self.by_key: dict[int, int] = {}  # live storage _cdata -> storage id
+        self.refs: dict[int, weakref.ref] = {}
+        self.pending: tuple[int, list[torch.Tensor]] | None = None  # last op's outputs, for their grad_fn
+        self.written: dict[Any, list[tuple[int, str]]] = {}
+
+    # -- storages ---------------------------------------------------------------------------------------
+    def register(self, t: torch.Tensor, kind: str) -> int | None:
+        """The storage id of ``t``, registering its storage (as ``kind``) when new."""
+        s = storage_of(t)
+        if s is None:
+            return None
+        key = s._cdata
+        tid = self.by_key.get(key)
+        if tid is not None:
+            return tid
+        tid = len(self.trace.storages)
+        born = (self.phase, self.clock) if kind == "activation" else None
+        nbytes = round_allocation(s.nbytes(), self.charge_as or t.device.type)
+        self.trace.storages.append(TraceStorage(tid, kind, nbytes, dtype_name(t.dtype), list(t.shape), born,
+                                                requires_grad=kind != "activation" and t.requires_grad))
+        self.by_key[key] = tid
+        self.refs[tid] = weakref.ref(s, lambda _ref, tid=tid, key=key: self._died(tid, key))
+        return tid
+
+    def _died(self, tid: int, key: int) -> None:
+        st = self.trace.storages[tid]
+        st.died = (self.phase, self.clock)
+        if self.by_key.get(key) == tid:
+            del self.by_key[key]
+        if self.phase == "backward":
+            self.trace.backward_events.append((self.clock, tid, -st.nbytes))
+        elif self.phase == "optimizer":
+            self.trace.optimizer_events.append(-st.nbytes)
+
+    # -- the dispatch hook ---------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in METADATA:  # a fake tensor's metadata query: no op of the program
+            return func(*args, **kwargs)
+        if self.phase == "forward":
+            return self._forward(func, args, kwargs)
+        if self.phase == "backward":
+            return self._backward(func, args, kwargs)
+        if self.phase == "optimizer":
+            return self._optimizer(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def run_call(self, func, args, kwargs) -> tuple[Any, float, int]:
+        """Run ``func``; return its result, seconds and its call number. With memory on, the allocator's
+        high-water mark during the call (above the bytes allocated before it) goes to ``high[number]``:
+        read at once on CUDA, and on CPU after the step from the torch profiler's allocation events,
+        which land inside the ``memplan:<number>`` range opened here."""
+        self.scope += 1
+        number = self.scope
+        if self.memory == "fake":
+            out = self._fake_call(func, args, kwargs)
+            if isinstance(func, torch._ops.OpOverload) and func.namespace != "profiler":  # not record_function
+                self.calls.append((number, self.phase, self.clock, record_call(func, args, kwargs, out)))
+            return out, 0.0, number
+        if self.memory == "cpu":
+            with torch._C._profiler._RecordFunctionFast(f"memplan:{number}"):
+                start = time.perf_counter()
+                out = func(*args, **kwargs)
+                return out, time.perf_counter() - start, number
+        self.sync()  # CUDA: let queued kernels finish so that the clock times this op alone
+        if self.memory == "cuda":
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        seconds = time.perf_counter() - start
+        if self.memory == "cuda":
+            self.high[number] = torch.cuda.max_memory_allocated() - before
+        return out, seconds, number
+
+    def _fake_call(self, func, args, kwargs):
+        """``func`` on fake tensors; an op that cannot run so (its output depends on tensor values) is a
+        :class:`FakeTraceError` naming it and the module that ran it."""
+        if self.phase == "backward" and 0 <= self.clock < len(self.trace.ops):
+            where = f"the backward of {self.trace.ops[self.clock].module or 'the model'}"
+        else:
+            where = self.modules[-1] if self.modules else ("loss" if self.model_called else "the step")
+        return fake_call(func, args, kwargs, where)
+
+    def resolve_pending(self) -> None:
+        """Tag the autograd node of the previous op's outputs, then drop them (they must not outlive
+        the moment the unprofiled program would free them by more than this)."""
+        if self.pending is None:
+            return
+        k, outs = self.pending
+        self.pending = None
+        op = self.trace.ops[k]
+        for out in outs:
+            node = out.grad_fn
+            if node is not None:
+                op.has_backward = True
+                meta = node.metadata
+                meta.setdefault(TAG, k)
+            tid = self.register(out, "activation")
+            if tid is not None and self.trace.storages[tid].producer == k and out.requires_grad:
+                self.trace.storages[tid].requires_grad = True
+        del outs
+
+    def _writes(self, func, args, kwargs) -> list[torch.Tensor]:
+        spec = self.written.get(func)
+        if spec is None:
+            spec = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write]
+            self.written[func] = spec
+        out: list[torch.Tensor] = []
+        for i, name in spec:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            out += tensors_in(value)
+        return out
+
+    def _forward(self, func, args, kwargs):
+        self.resolve_pending()
+        k = len(self.trace.ops)
+        self.clock = k
+        fresh = func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+        inputs = [] if fresh else [self.register(t, "buffer") for t in tensors_in((args, kwargs))]
+        writes = [self.register(t, "buffer") for t in self._writes(func, args, kwargs)]
+        if self.modules:
+            module = self.modules[-1]
+        else:
+            module = "loss" if self.model_called else ""
+        rec = TraceOp(str(func), module, 0.0, list(dict.fromkeys(i for i in inputs if i is not None)), [],
+                        [w for w in dict.fromkeys(writes) if w is not None],
+                        torch.Tag.nondeterministic_seeded in func.tags)
+        self.trace.ops.append(rec)
+        out, rec.time_s, rec.scope = self.run_call(func, args, kwargs)
+        outs = tensors_in(out)
+        for position, t in enumerate(outs):
+            s = storage_of(t)
+            if s is not None and s._cdata not in self.by_key:  # inputs are registered: this one is new
+                tid = self.register(t, "activation")
+                st = self.trace.storages[tid]
+                st.producer, st.output_index = k, len(rec.outputs)
+                rec.outputs.append(tid)
+                rec.positions.append(position)
+        self.pending = (k, outs)
+        return out
+
+    def _backward(self, func, args, kwargs):
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            step = node.metadata.get(TAG)
+            if step is not None and step != self.clock:
+                self.clock = step
+                self.trace.backward_order.append(step)
+        seen = storage_keys(args, kwargs)
+        out, seconds, number = self.run_call(func, args, kwargs)
+        self.trace.backward_time_s[self.clock] = self.trace.backward_time_s.get(self.clock, 0.0) + seconds
+        born = 0
+        for t in tensors_in(out):
+            s = storage_of(t)
+            if s is not None and s._cdata not in self.by_key and s._cdata not in seen:
+                tid = self.register(t, "activation")
+                born += self.trace.storages[tid].nbytes
+                self.trace.backward_events.append((self.clock, tid, self.trace.storages[tid].nbytes))
+        if self.memory != "off":  # where its kernel scratch goes, once known (see apply_scratch)
+            self.born_in[number] = born
+            self.trace.backward_events.append((self.clock, -2, number))
+        return out
+
+    def apply_scratch(self) -> None:
+        """Turn the high-water marks into workspace: a forward op's is what it reached beyond its outputs;
+        a backward call's becomes a transient (+, -) event pair right after its births."""
+        for rec in self.trace.ops:
+            outputs = sum(self.trace.storages[o].nbytes for o in rec.outputs)
+            rec.workspace_bytes = max(0, self.high.get(rec.scope, 0) - outputs)
+        events = []
+        for step, tid, value in self.trace.backward_events:
+            if tid != -2:
+                events.append((step, tid, value))
+                continue
+            extra = self.high.get(value, 0) - self.born_in.get(value, 0)
+            if extra > 0:
+                events += [(step, -1, extra), (step, -1, -extra)]
+        self.trace.backward_events = events
+
+    def _optimizer(self, func, args, kwargs):
+        seen = storage_keys(args, kwargs)
+        out = self.run_call(func, args, kwargs)[0] if self.memory == "fake" else func(*args, **kwargs)
+        for t in tensors_in(out):
+            s = storage_of(t)
+            if s is not None and s._cdata not in self.by_key and s._cdata not in seen:
+                tid = self.register(t, "activation")
+                self.trace.optimizer_events.append(self.trace.storages[tid].nbytes)
+        return out
+
+
+@contextlib.contextmanager
+def module_stack(model: nn.Module, stack: list[str], tracer_ref: list[Tracer | None]) -> Iterator[None]:
+    """Keep ``stack`` equal to the path of the module running now (forward pre/post hooks)."""
+    handles = []
+
+    def pre(name: str):
+        def hook(_module, _args):
+            stack.append(name)
+        return hook
+
+    def post(_module, _args, _out):
+        stack.pop()
+        if not stack and tracer_ref[0] is not None:
+            tracer_ref[0].model_called = True
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(pre(name)))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---- one traced step ---------------------------------------------------------------------------------------
+
+
+def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
+    """Walk the autograd graph from the loss; return forward op -> storage ids its node saved."""
+    out: dict[int, list[int]] = {}
+    attrs_of: dict[type, list[str]] = {}
+    seen: set[int] = set()
+    keep: list[Any] = []  # holds the node wrappers during the walk so that id() stays unique
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+        cls = type(node)
+        if cls not in attrs_of:
+            attrs_of[cls] = [a for a in dir(node) if a.startswith("_saved_")]
+        values = []
+        for a in attrs_of[cls]:
+            try:
+                values.append(getattr(node, a))
+            except RuntimeError:  # released, or an undefined optional tensor
+                continue
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            values.append(node.saved_tensors)
+        tids = [tracer.register(t, "buffer") for t in tensors_in(values)]
+        tids = list(dict.fromkeys(t for t in tids if t is not None))
+        del values
+        if not tids:
+            continue
+        op = node.metadata.get(TAG)
+        if op is None:  # untagged node: the latest op that produced one of its saved tensors
+            storages = tracer.trace.storages
+            producers = [storages[t].producer for t in tids if storages[t].producer is not None]
+            if not producers:
+                continue
+            op = max(producers)
+        out.setdefault(op, []).extend(tids)
+    return {op: list(dict.fromkeys(tids)) for op, tids in out.items()}
+
+
+def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+                fixed_tensors: dict[str, list[torch.Tensor]], sync: Callable[[], None], *,
+                structure: bool, memory: str = "off", charge_as: str | None = None) -> Tracer:
+    """One :func:`memplan.planner.workloads.training_step` under a :class:`Tracer`; returns the tracer, whose
+    ``trace`` is what the step did. ``fixed_tensors``: the ``"param"``, ``"buffer"`` and ``"input"``
+    tensors, registered before the step. ``structure``: also record saved tensors (the graph walk) and
+    trace the optimizer step; otherwise the optimizer step is only timed, outside the mode. ``memory``: how
+    kernel scratch is read ("off", "cuda", "cpu", "fake"; see ``Tracer.run_call``); a fake step's marks
+    are applied (``Tracer.apply_scratch``) by the caller once its calls are timed. ``charge_as``: the
+    device type whose allocator rounding storage sizes get (None: their own)."""
+    trace = Trace()
+    stack: list[str] = []
+    tracer = Tracer(trace, stack, sync, memory, charge_as)
+    tracer_ref: list[Tracer | None] = [tracer]
+    for kind in ("param", "buffer", "input"):
+        for t in fixed_tensors[kind]:
+            tracer.register(t, kind)
+    trace.n_fixed = len(trace.storages)
+    number = -1  # the optimizer step's call number (structure steps)
+
+    def run_phase(phase: str, fn: Callable[[], Any]) -> Any:
+        nonlocal number
+        if phase == "forward":
+            with module_stack(model, stack, tracer_ref), tracer:
+                tracer.phase = "forward"
+                loss = fn()
+                tracer.resolve_pending()
+                tracer.phase = "idle"
+                if structure:
+                    trace.saved = saved_by_node(loss, tracer)
+            return loss
+        if phase == "backward":
+            with module_stack(model, stack, tracer_ref), tracer:
+                tracer.phase, tracer.clock = "backward", len(trace.ops) - 1
+                fn()
+                tracer.phase = "idle"
+            for st in trace.storages:  # alive after backward: held by the caller (the loss, outputs)
+                st.held = st.kind == "activation" and st.died is None
+            return None
+        if structure:
+            with tracer:
+                tracer.phase, tracer.clock = "optimizer", 0
+                out, _, number = tracer.run_call(fn, (), {})
+                tracer.phase = "idle"
+            return out
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()  # CUDA: the step's kernels are asynchronous
+        trace.optimizer_time_s = time.perf_counter() - start
+        return out
+
+    optimizer.zero_grad(set_to_none=True)  # the previous step's gradients go before anything is watched
+    with allocator_events() if memory == "cpu" else contextlib.nullcontext() as prof:
+        training_step(model, batch, loss_fn, optimizer, run_phase=run_phase)
+    tracer_ref[0] = None
+    if memory == "cpu":
+        for name, high in allocation_highs(prof).items():
+            tracer.high[int(name.removeprefix("memplan:"))] = high
+    if memory in ("cpu", "cuda"):  # a fake step's marks come from op timing (see the profiler's fake path)
+        tracer.apply_scratch()
+    if structure:
+        trace.optimizer_scratch_bytes = tracer.high.get(number, 0)
+        trace.optimizer_survivors_bytes = sum(
+            st.nbytes for st in trace.storages if st.born == ("optimizer", 0) and st.died is None)
+    return tracer
+
+
+class LifetimeMode(TorchDispatchMode):
+    """Forward ops and, per new storage, the op during which its last reference went (None: it outlived
+    the forward). Run with saved-tensor hooks that keep nothing, so that only the program's own
+    references (module code, model outputs) keep a storage alive: what a plan that recomputes or offloads
+    it leaves behind."""
+
+    def __init__(self, fake: bool = False) -> None:
+        super().__init__()
+        self.fake = fake                 # calls go through fake_call (fake tensors; real ones run for real)
+        self.names: list[str] = []
+        self.deaths: list[list[int | None]] = []
+        self.known: set[int] = set()
+        self.refs: list[weakref.ref] = []
+
+    def _track(self, s: torch.UntypedStorage, row: list[int | None] | None) -> None:
+        """Know ``s`` while it lives (as the traced step's ``by_key`` does, so that "new output" means the
+        same here); for an output, note in ``row`` when it dies."""
+        key = s._cdata
+        self.known.add(key)
+        j = len(row) if row is not None else -1
+        if row is not None:
+            row.append(None)
+
+        def died(_ref: weakref.ref) -> None:
+            self.known.discard(key)
+            if row is not None:
+                row[j] = len(self.names) - 1
+
+        self.refs.append(weakref.ref(s, died))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in METADATA:
+            return func(*args, **kwargs)
+        for t in tensors_in((args, kwargs)):
+            s = storage_of(t)
+            if s is not None and s._cdata not in self.known:
+                self._track(s, None)
+        out = fake_call(func, args, kwargs, "the lifetime pass") if self.fake else func(*args, **kwargs)
+        self.names.append(str(func))
+        row: list[int | None] = []
+        self.deaths.append(row)
+        for t in tensors_in(out):
+            s = storage_of(t)
+            if s is not None and s._cdata not in self.known:
+                self._track(s, row)
+        return out
+
+
+def forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list[str],
+                       fake: bool = False) -> dict[tuple[int, int], int | None] | None:
+    """{(forward op, output index): the graph op during which the program itself dropped that storage}
+    from one more forward (model and loss, no backward) under saved-tensor hooks that hold nothing.
+    ``names`` are the traced step's op names; the ``aten.detach`` autograd runs when it saves an output is
+    not dispatched without its own hold, so those are skipped when aligning. None if the ops do not align
+    (then the graph keeps what the traced step saw)."""
+    mode = LifetimeMode(fake)
+    with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _p: None), mode:
+        loss = compute_loss(model, batch, loss_fn)
+        del loss
+    at: list[int] = []  # lifetime-pass op -> graph op
+    g = 0
+    for name in mode.names:
+        while g < len(names) and names[g] != name and names[g] == "aten.detach.default":
+            g += 1
+        if g >= len(names) or names[g] != name:
+            return None
+        at.append(g)
+        g += 1
+    if any(n != "aten.detach.default" for n in names[g:]):
+        return None
+    out: dict[tuple[int, int], int | None] = {}
+    for k, row in enumerate(mode.deaths):
+        for j, died in enumerate(row):
+            out[(at[k], j)] = None if died is None else at[died]
+    return out
