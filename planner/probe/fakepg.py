@@ -1,21 +1,27 @@
-"""One rank's training step under DDP or FSDP2, traced in this process: PyTorch's fake process group and
-fake tensors, so N ranks need neither N processes nor any rank's memory.
+"""One rank's training step under FSDP2 or DDP for N ranks, in this process: PyTorch's fake process group
+(``torch.testing._internal.distributed.fake_pg``: collectives return at once and move nothing), so N
+ranks need neither N processes nor, under FSDP2, any rank's memory.
 
-:func:`trace_rank_step` initialises ``torch.distributed`` with the ``"fake"`` backend
-(``torch.testing._internal.distributed.fake_pg``: collectives return at once and move nothing) as rank
-*r* of *N*, copies the bare module with fake parameters, wraps it as a real run does
-(``DistributedDataParallel``, or ``fully_shard`` on each unit and then the root), makes the optimizer and
-runs warm-up steps and one traced step under ``FakeTensorMode``. Nothing is approximated by a formula: the
-sharded parameters and optimizer state, DDP's gradient buckets, FSDP2's all-gather outputs, unsharded
-parameters, reduce-scatter inputs and sharded gradients are the tensors these engines themselves create,
-and a dispatch mode (:class:`_RankMemory`) follows every storage from its creating call to the moment its
-last reference goes, as the allocator would. What fake tensors cannot show is added from measurements:
+:func:`trace_rank_step` (FSDP2) initialises ``torch.distributed`` with the ``"fake"`` backend as rank *r*
+of *N*, copies the bare module with fake parameters, wraps it as a real run does (``fully_shard`` on each
+unit, then the root), makes the optimizer and runs a warm-up step and one traced step under
+``FakeTensorMode``. Nothing is approximated by a formula: the sharded parameters and optimizer state, the
+all-gather outputs, unsharded parameters, reduce-scatter inputs and sharded gradients are the tensors
+FSDP2 itself creates, and a dispatch mode (:class:`_RankMemory`) follows every storage from the call that
+makes it until its last reference goes (and FSDP2's storage resizes), as the allocator sees them. What
+fake tensors cannot show is added from measurements:
 
 * kernel scratch: each compute call's allocator high-water mark, from running it alone once
-  (:class:`memplan.planner.probe.optime.OpTimer`, cached, the same figures a fake profile uses);
+  (:class:`memplan.planner.probe.optime.OpTimer`, cached: the figures a fake profile uses);
 * the backend's own copies: under ``backend="gloo"`` every ``all_gather_into_tensor`` and
-  ``reduce_scatter_tensor`` allocates one copy of its full flat buffer for the duration of the call
-  (docs/model.md, "Distributed"); ``"nccl"`` allocates nothing through the caching allocator.
+  ``reduce_scatter_tensor`` allocates one copy of its full flat buffer while it runs (docs/model.md,
+  "Distributed"); ``"nccl"`` allocates nothing through the caching allocator.
+
+DDP cannot be traced so in torch 2.13: its C++ reducer reads tensor data (the parameter-shape check at
+construction, the bucket indices it broadcasts when it rebuilds its buckets in the second forward, the
+unused-parameter map with ``find_unused_parameters=True``), which fake tensors do not have.
+:func:`measure_ddp_rank` runs a DDP rank with the fake process group and real tensors instead and reads
+the allocator: exact, for one rank's real memory.
 
 The figures are those :func:`memplan.planner.probe.distributed.measure_rank_step` reads from the allocator
 in a real run: ``start_bytes`` live when the measured step begins (gradients released), ``peak_bytes`` the
@@ -103,6 +109,7 @@ class RankTrace:
     collectives: int
     scratch_calls: int
     trace_s: float
+    tensors: str = "fake"  # "fake": traced under FakeTensorMode; "real": allocated and measured (DDP)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -187,7 +194,7 @@ class _RankMemory(TorchDispatchMode):
         if self.recording:
             call = None
             tensors = _tensors((args, kwargs, out))
-            if func.namespace == "aten" and tensors and all(type(t) is FakeTensor for t in tensors):
+            if func.namespace == "aten" and tensors and all(type(t) in (FakeTensor, torch.Tensor) for t in tensors):
                 call = record_call(func, args, kwargs, out)
             where = f"{func}" + (f" in {self.ranges[-1]}" if self.ranges else "")
             self.calls.append((before, max(new, transient), call, self.phase, where))
@@ -253,11 +260,12 @@ _allreduce_in_place.__annotations__ = {"process_group": dist.ProcessGroup, "buck
 
 
 def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: str, world_size: int, rank: int = 0,
-                    prefixes: list[str] | tuple[str, ...] = (), backend: str = "gloo", warmup: int = 2,
+                    prefixes: list[str] | tuple[str, ...] = (), backend: str = "gloo", warmup: int | None = None,
                     timer: OpTimer | None = None) -> RankTrace:
     """Trace one training step of rank ``rank`` of ``world_size`` under ``engine`` ("ddp" or "fsdp":
     ``fully_shard`` on each of ``prefixes``, then the root) with AdamW (foreach), after ``warmup`` steps
-    (2: the optimizer state exists and DDP has rebuilt its buckets, as in a real run). ``model``: the bare
+    (None: 1, which creates the optimizer state; FSDP2's steps after the first are alike). Under "ddp" this
+    is :func:`measure_ddp_rank` (real tensors: DDP's reducer cannot run on fake ones). ``model``: the bare
     module (left untouched; it may be large: only its shapes are read); ``batch``: one rank's batch (real
     tensors, counted). ``backend``: whose collectives' own copies to charge ("gloo" or "nccl"). ``timer``
     measures each compute call's kernel scratch (None: a CPU :class:`OpTimer` with the default cache).
@@ -267,6 +275,10 @@ def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: st
         raise DistributedPlanError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
     if backend not in BACKENDS:
         raise DistributedPlanError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if engine == "ddp":  # DDP's reducer cannot run on fake tensors: see measure_ddp_rank
+        return measure_ddp_rank(model, batch, loss_fn, world_size=world_size, rank=rank, backend=backend)
+    if warmup is None:
+        warmup = 1
     if warmup < 1:
         raise DistributedPlanError(f"warmup must be >= 1 (to create the optimizer state), got {warmup}")
     names = dict(model.named_modules())
@@ -276,18 +288,16 @@ def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: st
     started = time.perf_counter()
     batch_bytes = _batch_bytes(batch)
     with fake_process_group(rank, world_size):
-        mesh = None
-        if engine == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: it reads its rank map
+        mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: it reads its rank map
         memory = _RankMemory(gloo=backend == "gloo")
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         try:
             with fake_mode, memory:
                 for t in _tensors(batch):  # real, allocated before the step as in a real run
                     memory.add(t)
-                train_model, bare, optimizer = _wrapped(model, engine, prefixes, mesh)
+                train_model, bare, optimizer = _wrapped(model, prefixes, mesh)
                 params = sum(_nbytes(p) for p in bare.parameters())
                 for _ in range(warmup):
                     _step(train_model, batch, loss_fn, optimizer)
@@ -322,24 +332,17 @@ def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: st
                      scratch_calls=len(recorded), trace_s=time.perf_counter() - started)
 
 
-def _wrapped(model: nn.Module, engine: str, prefixes: Any, mesh: Any) -> tuple[nn.Module, nn.Module, Any]:
+def _wrapped(model: nn.Module, prefixes: Any, mesh: Any) -> tuple[nn.Module, nn.Module, Any]:
     """(the module to call, the module whose parameters the optimizer steps, the optimizer): a fake copy
-    of ``model`` under DDP or ``fully_shard``, as :func:`memplan.api.distributed.run_distributed` wraps."""
+    of ``model`` under ``fully_shard`` (each of ``prefixes``, then the root), as
+    :func:`memplan.api.distributed.run_distributed` wraps it."""
+    from torch.distributed.fsdp import fully_shard
+
     bare = _fake_copy(model)
     bare.train()
-    if engine == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        # init_sync=False: the parameter-shape check reads tensor data (fake here); every fake rank has
-        # the same shapes by construction
-        train_model = DistributedDataParallel(bare, init_sync=False, find_unused_parameters=True)
-        train_model.register_comm_hook(None, _allreduce_in_place)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for p in prefixes:
-            fully_shard(bare.get_submodule(p), mesh=mesh)
-        train_model = fully_shard(bare, mesh=mesh)
+    for p in prefixes:
+        fully_shard(bare.get_submodule(p), mesh=mesh)
+    train_model = fully_shard(bare, mesh=mesh)
     return train_model, bare, default_optimizer(bare)
 
 
@@ -367,14 +370,53 @@ def _batch_bytes(batch: Any) -> int:
     return total
 
 
+def measure_ddp_rank(model: nn.Module, batch: Any, loss_fn: LossFn, *, world_size: int, rank: int = 0,
+                     backend: str = "gloo") -> RankTrace:
+    """One DDP rank's step with the fake process group and *real* tensors, measured from the allocator
+    (:func:`memplan.planner.probe.distributed.measure_rank_step`, 2 warm-up steps): DDP's C++ reducer
+    cannot run under ``FakeTensorMode`` in torch 2.13 (it reads tensor data: the parameter-shape check at
+    construction, the bucket-index broadcast when it rebuilds its buckets in the second forward, the
+    unused-parameter map at the end of backward), so a DDP rank costs one rank's real memory here. A DDP
+    rank's memory does not depend on the world size (every rank holds the whole model and one bucket
+    copy of its gradients); gloo's and NCCL's allreduce allocate nothing through the allocator."""
+    from memplan.planner.probe.distributed import measure_rank_step
+
+    if backend not in BACKENDS:
+        raise DistributedPlanError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    started = time.perf_counter()
+    with fake_process_group(rank, world_size):
+        from torch.nn.parallel import DistributedDataParallel
+
+        held: list[Any] = []
+
+        def build() -> tuple[nn.Module, Any]:
+            bare = copy.deepcopy(model)  # inside the measured window, as run_distributed builds a rank
+            train_model = DistributedDataParallel(bare, init_sync=False)
+            train_model.register_comm_hook(None, _allreduce_in_place)
+            optimizer = default_optimizer(bare)
+            held.append((bare, optimizer))
+            return train_model, optimizer
+
+        m = measure_rank_step(build, batch, loss_fn, warmup=2, rank=rank)
+        bare, optimizer = held[0]
+        params = sum(p.untyped_storage().nbytes() for p in bare.parameters())
+        state = sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in _tensors(s))
+    return RankTrace(rank=rank, world_size=world_size, engine="ddp", backend=backend, peak_bytes=m.peak_bytes,
+                     start_bytes=m.start_bytes, peak_phase="", peak_call="", params_bytes=params,
+                     optimizer_state_bytes=state, engine_bytes=m.start_bytes - params - state - _batch_bytes(batch),
+                     collectives=0, scratch_calls=0, trace_s=time.perf_counter() - started, tensors="real")
+
+
 def trace_ranks(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: str, world_size: int,
                 prefixes: list[str] | tuple[str, ...] = (), backend: str = "gloo",
                 ranks: list[int] | None = None, timer: OpTimer | None = None) -> list[RankTrace]:
-    """:func:`trace_rank_step` for each of ``ranks`` (None: all ``world_size``), one after the other in
-    this process, sharing one op timer (its cache makes every rank after the first cheap)."""
+    """Each of ``ranks`` (None: all ``world_size``), one after the other in this process: FSDP2 ranks
+    traced under fake tensors (:func:`trace_rank_step`, sharing one op timer), DDP ranks measured with
+    real tensors (:func:`measure_ddp_rank`)."""
     if world_size < 1:
         raise DistributedPlanError(f"world_size must be >= 1, got {world_size}")
+    todo = list(range(world_size) if ranks is None else ranks)
     timer = timer or OpTimer(torch.device("cpu"))
     return [trace_rank_step(model, batch, loss_fn, engine=engine, world_size=world_size, rank=r,
                             prefixes=prefixes, backend=backend, timer=timer)
-            for r in (range(world_size) if ranks is None else ranks)]
+            for r in todo]
