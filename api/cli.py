@@ -579,7 +579,7 @@ def run_workload(
                                                   help="also measure the step without the plan (default: "
                                                        "yes, but not with --fake)")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
-    nproc: Annotated[int, typer.Option("--nproc", min=1, max=64,
+    nproc: Annotated[int, typer.Option("--nproc", max=64,
                                        help="processes on this machine (torch.distributed: gloo on CPU, "
                                             "nccl on CUDA); more than 1 trains under --engine")] = 1,
     engine: Annotated[str, typer.Option(help="with --nproc > 1: ddp (DistributedDataParallel) or fsdp "
@@ -594,6 +594,8 @@ def run_workload(
     plan's memory is allocated: the profile is fake and keep-everything is predicted, not measured."""
     if keep_all is None:
         keep_all = not fake
+    if nproc < 1:
+        raise MemplanError(f"--nproc {nproc}: need at least 1 rank")
     if nproc > 1 and fake:  # every rank's plan in this process, nothing trained
         _ranks_fake(workload, nproc=nproc, engine=engine, budget=budget, solver=solver, time_limit=time_limit,
                     options=options, json_out=json_out)

@@ -205,6 +205,8 @@ def test_a_real_process_group_is_not_replaced():
 @pytest.mark.parametrize(("argv", "text"), [
     (["plan", "mlp", "--fake", "--nproc", "2", "--engine", "zero"], "--engine 'zero': choose ddp or fsdp"),
     (["plan", "mlp", "--fake", "--nproc", "0"], "--nproc 0: need at least 1 rank"),
+    (["run", "mlp", "--fake", "--nproc", "-1"], "--nproc -1: need at least 1 rank"),
+    (["run", "mlp", "--fake", "--nproc", "2", "--engine", "zero"], "--engine 'zero': choose ddp or fsdp"),
     (["profile", "mlp", "--nproc", "2"], "memplan profile --nproc 2 needs --fake"),
     (["plan", "mlp", "--fake", "--nproc", "2", "--budget", "lots"], "lots"),
 ])
