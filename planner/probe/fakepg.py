@@ -314,7 +314,7 @@ def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: st
             raise
         except Exception as e:  # noqa: BLE001 - torch's own error, said in one line with the rank
             raise FakeProcessGroupError(f"rank {rank} of {world_size} under {engine} cannot be traced with the "
-                                        f"fake process group: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+                                        f"fake process group: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from e
     timer = timer or OpTimer(torch.device("cpu"))
     recorded = [c for c in memory.calls if c[2] is not None]
     highs = dict(zip((id(c) for c in recorded), (t.high_bytes for t in timer.time([c[2] for c in recorded])),
