@@ -243,13 +243,14 @@ def _cuda_rank_peak(build, batch, loss_fn, device) -> tuple[int, int]:
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """A markdown table of :func:`run_distributed`'s rows."""
-    out = ["| engine | rank | plan | recomputed | measured start | measured peak | predicted peak | error |",
+    seen = "traced" if rows and all(r.get("fake") for r in rows) else "measured"  # --fake: the fake-pg trace
+    out = [f"| engine | rank | plan | recomputed | {seen} start | {seen} peak | predicted peak | error |",
            "|---|--:|---|--:|--:|--:|--:|--:|"]
     for r in sorted(rows, key=lambda r: (r["plan"] != "keep all", r["rank"])):
         if r.get("fake"):  # plan_ranks_fake: traced under the fake process group (keep all), not measured
             traced = r.get("traced_peak_bytes") is not None
-            start = f"{format_bytes(r['traced_start_bytes'])} (traced)" if traced else "-"
-            peak = f"{format_bytes(r['traced_peak_bytes'])} (traced)" if traced else "-"
+            start = format_bytes(r["traced_start_bytes"]) if traced else "-"
+            peak = format_bytes(r["traced_peak_bytes"]) if traced else "-"
             error = f"{r['error']:+.2%}" if traced else "-"
             out.append(f"| {r['engine']} ({r['world_size']} ranks) | {r['rank']} | {r['plan']} | {r['recomputed']} | "
                        f"{start} | {peak} | {format_bytes(r['predicted_peak_bytes'])} | {error} |")
