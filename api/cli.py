@@ -112,6 +112,12 @@ SpecOpt = Annotated[str | None, typer.Option(
                                                "spec (implies --fake): a100-80gb, h100-80gb, l4, rtx-4090 or a "
                                                "JSON file")]
 
+NprocOpt = Annotated[int, typer.Option("--nproc", max=64, help="ranks: with --fake, each rank's memory "
+                                                                     "for N ranks, traced in this process under "
+                                                                     "PyTorch's fake process group")]
+EngineOpt = Annotated[str, typer.Option(help="with --nproc > 1: ddp (DistributedDataParallel) or fsdp (FSDP2 "
+                                             "fully_shard per block)")]
+
 
 def _profile_workload(w: Any, *, fake: bool, device_spec: str | None, device: str | None = None,
                       repeats: int = 3, json_out: bool = False) -> Graph:
@@ -180,11 +186,19 @@ def profile(
     options: SetOpt = None,
     fake: FakeOpt = False,
     device_spec: SpecOpt = None,
+    nproc: NprocOpt = 1,
+    engine: EngineOpt = "ddp",
     json_out: JsonOpt = False,
 ) -> None:
-    """Profile a training step of WORKLOAD (real, or under fake tensors) and write its graph."""
+    """Profile a training step of WORKLOAD (real, or under fake tensors) and write its graph. With --fake
+    --nproc N, print each rank's traced keep-everything peak under --engine instead (no graph written)."""
     from memplan.planner.workloads import load_workload
 
+    _needs_fake("profile", nproc, fake)
+    if nproc > 1:
+        _ranks_fake(workload, nproc=nproc, engine=engine, budget=None, solver="auto", time_limit=0.0,
+                    options=options, json_out=json_out)
+        return
     _writable(output)
     w = load_workload(workload, **_workload_options(options))
     graph = _profile_workload(w, fake=fake, device_spec=device_spec, device=device, repeats=repeats,
@@ -414,13 +428,21 @@ def plan_workload(
     options: SetOpt = None,
     fake: FakeOpt = False,
     device_spec: SpecOpt = None,
+    nproc: NprocOpt = 1,
+    engine: EngineOpt = "ddp",
     json_out: JsonOpt = False,
 ) -> None:
-    """Profile WORKLOAD, solve under BUDGET and write the graph and the plan."""
+    """Profile WORKLOAD, solve under BUDGET and write the graph and the plan. With --fake --nproc N, print
+    each rank's plan, predicted and traced peak under --engine instead (nothing written)."""
     from memplan.planner.workloads import load_workload
     from memplan.solvers import keep_all_report
     from memplan.solvers import solve as run_solve
 
+    _needs_fake("plan", nproc, fake)
+    if nproc > 1:
+        _ranks_fake(workload, nproc=nproc, engine=engine, budget=budget, solver=solver, time_limit=time_limit,
+                    options=options, json_out=json_out)
+        return
     check_budget(budget)  # before profiling: a typo is not found a minute later
     _writable(output, graph_output)
     w = load_workload(workload, **_workload_options(options))
@@ -557,7 +579,7 @@ def run_workload(
                                                   help="also measure the step without the plan (default: "
                                                        "yes, but not with --fake)")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
-    nproc: Annotated[int, typer.Option("--nproc", min=1, max=64,
+    nproc: Annotated[int, typer.Option("--nproc", max=64,
                                        help="processes on this machine (torch.distributed: gloo on CPU, "
                                             "nccl on CUDA); more than 1 trains under --engine")] = 1,
     engine: Annotated[str, typer.Option(help="with --nproc > 1: ddp (DistributedDataParallel) or fsdp "
@@ -572,15 +594,11 @@ def run_workload(
     plan's memory is allocated: the profile is fake and keep-everything is predicted, not measured."""
     if keep_all is None:
         keep_all = not fake
+    if nproc < 1:
+        raise MemplanError(f"--nproc {nproc}: need at least 1 rank")
     if nproc > 1 and fake:  # every rank's plan in this process, nothing trained
-        from memplan.api.distributed import format_rows, plan_ranks_fake
-
-        rows = plan_ranks_fake(workload, world_size=nproc, engine=engine, budget=budget, solver=solver,
-                               time_limit_s=time_limit, workload_options=_workload_options(options))
-        if json_out:
-            _emit_json({"workload": workload, "engine": engine, "world_size": nproc, "fake": True, "ranks": rows})
-        else:
-            out.print(format_rows(rows))
+        _ranks_fake(workload, nproc=nproc, engine=engine, budget=budget, solver=solver, time_limit=time_limit,
+                    options=options, json_out=json_out)
         return
     if nproc > 1:
         _run_distributed(workload, nproc=nproc, engine=engine, budget=budget, solver=solver, fuse=fuse,
@@ -645,6 +663,32 @@ def _free_loopback_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ranks_fake(workload: str, *, nproc: int, engine: str, budget: str | None, solver: str, time_limit: float,
+                options: list[str] | None, json_out: bool) -> None:
+    """``--fake --nproc N``: every rank's traced and predicted peak in this process (nothing trained):
+    :func:`memplan.api.distributed.plan_ranks_fake`."""
+    from memplan.api.distributed import format_rows, plan_ranks_fake
+    from memplan.planner.probe.distributed import ENGINES
+
+    if engine not in ENGINES:
+        raise MemplanError(f"--engine {engine!r}: choose {' or '.join(ENGINES)}")
+    with _working(f"tracing {nproc} {engine} ranks under the fake process group", quiet=json_out):
+        rows = plan_ranks_fake(workload, world_size=nproc, engine=engine, budget=budget, solver=solver,
+                               time_limit_s=time_limit, workload_options=_workload_options(options))
+    if json_out:
+        _emit_json({"workload": workload, "engine": engine, "world_size": nproc, "fake": True, "ranks": rows})
+    else:
+        out.print(format_rows(rows))
+
+
+def _needs_fake(command: str, nproc: int, fake: bool) -> None:
+    if nproc < 1:
+        raise MemplanError(f"--nproc {nproc}: need at least 1 rank")
+    if nproc > 1 and not fake:
+        raise MemplanError(f"memplan {command} --nproc {nproc} needs --fake (each rank traced in this process); "
+                           f"memplan run --nproc {nproc} trains on {nproc} processes")
 
 
 def _dist_worker(rank: int, world: int, port: int, kwargs: dict[str, Any], result_path: str) -> None:

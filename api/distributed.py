@@ -31,7 +31,7 @@ from memplan.planner import simulate
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
-from memplan.planner.core.units import format_bytes
+from memplan.planner.core.units import check_budget, format_bytes
 from memplan.planner.probe.distributed import (
     ENGINES,
     for_ddp,
@@ -151,16 +151,29 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
 
 
 
-def plan_ranks_fake(workload: str, *, world_size: int, engine: str, budget: str, solver: str = "auto",
+def plan_ranks_fake(workload: str, *, world_size: int, engine: str, budget: str | None, solver: str = "auto",
                     time_limit_s: float = 30.0, workload_options: dict[str, Any] | None = None,
-                    device_spec: Any = None) -> list[dict[str, Any]]:
-    """Each rank's memory for ``world_size`` ranks, in this one process and without training: the bare
-    module profiled under fake tensors (one rank's batch), adjusted for what an ``engine`` rank holds
-    (:func:`for_ddp`, :func:`for_fsdp` over :func:`block_prefixes`), solved under ``budget``. Rows as
-    :func:`run_distributed`'s, predicted only (``measured_*`` None): every rank runs the same ops on
-    equal shards, so the rows are the same for every rank. ``memplan run --fake --nproc N`` prints them."""
+                    device_spec: Any = None, trace: bool = True, ranks: list[int] | None = None,
+                    backend: str = "gloo") -> list[dict[str, Any]]:
+    """Each rank's memory for ``world_size`` ranks, in this one process and without training.
+
+    The plan: the bare module profiled under fake tensors (one rank's batch), adjusted for what an
+    ``engine`` rank holds (:func:`for_ddp`, :func:`for_fsdp` over :func:`block_prefixes`), solved under
+    ``budget`` (None: no plan, keep-everything rows only). With ``trace``, each of ``ranks`` (None: all)
+    also runs its real wrapped step under PyTorch's fake process group
+    (:func:`memplan.planner.probe.fakepg.trace_ranks`: FSDP2 under fake tensors, DDP with real tensors),
+    whose figures go into the keep-everything rows as ``traced_start_bytes`` / ``traced_peak_bytes``
+    (``error``: the prediction against them), and whose parameter and optimizer-state bytes replace the
+    transform's in the rank's graph before solving (docs/model.md, "Ranks without the ranks"). Rows as :func:`run_distributed`'s, with
+    ``measured_*`` None and ``fake`` True. ``memplan plan|run|profile --fake --nproc N`` prints them."""
+    from memplan.planner.probe.fakepg import trace_ranks
+
     if engine not in ENGINES:
         raise MemplanError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if world_size < 1:
+        raise MemplanError(f"--nproc {world_size}: need at least 1 rank")
+    if budget is not None:
+        check_budget(budget)  # before profiling: a typo is not found a minute later
     wl = load_workload(workload, **(workload_options or {}))
     graph = profile(wl.model, wl.batch, wl.loss_fn, progress=False, fake=True, device_spec=device_spec,
                     name=workload)
@@ -169,30 +182,56 @@ def plan_ranks_fake(workload: str, *, world_size: int, engine: str, budget: str,
         rank_graph = for_ddp(graph, world_size)
     else:
         rank_graph = for_fsdp(graph, fsdp_units(wl.model, prefixes, world_size), world_size,
-                              backend="nccl" if graph.device == "cuda" else "gloo")
-    budget_bytes = resolve_budget(budget, rank_graph)
-    plan = solve(rank_graph, budget_bytes, solver, time_limit_s=time_limit_s).plan
-    if engine == "fsdp":
-        plan, _ = keep_within_units(rank_graph, plan, prefixes)
+                              backend="nccl" if graph.device == "cuda" else backend)
+    traced = {}
+    if trace:
+        traced = {t.rank: t for t in trace_ranks(wl.model, wl.batch, wl.loss_fn, engine=engine,
+                                                 world_size=world_size, prefixes=prefixes, ranks=ranks,
+                                                 backend="nccl" if graph.device == "cuda" else backend)}
+    if traced:
+        # what a rank holds between steps is the trace's, not the transform's scaling: the shards as FSDP2
+        # pads them and the optimizer state as the optimizer makes it (AdamW's step counters are whole on
+        # every rank, not 1/N)
+        held = traced[min(traced)]
+        rank_graph.fixed.params_bytes = held.params_bytes
+        rank_graph.fixed.optimizer_state_bytes = held.optimizer_state_bytes
+        rank_graph = rank_graph.invalidate()
+    plans: list[tuple[str, Plan | None]] = [("keep all", None)]
+    if budget is not None:
+        budget_bytes = resolve_budget(budget, rank_graph)
+        plan = solve(rank_graph, budget_bytes, solver, time_limit_s=time_limit_s).plan
+        if engine == "fsdp":
+            plan, _ = keep_within_units(rank_graph, plan, prefixes)
+        plans.append((plan.solver.name, plan))
     rows = []
-    for label, p in (("keep all", None), (plan.solver.name, plan)):
+    for label, p in plans:
         predicted = simulate(rank_graph, p or Plan.keep_all(rank_graph), timeline=False).peak_bytes
-        for rank in range(world_size):
+        for rank in (range(world_size) if ranks is None else ranks):
+            t = traced.get(rank) if p is None else None
             rows.append({"rank": rank, "engine": engine, "world_size": world_size, "plan": label,
                          "recomputed": sum(a == "recompute" for a in (p.actions() if p else {}).values()),
                          "predicted_peak_bytes": predicted, "measured_peak_bytes": None,
-                         "measured_start_bytes": None, "error": None, "fake": True})
+                         "measured_start_bytes": None,
+                         "traced_peak_bytes": t.peak_bytes if t else None,
+                         "traced_start_bytes": t.start_bytes if t else None,
+                         "trace": t.as_dict() if t else None,
+                         "error": predicted / t.peak_bytes - 1 if t and t.peak_bytes else None, "fake": True})
     return rows
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """A markdown table of :func:`run_distributed`'s rows."""
-    out = ["| engine | rank | plan | recomputed | measured start | measured peak | predicted peak | error |",
+    seen = "traced" if rows and all(r.get("fake") for r in rows) else "measured"  # --fake: the fake-pg trace
+    out = [f"| engine | rank | plan | recomputed | {seen} start | {seen} peak | predicted peak | error |",
            "|---|--:|---|--:|--:|--:|--:|--:|"]
     for r in sorted(rows, key=lambda r: (r["plan"] != "keep all", r["rank"])):
-        if r.get("fake"):  # plan_ranks_fake: predicted only
+        if r.get("fake"):  # plan_ranks_fake: traced under the fake process group (keep all), not measured
+            traced = r.get("traced_peak_bytes") is not None
+            start = format_bytes(r["traced_start_bytes"]) if traced else "-"
+            peak = format_bytes(r["traced_peak_bytes"]) if traced else "-"
+            error = f"{r['error']:+.2%}" if traced else "-"
             out.append(f"| {r['engine']} ({r['world_size']} ranks) | {r['rank']} | {r['plan']} | {r['recomputed']} | "
-                       f"- | - | {format_bytes(r['predicted_peak_bytes'])} | - |")
+                       f"{start} | {peak} | {format_bytes(r['predicted_peak_bytes'])} | {error} |")
             continue
         out.append(f"| {r['engine']} ({r['world_size']} ranks) | {r['rank']} | {r['plan']} | {r['recomputed']} | "
                    f"{format_bytes(r['measured_start_bytes'])} | {format_bytes(r['measured_peak_bytes'])} | "

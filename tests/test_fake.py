@@ -279,7 +279,7 @@ def test_fake_ranks_predict_each_ranks_peak_as_the_real_profile_does(engine, cac
 
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(cache.parent))
     opts = {"n_layer": 2, "seq_len": 64}
-    rows = plan_ranks_fake("gpt2", world_size=4, engine=engine, budget="80%", time_limit_s=3,
+    rows = plan_ranks_fake("gpt2", world_size=4, engine=engine, budget="80%", time_limit_s=3, trace=False,
                            workload_options=opts)
     assert sorted(r["rank"] for r in rows if r["plan"] == "keep all") == [0, 1, 2, 3]
     w = load_workload("gpt2", **opts)
