@@ -21,7 +21,6 @@ from memplan.planner.probe.distributed import (
     for_ddp,
     for_fsdp,
     fsdp_units,
-    measure_rank_step,
 )
 from memplan.planner.probe.fakepg import (
     FakeProcessGroupError,
@@ -30,6 +29,7 @@ from memplan.planner.probe.fakepg import (
     trace_rank_step,
     trace_ranks,
 )
+from memplan.planner.probe.measure import measure_rank_step
 from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import default_optimizer

@@ -23,7 +23,7 @@ unused-parameter map with ``find_unused_parameters=True``), which fake tensors d
 :func:`measure_ddp_rank` runs a DDP rank with the fake process group and real tensors instead and reads
 the allocator: exact, for one rank's real memory.
 
-The figures are those :func:`memplan.planner.probe.distributed.measure_rank_step` reads from the allocator
+The figures are those :func:`memplan.planner.probe.measure.measure_rank_step` reads from the allocator
 in a real run: ``start_bytes`` live when the measured step begins (gradients released), ``peak_bytes`` the
 highest live bytes during it, the batch included.
 """
@@ -373,13 +373,13 @@ def _batch_bytes(batch: Any) -> int:
 def measure_ddp_rank(model: nn.Module, batch: Any, loss_fn: LossFn, *, world_size: int, rank: int = 0,
                      backend: str = "gloo") -> RankTrace:
     """One DDP rank's step with the fake process group and *real* tensors, measured from the allocator
-    (:func:`memplan.planner.probe.distributed.measure_rank_step`, 2 warm-up steps): DDP's C++ reducer
+    (:func:`memplan.planner.probe.measure.measure_rank_step`, 2 warm-up steps): DDP's C++ reducer
     cannot run under ``FakeTensorMode`` in torch 2.13 (it reads tensor data: the parameter-shape check at
     construction, the bucket-index broadcast when it rebuilds its buckets in the second forward, the
     unused-parameter map at the end of backward), so a DDP rank costs one rank's real memory here. A DDP
     rank's memory does not depend on the world size (every rank holds the whole model and one bucket
     copy of its gradients); gloo's and NCCL's allreduce allocate nothing through the allocator."""
-    from memplan.planner.probe.distributed import measure_rank_step
+    from memplan.planner.probe.measure import measure_rank_step
 
     if backend not in BACKENDS:
         raise DistributedPlanError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
