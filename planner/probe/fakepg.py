@@ -49,7 +49,8 @@ from memplan.planner.core.errors import MemplanError
 from memplan.planner.probe.distributed import ENGINES, DistributedPlanError
 from memplan.planner.probe.fake import fake_call
 from memplan.planner.probe.optime import OpTimer, record_call
-from memplan.planner.workloads import LossFn, compute_loss, default_optimizer
+from memplan.planner.probe.storage import tensors_in
+from memplan.planner.workloads import LossFn, default_optimizer, training_step
 
 BACKENDS = ("gloo", "nccl")
 # collectives whose CPU (gloo) implementation copies its full flat buffer once: (op, index of that buffer)
@@ -188,12 +189,12 @@ class _RankMemory(TorchDispatchMode):
             self.collectives += 1
             index = _GLOO_COPIES.get(func)
             if self.gloo and index is not None:
-                transient = sum(_nbytes(t) for t in _tensors(args[index]))
+                transient = sum(_nbytes(t) for t in tensors_in(args[index]))
         out = fake_call(func, args, kwargs, self.ranges[-1] if self.ranges else self.phase)
-        new = sum(self.add(t) for t in _tensors(out))
+        new = sum(self.add(t) for t in tensors_in(out))
         if self.recording:
             call = None
-            tensors = _tensors((args, kwargs, out))
+            tensors = tensors_in((args, kwargs, out))
             if func.namespace == "aten" and tensors and all(type(t) in (FakeTensor, torch.Tensor) for t in tensors):
                 call = record_call(func, args, kwargs, out)
             where = f"{func}" + (f" in {self.ranges[-1]}" if self.ranges else "")
@@ -215,20 +216,6 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
 def _nbytes(t: torch.Tensor) -> int:
     local = _local(t)
     return 0 if local is None else local.untyped_storage().nbytes()
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    stack = [x]
-    while stack:
-        y = stack.pop()
-        if isinstance(y, torch.Tensor):
-            out.append(y)
-        elif isinstance(y, (list, tuple)):
-            stack.extend(y)
-        elif isinstance(y, dict):
-            stack.extend(y.values())
-    return out
 
 
 def _fake_copy(model: nn.Module) -> nn.Module:
@@ -295,7 +282,7 @@ def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: st
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         try:
             with fake_mode, memory:
-                for t in _tensors(batch):  # real, allocated before the step as in a real run
+                for t in tensors_in(batch):  # real, allocated before the step as in a real run
                     memory.add(t)
                 train_model, bare, optimizer = _wrapped(model, prefixes, mesh)
                 params = sum(_nbytes(p) for p in bare.parameters())
@@ -303,7 +290,7 @@ def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: st
                     _step(train_model, batch, loss_fn, optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 memory.poll()
-                state = sum(_nbytes(t) for s in optimizer.state.values() for t in _tensors(s))
+                state = sum(_nbytes(t) for s in optimizer.state.values() for t in tensors_in(s))
                 start = memory.live
                 memory.recording = True
                 memory.phase = "forward"
@@ -347,22 +334,19 @@ def _wrapped(model: nn.Module, prefixes: Any, mesh: Any) -> tuple[nn.Module, nn.
 
 
 def _step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: Any, memory: _RankMemory | None = None) -> None:
-    """One training step (``measure_rank_step``'s): zero_grad, forward, backward, optimizer step."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = compute_loss(model, batch, loss_fn)
-    if memory is not None:
-        memory.phase = "backward"
-    loss.backward()
-    if memory is not None:
-        memory.phase = "optimizer"
-    optimizer.step()
-    del loss
+    """One training step (:func:`memplan.planner.workloads.training_step`), telling ``memory`` each phase."""
+    def run_phase(phase: str, fn: Any) -> Any:
+        if memory is not None:
+            memory.phase = phase
+        return fn()
+
+    training_step(model, batch, loss_fn, optimizer, run_phase=run_phase)
 
 
 def _batch_bytes(batch: Any) -> int:
     seen: set[int] = set()
     total = 0
-    for t in _tensors(batch):
+    for t in tensors_in(batch):
         s = t.untyped_storage()
         if s._cdata not in seen:
             seen.add(s._cdata)
@@ -400,7 +384,7 @@ def measure_ddp_rank(model: nn.Module, batch: Any, loss_fn: LossFn, *, world_siz
         m = measure_rank_step(build, batch, loss_fn, warmup=2, rank=rank)
         bare, optimizer = held[0]
         params = sum(p.untyped_storage().nbytes() for p in bare.parameters())
-        state = sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in _tensors(s))
+        state = sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in tensors_in(s))
     return RankTrace(rank=rank, world_size=world_size, engine="ddp", backend=backend, peak_bytes=m.peak_bytes,
                      start_bytes=m.start_bytes, peak_phase="", peak_call="", params_bytes=params,
                      optimizer_state_bytes=state, engine_bytes=m.start_bytes - params - state - _batch_bytes(batch),
