@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.executor import apply
-from memplan.executor.runtime import _Step
+from memplan.executor.runtime import Step
 from memplan.planner import simulate
 from memplan.planner.core.errors import Infeasible, MemplanError, PlanMismatch
 from memplan.planner.core.graph import Graph
@@ -453,7 +453,7 @@ def test_parameters_and_their_views_are_never_offloaded(monkeypatch):
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     packed_params: list[bool] = []
     offloaded: list[int] = []
-    real_pack, real_offload = _Step.pack, _Step._offload
+    real_pack, real_offload = Step.pack, Step._offload
 
     def pack(self, t):
         out = real_pack(self, t)
@@ -465,8 +465,8 @@ def test_parameters_and_their_views_are_never_offloaded(monkeypatch):
         offloaded.append((tid, s.data_ptr()))
         return real_offload(self, tid, s)
 
-    monkeypatch.setattr(_Step, "pack", pack)
-    monkeypatch.setattr(_Step, "_offload", offload)
+    monkeypatch.setattr(Step, "pack", pack)
+    monkeypatch.setattr(Step, "_offload", offload)
     w = workload("gpt2")
     opt = adamw(model)
     ex = apply(model, plan, graph=g, optimizer=opt)
