@@ -617,11 +617,17 @@ class Step:
         self.log.append(ScheduleEvent("replay", "backward", None, target, r.ops))
         rebuilds = set(r.rebuilds)
         made: dict[int, torch.UntypedStorage] = {}
-        with self.ex.internal(), torch.no_grad():
+        made_tensors: dict[int, torch.Tensor] = {}  # the op's own output: a reader with its view takes it as is
+        ex = self.ex
+        busy, ex.busy = ex.busy, True  # the executor's own ops (Executor.internal, without its generator)
+        grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        try:
             for p, freed in zip(r.ops, r.frees_after, strict=True):
-                for tid, s in self._run(p, made):
+                for tid, s, t in self._run(p, made, made_tensors):
                     if tid in rebuilds and tid not in made:
                         made[tid] = s
+                        made_tensors[tid] = t
                         # Remember the rebuilt storage itself: after its last unpack autograd still holds
                         # it while the node runs, and a replay for another saved tensor of the same node
                         # (layer norm's mean after its input) must find it, not rebuild it a second time;
@@ -629,16 +635,27 @@ class Step:
                         self.storages[tid] = weakref.ref(s)
                 self.replays += 1
                 for u in freed:
-                    del made[u]
+                    del made[u], made_tensors[u]
+        finally:
+            torch.set_grad_enabled(grad)
+            ex.busy = busy
         for u in r.kept:
             self.cache[u] = made[u]
 
-    def _run(self, p: int, made: dict[int, torch.UntypedStorage]) -> list[tuple[int, torch.UntypedStorage]]:
+    def _run(self, p: int, made: dict[int, torch.UntypedStorage],
+             made_tensors: dict[int, torch.Tensor]) -> list[tuple[int, torch.UntypedStorage, torch.Tensor]]:
+        """Run recorded op ``p`` on its arguments' current storages (``made``: re-created by this replay,
+        ``made_tensors`` their tensors as their ops returned them). Returns its new storages: (tensor id,
+        storage, the output tensor)."""
         rec = self.recipes[p]
 
         def value(x: Any) -> Any:
             if not isinstance(x, _Ref):
                 return x
+            t = made_tensors.get(x.tid)
+            if (t is not None and t.dtype == x.dtype and t.storage_offset() == x.offset and t.size() == x.size
+                    and t.stride() == x.stride):
+                return t  # read with the geometry its op made it with: no view to build
             s = made.get(x.tid)
             if s is None:
                 s = self.available(x.tid)
@@ -672,7 +689,7 @@ class Step:
                     torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
                 out = rec.func(*args, **kwargs)
         outs = (out,) if isinstance(out, torch.Tensor) else tensors_in(out)
-        return [(tid, outs[pos].untyped_storage()) for pos, tid in rec.new]
+        return [(tid, outs[pos].untyped_storage(), outs[pos]) for pos, tid in rec.new]
 
 
 def _reached(step_ref: weakref.ref, k: int) -> None:

@@ -283,10 +283,11 @@ class _Tracer(TorchDispatchMode):
         if self.memory == "cuda":
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+        clock = op_clock()
+        start = clock()
         out = func(*args, **kwargs)
         self.sync()
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         if self.memory == "cuda":
             self.high[number] = torch.cuda.max_memory_allocated() - before
         return out, seconds, number
@@ -913,14 +914,27 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         plain = plain_step_times(model, batch, loss_fn, optimizer, sync, repeats)
     calibrate_times(graph, *plain)
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
+    graph.watch_op_dispatch_s = WATCH_OP_DISPATCH_S
     return graph
 
 
-# What the executor pays per replayed op beyond the op itself: resolving its recipe's tensor references
-# to views, the check for arguments written in place, and the replay's own planning (planner/core/replay.py).
-# Measured on the benchmark machine (2-core CPU, Python 3.11, torch 2.13) by replaying recorded ops on
-# tiny tensors against calling them directly (docs/model.md, "Time").
-REPLAY_OP_DISPATCH_S = 15e-6
+def op_clock() -> Callable[[], float]:
+    """The clock an op is timed with: with one torch thread on a machine without CUDA, the thread's CPU
+    time (the op runs on the calling thread; other jobs' time slices on a shared machine would otherwise
+    land on the longest ops and skew the op times against each other; calibrate_times then scales the
+    sum to a plain step's wall time); else wall time."""
+    if torch.get_num_threads() == 1 and not torch.cuda.is_available():
+        return time.thread_time
+    return time.perf_counter
+
+
+# What the executor pays per replayed op beyond the op itself (resolving its recipe's tensor references to
+# views, the replay's planning, the unpack that asks for it) and per forward op it watches under a plan
+# (its dispatch mode; the saved-tensor and module hooks spread over them). Measured by
+# benchmarks/dispatch.py on the benchmark machine (2-core CPU, Python 3.11, torch 2.13): tiny GPT-2 and
+# BERT steps, planned against plain, in CPU time (docs/model.md, "Time").
+REPLAY_OP_DISPATCH_S = 150e-6
+WATCH_OP_DISPATCH_S = 30e-6
 
 
 def plain_step_times(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
@@ -1086,6 +1100,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     # the plan runs on the same executor whichever way the graph was profiled (isolated op times need no
     # calibration: no tracing instrumentation was on while they ran)
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
+    graph.watch_op_dispatch_s = WATCH_OP_DISPATCH_S
     return graph
 
 
