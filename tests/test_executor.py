@@ -336,6 +336,42 @@ def test_forward_on_another_batch_shape_is_refused_naming_the_op():
     assert _get_current_dispatch_mode() is None  # nothing of the executor is left active
 
 
+def test_later_steps_on_the_fast_path_still_refuse_a_divergent_step():
+    """After the first step (which watches every op) a step checks only the op at each position inside the
+    plan's window, and the shapes of the tensors the plan moves: a batch of 2 and a model whose
+    activations became GELU are both refused naming the op; the executor leaves nothing active, and the
+    right step then trains as before."""
+    model = fresh_model("gpt2")
+    w = workload("gpt2")
+    small = {k: v[:2] for k, v in w.batch.items()}
+    opt = adamw(model)
+    ex = apply(model, plan_of("gpt2", "dp"), graph=graph_of("gpt2"), optimizer=opt)
+    try:
+        w.loss_fn(model, w.batch).backward()
+        opt.step()
+        assert ex.learned and ex.watch_plan.ops > 0
+        with pytest.raises(PlanMismatch, match=r"forward op \d+ \(aten\.\w+\.\w+, module [\w.]+\) made tensor "
+                                               r"\d+ as \w+\[2, .*the profiled graph has \w+\[4, "):
+            w.loss_fn(model, small)
+        opt.zero_grad(set_to_none=True)
+        acts = [m for m in model.modules() if hasattr(m, "act")]
+        originals = [m.act for m in acts]
+        for m in acts:
+            m.act = nn.GELU()
+        with pytest.raises(PlanMismatch, match=r"forward op \d+ differs from the profiled graph: the plan expects "
+                                               r"aten\.\w+\.\w+ \(module [\w.]+\), the model ran aten\.gelu"):
+            w.loss_fn(model, w.batch)
+        for m, act in zip(acts, originals, strict=True):
+            m.act = act
+        opt.zero_grad(set_to_none=True)
+        w.loss_fn(model, w.batch).backward()
+        opt.step()
+        assert ex.last_step.fast and ex.last_step.replays > 0
+    finally:
+        ex.remove()
+    assert _get_current_dispatch_mode() is None
+
+
 def test_fusion_without_the_optimizer_is_refused():
     with pytest.raises(MemplanError, match=r"fuse='backward' needs the optimizer"):
         apply(fresh_model("mlp"), _mlp_plan(), graph=graph_of("mlp"), fuse="backward")
