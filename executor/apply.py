@@ -13,11 +13,16 @@ counted them) and its forward ends when backward starts; the mode is left at ``o
 next forward, or at ``remove()``. Only training forwards with grad enabled are planned.
 
 What a step pays is what its plan needs: a plan that moves nothing (and no fusion) runs with neither the
-mode nor the hooks, as plain training; otherwise the mode is left (the hooks stay) at the first module
-boundary (a forward pre- or post-hook) after the last forward op the plan needs watched (``watch_until``:
-the last producer or saver of a moved tensor, the last op a replay runs, the last pin or prefetch point),
-so the rest of forward and all of backward dispatch plainly. Ops past that point are not matched against
-the graph (a divergence there cannot touch a decision).
+mode nor the hooks, as plain training. Otherwise the saved-tensor hooks are on for all of forward and the
+mode for the window of ops the plan needs watched (``planner/core/watch.py``, which the simulator charges:
+from the producer of the first tensor it moves, reads or re-creates to the last op a replay runs). The
+first step watches every op from the start; it learns each op's ATen overload, where its new tensors are
+among its outputs, and the op position at each module boundary. Later steps enter the mode at the last
+module boundary before the window and leave it at the first after it; inside, an op the plan decides
+nothing about is only checked to be the graph's op at that position (its overload compared by identity),
+and the ops that produce tracked tensors or are replayed take the full handler (recipes, shape checks,
+tensor ids). Ops outside the window are not matched against the graph (a divergence there cannot touch a
+decision); a divergence inside it, or a tracked tensor of another shape, is refused naming the op.
 """
 
 from __future__ import annotations

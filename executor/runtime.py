@@ -9,6 +9,10 @@ How a step runs (see docs/model.md for the model it reproduces):
   step stops with :class:`PlanMismatch` naming the first divergent op. One difference is expected and
   skipped: with ``saved_tensors_hooks`` installed, autograd no longer dispatches the ``aten.detach`` it
   runs when it saves an op's output, and those detaches (no new storage, nothing saved) are in the graph.
+* **Fast path.** The first step runs every op through the full handler above and learns each op's
+  overload and its new storages' positions; later steps (``Step.fast``) compare an op's overload by
+  identity and run it, and only the ops ``planner/core/watch.py`` says the plan needs (producers of tracked
+  tensors, replayed ops) take the full handler, which maps just the tracked tensors to their ids.
 * **Saved tensors** go through ``saved_tensors_hooks``. A *kept* one (and every parameter, buffer, input,
   or view of one: they are not activations) is returned as is. A *recomputed* one is packed as a handle
   (tensor id and view geometry), and autograd no longer holds its storage, which dies at its last forward
