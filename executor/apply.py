@@ -13,11 +13,16 @@ counted them) and its forward ends when backward starts; the mode is left at ``o
 next forward, or at ``remove()``. Only training forwards with grad enabled are planned.
 
 What a step pays is what its plan needs: a plan that moves nothing (and no fusion) runs with neither the
-mode nor the hooks, as plain training; otherwise the mode is left (the hooks stay) at the first module
-boundary (a forward pre- or post-hook) after the last forward op the plan needs watched (``watch_until``:
-the last producer or saver of a moved tensor, the last op a replay runs, the last pin or prefetch point),
-so the rest of forward and all of backward dispatch plainly. Ops past that point are not matched against
-the graph (a divergence there cannot touch a decision).
+mode nor the hooks, as plain training. Otherwise the saved-tensor hooks are on for all of forward and the
+mode for the window of ops the plan needs watched (``planner/core/watch.py``, which the simulator charges:
+from the producer of the first tensor it moves, reads or re-creates to the last op a replay runs). The
+first step watches every op from the start; it learns each op's ATen overload, where its new tensors are
+among its outputs, and the op position at each module boundary. Later steps enter the mode at the last
+module boundary before the window and leave it at the first after it; inside, an op the plan decides
+nothing about is only checked to be the graph's op at that position (its overload compared by identity),
+and the ops that produce tracked tensors or are replayed take the full handler (recipes, shape checks,
+tensor ids). Ops outside the window are not matched against the graph (a divergence there cannot touch a
+decision); a divergence inside it, or a tracked tensor of another shape, is refused naming the op.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.executor.optim import FusedOptimizer
-from memplan.executor.runtime import HostPool, _Mode, _Packed, _Step, prefetch_order
+from memplan.executor.runtime import HostPool, Packed, Step, StepMode, prefetch_order
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.schedule import Schedule, schedule
 from memplan.planner.core.shapes import family_of
 from memplan.planner.core.simulator import static_facts
+from memplan.planner.core.watch import Watch, forward_watch
 from memplan.planner.probe.profiler import model_fingerprint
 
 
@@ -132,37 +138,45 @@ class Executor:
         self.prefetch_order = prefetch_order(self.schedule.prefetch_at)
         self.pins = dict(self.schedule.pins)
         self.tag_nodes = bool(offloaded) or bool(self.pins)
-        # The last forward op the step must watch: past it no tensor is packed for a decision, no recipe
-        # is recorded, nothing pinned, no node tagged for a prefetch. At the first module boundary after
-        # it the mode is left (the saved-tensor hooks stay), so the rest of forward and all of backward dispatch plainly.
-        savers = graph.savers
-        tail = [graph.tensors[t].producer for t in [*self.actions, *self.pins]]
-        tail += [max(savers.get(t, [-1])) for t in self.actions]
-        tail += [*self.recorded_ops, *self.schedule.prefetch_at.values()]
-        # an offloaded tensor written in place after its first saver is copied after its last writer
-        d2h_after = static_facts(graph).d2h_after
-        tail += [d2h_after[t] for t in offloaded if t in d2h_after]
-        self.watch_until = max(tail) if self.actions and fuse is None else len(graph.ops)
+        # The forward ops the step watches (planner/core/watch.py, which the simulator charges): the mode is
+        # entered at the last module boundary before ``watch.first`` and left at the first one after
+        # ``watch.last`` (the saved-tensor hooks stay on all forward), so the rest of forward and all of
+        # backward dispatch plainly. Inside, only the ``needed`` ops take the full handler.
+        if fuse is not None:  # fused steps check every op's inputs against pending updates
+            self.watch_plan = Watch(0, len(graph.ops), frozenset(range(len(graph.ops))), frozenset(), True)
+        else:
+            self.watch_plan = forward_watch(graph, self.actions, self.recorded_ops, self.pins,
+                                            self.schedule.prefetch_at.values(), static_facts(graph).d2h_after)
+        self.watch_until = self.watch_plan.last
+        self.needed = [k in self.watch_plan.needed for k in range(len(graph.ops))]
+        # learned by the first watched step (``Step.fast`` steps use them): op k's ATen overload, the
+        # positions of its new storages among its flattened outputs, and the op position at each module
+        # boundary (the order of forward pre- and post-hooks), where a later step enters the mode
+        self.funcs: list = [None] * len(graph.ops)
+        self.new_positions: list[tuple[int, ...] | None] = [None] * len(graph.ops)
+        self.boundaries: list[int] = []
+        self.learned = False
+        self.enter_at: int | None = None  # the boundary at which a fast step enters the mode (None: at once)
         self.last_real_op = max((op.id for op in graph.ops if op.name != "aten.detach.default"), default=-1)
         on_cuda = graph.device == "cuda" and torch.cuda.is_available()
         self.pool = HostPool(graph, offloaded, pin=on_cuda)  # allocated once, reused every step
         self.copy_stream = torch.cuda.Stream() if on_cuda and offloaded else None
         self.fixed_tensors = list(model.parameters()) + list(model.buffers())
-        self.step_state: _Step | None = None
-        self.last_step: _Step | None = None
+        self.step_state: Step | None = None
+        self.last_step: Step | None = None
         self.busy = False
         self.steps = 0
-        self._mode = _Mode(self)
+        self._mode = StepMode(self)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._entered = False
         self._mode_entered = False
         self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
                                      max_grad_norm=max_grad_norm) if fuse is not None else None)
         self._handles = [model.register_forward_pre_hook(self._begin)]
-        if self.watch_until < self.last_real_op:
+        if self.watch and fuse is None:
             for module in model.modules():
-                self._handles.append(module.register_forward_pre_hook(self._past_decisions))
-                self._handles.append(module.register_forward_hook(self._past_decisions))
+                self._handles.append(module.register_forward_pre_hook(self._boundary))
+                self._handles.append(module.register_forward_hook(self._boundary))
         if self.fused is not None and fuse == "forward":
             for module in self.fused.module_buckets:
                 if module is not model:
@@ -196,29 +210,57 @@ class Executor:
             self.fused.begin_forward()
             with self.internal():
                 self.fused.before_module(module)
-        self.step_state = _Step(self)
+        self.step_state = Step(self)
         self.steps += 1
         if not self.watch:
             self.step_state.forward_done = True
             return
-        self._mode.__enter__()
         self._hooks.__enter__()
-        self._entered = self._mode_entered = True
+        self._entered = True
+        if not (self.step_state.fast and self.enter_at is not None):  # else at boundary ``enter_at``
+            self._mode.__enter__()
+            self._mode_entered = True
 
-    def _past_decisions(self, *_args) -> None:
-        """At a module boundary: once forward has passed ``watch_until``, leave the mode for the rest of the
-        step. The saved-tensor hooks stay (their pack returns a kept tensor as is): with hooks installed
-        autograd keeps saved tensors as the profiled graph's lifetimes have them (leaving the hooks too
-        measured 12% below the predicted peak on GPT-2 under a DP plan)."""
+    def _boundary(self, *_args) -> None:
+        """At a module boundary (a forward pre- or post-hook of any module). The first watched step, watched
+        from its first op, records the op position at each boundary; a later step enters the mode at the
+        last boundary before ``watch.first`` (counting boundaries to find it). Once forward has passed
+        ``watch_until``, the mode is left for the rest of the step. The saved-tensor hooks stay on all
+        forward (their pack returns a kept tensor as is): with hooks installed autograd keeps saved tensors
+        as the profiled graph's lifetimes have them (leaving the hooks too measured 12% below the predicted
+        peak on GPT-2 under a DP plan)."""
         step = self.step_state
-        if (not self._mode_entered or step is None or step.forward_done or self.busy
-                or step.cursor <= self.watch_until or _get_current_dispatch_mode() is not self._mode):
+        if step is None or step.forward_done or self.busy:
+            return
+        if not step.fast:
+            if self._mode_entered:
+                self.boundaries.append(step.cursor)
+        else:
+            i = step.boundary
+            step.boundary = i + 1
+            if i == self.enter_at and not self._mode_entered:
+                step.enter(self.boundaries[i])
+                self._mode.__enter__()
+                self._mode_entered = True
+                return
+        if (not self._mode_entered or step.cursor <= self.watch_until
+                or _get_current_dispatch_mode() is not self._mode):
             return
         step.resolve_pending()
         step.unwatched_from = step.cursor
         step.forward_done = True
+        if not step.fast and not step.failed:
+            self.learn()
         self._mode_entered = False
         self._mode.__exit__(None, None, None)
+
+    def learn(self) -> None:
+        """The first watched step ran its forward through the window without a mismatch: later steps take
+        the fast path, entering the mode at the last recorded boundary before the window."""
+        self.learned = True
+        first = self.watch_plan.first
+        before = [i for i, c in enumerate(self.boundaries) if c <= first]
+        self.enter_at = before[-1] if before and first > 0 else None
 
     def begin_step(self, module: nn.Module) -> None:
         """Start a step now, as the pre-hook on ``module``'s forward does: for a caller that applies the plan
@@ -258,13 +300,14 @@ class Executor:
     # ---- saved-tensor hooks -------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
         step = self.step_state
-        if step is None or step.forward_done or self.busy:
+        # past the mode's window too: a tracked tensor is found by its storage, whichever op saves it
+        if step is None or step.failed or step.backward_started or self.busy:
             return t
         return step.pack(t)
 
     @staticmethod
     def _unpack(p):
-        if isinstance(p, _Packed):
+        if isinstance(p, Packed):
             return p.step.unpack(p)
         return p
 

@@ -9,6 +9,10 @@ How a step runs (see docs/model.md for the model it reproduces):
   step stops with :class:`PlanMismatch` naming the first divergent op. One difference is expected and
   skipped: with ``saved_tensors_hooks`` installed, autograd no longer dispatches the ``aten.detach`` it
   runs when it saves an op's output, and those detaches (no new storage, nothing saved) are in the graph.
+* **Fast path.** The first step runs every op through the full handler above and learns each op's
+  overload and its new storages' positions; later steps (``Step.fast``) compare an op's overload by
+  identity and run it, and only the ops ``planner/core/watch.py`` says the plan needs (producers of tracked
+  tensors, replayed ops) take the full handler, which maps just the tracked tensors to their ids.
 * **Saved tensors** go through ``saved_tensors_hooks``. A *kept* one (and every parameter, buffer, input,
   or view of one: they are not activations) is returned as is. A *recomputed* one is packed as a handle
   (tensor id and view geometry), and autograd no longer holds its storage, which dies at its last forward
@@ -77,23 +81,42 @@ class _Ref:
 
 
 @dataclass
-class _Recipe:
+class Recipe:
     """How to replay forward op ``k``: the ATen op, arguments with activations as :class:`_Ref`, the
-    positions (in its flattened outputs) of its new storages and their tensor ids, and the RNG state."""
+    positions (in its flattened outputs) of its new storages and their tensor ids, and the RNG state.
+    ``slots``: where the activations are when all of them are top-level arguments (positional index or
+    keyword name, and the reference), so a replay fills them in without walking the arguments; None
+    when one is nested (a list of tensors), and the replay maps the arguments' leaves."""
 
     func: Any
     args: Any
     kwargs: Any
     new: list[tuple[int, int]]
     rng: tuple[bytearray, bytearray | None] | None   # generator states (CPU, CUDA) as host bytes
+    slots: list[tuple[int | str, _Ref]] | None = None
 
 
-class _Packed:
+def _slots(args: tuple, kwargs: dict) -> list[tuple[int | str, _Ref]] | None:
+    """The top-level positions of a recorded op's activation arguments, or None if one is nested."""
+    out: list[tuple[int | str, _Ref]] = [(i, a) for i, a in enumerate(args) if type(a) is _Ref]
+    out += [(k, a) for k, a in kwargs.items() if type(a) is _Ref]
+    nested = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple, dict))]
+    return None if nested and any(type(x) is _Ref for x in _leaves(nested)) else out
+
+
+def _leaves(x: Any) -> list[Any]:
+    """Every leaf of nested arguments (lists, tuples, dict values)."""
+    out: list[Any] = []
+    map_leaves(out.append, x)
+    return out
+
+
+class Packed:
     """What autograd holds instead of a recomputed or offloaded tensor."""
 
     __slots__ = ("step", "tid", "dtype", "size", "stride", "offset")
 
-    def __init__(self, step: _Step, tid: int, t: torch.Tensor):
+    def __init__(self, step: Step, tid: int, t: torch.Tensor):
         self.step = step
         self.tid = tid
         self.dtype = t.dtype
@@ -132,7 +155,7 @@ class HostPool:
         return self.buffer[start:start + nbytes]
 
 
-class _Mode(TorchDispatchMode):
+class StepMode(TorchDispatchMode):
     """Counts forward ops for the executor's current step; passes everything else through."""
 
     def __init__(self, ex: Executor):
@@ -144,15 +167,25 @@ class _Mode(TorchDispatchMode):
         return False  # runs eagerly only; the dynamo-disable wrapper costs more than the handler itself
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        step = self.ex.step_state
-        if (step is None or step.forward_done or self.ex.busy
+        if kwargs is None:
+            kwargs = {}
+        ex = self.ex
+        step = ex.step_state
+        if (step is None or step.forward_done or ex.busy
                 or torch._C._current_autograd_node() is not None):
             return func(*args, **kwargs)
+        if step.fast:
+            # the fast path: an op the plan decides nothing about, the graph's op at this position (its
+            # overload learned by the first step): count it and run it
+            k = step.cursor
+            if k < step.n_fast and func is ex.funcs[k] and not ex.needed[k]:
+                step.cursor = k + 1
+                step.log.append(k)
+                return func(*args, **kwargs)
         return step.forward_op(func, args, kwargs)
 
 
-class _Step:
+class Step:
     """One forward and its backward under the plan."""
 
     def __init__(self, ex: Executor):
@@ -163,7 +196,7 @@ class _Step:
         self.backward_started = False
         self.by_key: dict[int, tuple[int, weakref.ref]] = {}   # live storage -> (tensor id or -1, its weakref)
         self.storages: dict[int, weakref.ref] = {}              # tensor id -> weakref to its storage
-        self.recipes: dict[int, _Recipe] = {}
+        self.recipes: dict[int, Recipe] = {}
         self.pending_unpacks: Counter[int] = Counter()          # tensor id -> handles not yet unpacked
         self.cache: dict[int, torch.UntypedStorage] = {}        # rebuilt / fetched, awaiting unpacks
         self.host: dict[int, tuple[torch.Tensor, torch.device, int]] = {}  # offloaded: slot, device, bytes
@@ -173,7 +206,15 @@ class _Step:
         self.pinned: dict[int, torch.UntypedStorage] = {}        # held for a replay that reads them
         self.prefetch_queue = list(ex.prefetch_order)          # (-prefetch_at, tid), ascending
         self.replays = 0
-        self.events: list[ScheduleEvent] = []                  # what it performed, in the schedule's terms
+        # what it performed, in the schedule's terms (``events``): an int k is forward op k computed, a
+        # range forward ops run without the mode, anything else a ScheduleEvent
+        self.log: list[Any] = []
+        # after the first step: ops the plan decides nothing about take the mode's fast path, and only
+        # tracked tensors (planner/core/watch.py) are mapped to the graph
+        self.fast = ex.learned
+        self.n_fast = ex.last_real_op + 1
+        self.boundary = 0                                      # module boundaries passed (fast steps)
+        self.failed = False
         self.rng_device = None
         self.shapes = ShapeMatcher(ex.family, self.g) if ex.family is not None else None
         # offloaded tensors written in place after their first saver: copied when the last writer has run,
@@ -181,9 +222,24 @@ class _Step:
         self.d2h_after = static_facts(self.g).d2h_after
         self.deferred: dict[int, dict[int, torch.UntypedStorage]] = {}
         self.unwatched_from: int | None = None                 # forward op from which the step ran unwatched
-        if ex.watch:
+        if ex.watch and not self.fast:
             for p in ex.fixed_tensors:
                 self._see(p, -1)
+
+    @property
+    def events(self) -> list[ScheduleEvent]:
+        """What the step performed, in the schedule's terms (:class:`ScheduleEvent`), in order."""
+        ops = self.g.ops
+        out: list[ScheduleEvent] = []
+        for e in self.log:
+            if isinstance(e, int):
+                out.append(ScheduleEvent("compute", "forward", e, reason=ops[e].name))
+            elif isinstance(e, range):
+                out.extend(ScheduleEvent("compute", "forward", k, reason=f"{ops[k].name} (not watched: outside "
+                                                                          f"the plan's decisions)") for k in e)
+            else:
+                out.append(e)
+        return out
 
     # ---- storages ----------------------------------------------------------------------------
     def _see(self, t: torch.Tensor, tid: int) -> int | None:
@@ -239,28 +295,40 @@ class _Step:
         """Step over a graph detach that autograd no longer dispatches under saved-tensor hooks (it
         creates nothing and saves nothing): the step has reached that position all the same."""
         k = self.cursor
-        self.events.append(ScheduleEvent("compute", "forward", k, reason=f"{_DETACH} (autograd's, not dispatched "
-                                                                          f"under saved-tensor hooks)"))
+        self.log.append(ScheduleEvent("compute", "forward", k, reason=f"{_DETACH} (autograd's, not dispatched "
+                                                                      f"under saved-tensor hooks)"))
         self.cursor += 1
 
     def forward_op(self, func, args, kwargs):
+        """The full handler: a needed op (planner/core/watch.py), or any op of the first watched step,
+        which also learns what later steps' fast path uses (the op's overload, its new storages'
+        positions)."""
         self.resolve_pending()
         self.poll_d2h()
         if self._exhausted():
             # every op of the graph has run: what follows (backward's seed ``ones_like``, metrics) is
             # not the model's step
             self.forward_done = True
+            if not self.fast and not self.failed:
+                self.ex.learn()
             return func(*args, **kwargs)
-        name = _NAMES.get(func)
-        if name is None:
-            name = _NAMES[func] = str(func)
-        k = self._match(name)
-        op = self.g.ops[k]
-        self.events.append(ScheduleEvent("compute", "forward", k, reason=op.name))
         ex = self.ex
+        k = self.cursor
+        if self.fast and k < self.n_fast and func is ex.funcs[k]:
+            self.cursor = k + 1
+        else:
+            name = _NAMES.get(func)
+            if name is None:
+                name = _NAMES[func] = str(func)
+            k = self._match(name)
+        self.log.append(k)
+        op = self.g.ops[k]
+        positions = ex.new_positions[k] if self.fast else None
+        learn = positions is None
         inputs = [] if func in _FRESH else tensors_in((args, kwargs))
-        for t in inputs:
-            self._see(t, -1)
+        if learn:  # every storage is seen, so that a new one is known as new
+            for t in inputs:
+                self._see(t, -1)
         if ex.fused is not None and ex.fused.pending_keys:
             ex.fused.check_not_pending(inputs, op)
         record = k in ex.recorded_ops  # only the ops a replay of the schedule runs
@@ -273,6 +341,30 @@ class _Step:
         for tid, s in self.deferred.pop(k, {}).items():  # its last in-place writer has run
             self._offload(tid, s)
         outs = tensors_in(out)
+        if learn:
+            new = self._new_outputs(k, op, outs)
+            if not self.fast:
+                ex.funcs[k] = func
+                ex.new_positions[k] = tuple(pos for pos, _ in new)
+        else:
+            new = list(zip(positions, op.outputs, strict=True))
+            for pos, tid in new:
+                t = outs[pos]
+                s = t.untyped_storage()
+                self._check_output(k, op, t, s, tid)
+                self._see(t, tid)
+                if tid in ex.pins:
+                    self.pinned[tid] = s
+        if record:
+            self.recipes[k] = Recipe(func, args_r, kwargs_r, new, rng, _slots(args_r, kwargs_r))
+        if ex.tag_nodes:
+            self.pending_outs = (k, outs)
+        return out
+
+    def _new_outputs(self, k: int, op, outs: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """Map op ``k``'s new output storages (not seen before) to its graph outputs, in order; checked
+        against the graph (count, bytes, shape, dtype). Returns (position in ``outs``, tensor id) pairs."""
+        ex = self.ex
         new: list[tuple[int, int]] = []
         for pos, t in enumerate(outs):
             s = storage_of(t)
@@ -290,11 +382,7 @@ class _Step:
         if len(new) != len(op.outputs):
             self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) created {len(new)} new "
                        f"tensors, the profiled graph {len(op.outputs)}; re-profile")
-        if record:
-            self.recipes[k] = _Recipe(func, args_r, kwargs_r, new, rng)
-        if ex.tag_nodes:
-            self.pending_outs = (k, outs)
-        return out
+        return new
 
     def _check_output(self, k: int, op, t: torch.Tensor, s: torch.UntypedStorage, tid: int) -> None:
         """Same op names are not the same step: a different batch or width runs the same ops on other
@@ -319,6 +407,7 @@ class _Step:
         the next forward, ``optimizer.step()`` or ``remove()`` (they cannot be left from inside a dispatch),
         and an abandoned step lets every op through instead of raising again."""
         self.forward_done = True
+        self.failed = True
         raise PlanMismatch(message)
 
     def _ref(self, x: Any) -> Any:
@@ -371,9 +460,9 @@ class _Step:
             else:
                 self._offload(tid, s)
         self.pending_unpacks[tid] += 1
-        return _Packed(self, tid, t)
+        return Packed(self, tid, t)
 
-    def unpack(self, p: _Packed) -> torch.Tensor:
+    def unpack(self, p: Packed) -> torch.Tensor:
         self.begin_backward()
         tid = p.tid
         s = self.available(tid)
@@ -397,9 +486,7 @@ class _Step:
         if self.unwatched_from is not None:
             # the ops after the plan's last decision ran without the mode (the executor left it at a
             # module boundary): in the schedule's terms, they were computed all the same
-            for k in range(self.unwatched_from, len(self.g.ops)):
-                self.events.append(ScheduleEvent("compute", "forward", k, reason=f"{self.g.ops[k].name} "
-                                                 f"(not watched: past the plan's last decision)"))
+            self.log.append(range(self.unwatched_from, len(self.g.ops)))
         # Called from inside the engine (an unpack or a node pre-hook), so the callback runs when this
         # backward pass ends: what the step still holds is released there, not when the next step
         # replaces it (``Executor.last_step`` keeps the step for inspection).
@@ -426,6 +513,12 @@ class _Step:
             ev, device = entry
             torch.cuda.current_stream(device).wait_event(ev)
 
+    def enter(self, cursor: int) -> None:
+        """The mode is entered at a module boundary where the first watched step had run ``cursor`` ops:
+        those ran unwatched (nothing of the plan happens before its first decision)."""
+        self.log.append(range(self.cursor, cursor))
+        self.cursor = cursor
+
     def end_forward(self) -> None:
         if self.forward_done:
             return
@@ -440,6 +533,8 @@ class _Step:
             raise PlanMismatch(f"the forward ended after {self.cursor} ops, but the profiled graph has "
                                f"{len(ops)}: op {k} ({ops[k].name}, module {ops[k].module or '?'}) never ran; "
                                f"re-profile and re-solve for this model and batch")
+        if not self.fast and not self.failed and self.ex.watch:
+            self.ex.learn()
 
     # ---- offload -----------------------------------------------------------------------------
     def _offload(self, tid: int, s: torch.UntypedStorage) -> None:
@@ -462,7 +557,7 @@ class _Step:
             else:
                 dst.copy_(src)  # CPU fallback: synchronous, the device memory is free to go at once
         self.host[tid] = (dst, s.device, s.nbytes())
-        self.events.append(ScheduleEvent("d2h", "forward", self.cursor - 1, tid, reason="offloaded"))
+        self.log.append(ScheduleEvent("d2h", "forward", self.cursor - 1, tid, reason="offloaded"))
 
     def poll_d2h(self) -> None:
         if self.d2h_pending:
@@ -473,7 +568,7 @@ class _Step:
         s = self.available(tid)
         if s is not None:
             return s  # never released (its copy ran late, or the caller holds it): nothing moves
-        self.events.append(ScheduleEvent("h2d", "backward", at, tid, reason=why))
+        self.log.append(ScheduleEvent("h2d", "backward", at, tid, reason=why))
         src, device, nbytes = self.host[tid]
         ex = self.ex
         with ex.internal():
@@ -523,14 +618,20 @@ class _Step:
                             f"({g.ops[lost].name}), which forward did not record")
         for u in r.fetches:
             self._prefetch(u, f"needed to recompute tensor {target}")
-        self.events.append(ScheduleEvent("replay", "backward", None, target, r.ops))
+        self.log.append(ScheduleEvent("replay", "backward", None, target, r.ops))
         rebuilds = set(r.rebuilds)
         made: dict[int, torch.UntypedStorage] = {}
-        with self.ex.internal(), torch.no_grad():
+        made_tensors: dict[int, torch.Tensor] = {}  # the op's own output: a reader with its view takes it as is
+        ex = self.ex
+        busy, ex.busy = ex.busy, True  # the executor's own ops (Executor.internal, without its generator)
+        grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        try:
             for p, freed in zip(r.ops, r.frees_after, strict=True):
-                for tid, s in self._run(p, made):
+                for tid, s, t in self._run(p, made, made_tensors):
                     if tid in rebuilds and tid not in made:
                         made[tid] = s
+                        made_tensors[tid] = t
                         # Remember the rebuilt storage itself: after its last unpack autograd still holds
                         # it while the node runs, and a replay for another saved tensor of the same node
                         # (layer norm's mean after its input) must find it, not rebuild it a second time;
@@ -538,16 +639,27 @@ class _Step:
                         self.storages[tid] = weakref.ref(s)
                 self.replays += 1
                 for u in freed:
-                    del made[u]
+                    del made[u], made_tensors[u]
+        finally:
+            torch.set_grad_enabled(grad)
+            ex.busy = busy
         for u in r.kept:
             self.cache[u] = made[u]
 
-    def _run(self, p: int, made: dict[int, torch.UntypedStorage]) -> list[tuple[int, torch.UntypedStorage]]:
+    def _run(self, p: int, made: dict[int, torch.UntypedStorage],
+             made_tensors: dict[int, torch.Tensor]) -> list[tuple[int, torch.UntypedStorage, torch.Tensor]]:
+        """Run recorded op ``p`` on its arguments' current storages (``made``: re-created by this replay,
+        ``made_tensors`` their tensors as their ops returned them). Returns its new storages: (tensor id,
+        storage, the output tensor)."""
         rec = self.recipes[p]
 
         def value(x: Any) -> Any:
             if not isinstance(x, _Ref):
                 return x
+            t = made_tensors.get(x.tid)
+            if (t is not None and t.dtype == x.dtype and t.storage_offset() == x.offset and t.size() == x.size
+                    and t.stride() == x.stride):
+                return t  # read with the geometry its op made it with: no view to build
             s = made.get(x.tid)
             if s is None:
                 s = self.available(x.tid)
@@ -556,10 +668,18 @@ class _Step:
                 raise MemplanError(f"executor: replaying op {p} needs tensor {x.tid}, which is gone (a bug)")
             return _view(s, x.dtype, x.size, x.stride, x.offset)
 
-        args, kwargs = map_leaves(value, (rec.args, rec.kwargs))
+        if rec.slots is not None:
+            args, kwargs = list(rec.args), rec.kwargs
+            for at, ref in rec.slots:
+                if type(at) is int:
+                    args[at] = value(ref)
+                else:
+                    kwargs = {**kwargs, at: value(ref)}
+        else:
+            args, kwargs = map_leaves(value, (rec.args, rec.kwargs))
         # an in-place initialiser must write the storage this replay rebuilds; anything else it writes
         # (batch norm's running statistics) is cloned so that the replay changes nothing else
-        args, kwargs = _clone_written(rec.func, args, kwargs, keep=_made_refs(rec, made))
+        args, kwargs = _clone_written(rec, args, kwargs, made)
         if rec.rng is None:
             out = rec.func(*args, **kwargs)
         else:
@@ -572,8 +692,8 @@ class _Step:
                 if cuda_state is not None:
                     torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
                 out = rec.func(*args, **kwargs)
-        outs = tensors_in(out)
-        return [(tid, outs[pos].untyped_storage()) for pos, tid in rec.new]
+        outs = (out,) if isinstance(out, torch.Tensor) else tensors_in(out)
+        return [(tid, outs[pos].untyped_storage(), outs[pos]) for pos, tid in rec.new]
 
 
 def _reached(step_ref: weakref.ref, k: int) -> None:
@@ -586,20 +706,20 @@ _WRITES: dict[Any, list[tuple[int, str]]] = {}
 _NAMES: dict[Any, str] = {}  # ATen op -> its name as the graph spells it (str(op), computed once)
 
 
-def _made_refs(rec: _Recipe, made: dict[int, torch.UntypedStorage]) -> set[int | str]:
-    """Positions and names of ``rec``'s arguments that are storages rebuilt by the running replay."""
-    out: set[int | str] = {i for i, a in enumerate(rec.args) if isinstance(a, _Ref) and a.tid in made}
-    return out | {k for k, a in rec.kwargs.items() if isinstance(a, _Ref) and a.tid in made}
-
-
-def _clone_written(func, args, kwargs, keep: set[int | str] = frozenset()):
-    """Replace the arguments ``func`` writes in place with clones (a replay must not mutate state),
-    except those at the positions or names in ``keep``."""
+def _clone_written(rec: Recipe, args, kwargs, made: dict[int, torch.UntypedStorage]):
+    """Replace the arguments ``rec.func`` writes in place with clones (a replay must not mutate state),
+    except those that are storages the running replay rebuilds (``made``): an in-place initialiser writes
+    the tensor it is replayed for."""
+    func = rec.func
     spec = _WRITES.get(func)
     if spec is None:
         spec = [(i, a.name) for i, a in enumerate(func._schema.arguments)
                 if a.alias_info is not None and a.alias_info.is_write]
         _WRITES[func] = spec
+    if not spec:
+        return args, kwargs
+    keep = {i for i, a in enumerate(rec.args) if isinstance(a, _Ref) and a.tid in made}
+    keep |= {k for k, a in rec.kwargs.items() if isinstance(a, _Ref) and a.tid in made}
     spec = [(i, name) for i, name in spec if i not in keep and name not in keep]
     if not spec:
         return args, kwargs

@@ -75,13 +75,7 @@ def test_no_bare_package_imports():
 
 # Imports of private names still waiting for their owner: (importing file, module, name). Each entry is a
 # debt with a name on it, not a permission.
-KNOWN_PRIVATE_IMPORTS = {
-    # executor/apply.py builds the runtime's modes and steps; the execspeed work (#11 parts 2-3) owns both
-    # files: remove these three at merge once runtime.py makes them public (or apply.py stops needing them).
-    ("executor/apply.py", "memplan.executor.runtime", "_Mode"),
-    ("executor/apply.py", "memplan.executor.runtime", "_Packed"),
-    ("executor/apply.py", "memplan.executor.runtime", "_Step"),
-}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()  # none left: keep it that way
 
 
 def _private_imports(path: Path) -> list[tuple[str, str, str]]:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.executor import apply
-from memplan.executor.runtime import _Step
+from memplan.executor.runtime import Step
 from memplan.planner import simulate
 from memplan.planner.core.errors import Infeasible, MemplanError, PlanMismatch
 from memplan.planner.core.graph import Graph
@@ -73,8 +73,16 @@ def fresh_model(name: str) -> nn.Module:
 @functools.cache
 def graph_of(name: str) -> Graph:
     w = load_workload(name, **TINY[name])  # profiling trains the model: not the pristine one
-    return profile(w.model, w.batch, w.loss_fn, name=name, device="cpu", progress=False, measure=False,
-                   repeats=1)
+    g = profile(w.model, w.batch, w.loss_fn, name=name, device="cpu", progress=False, measure=False, repeats=1)
+    # On these tiny models an op costs microseconds and the executor's own dispatch per watched or replayed
+    # op tens: charged, it would steer the solvers away from the recompute and offload plans these tests
+    # exercise (the charges are tested in test_simulator and measured in benchmarks/dispatch.py).
+    g.watch_op_dispatch_s = g.replay_op_dispatch_s = 0.0
+    # Their tensors are kilobytes and their ops microseconds of CPU time: at the nominal CPU bandwidth
+    # (12 GB/s) whether a copy hides under such ops depends on the machine, and the offload solvers then
+    # offload nothing on some; priced as free, they offload (what these tests exercise is the executor).
+    g.host_bandwidth_bytes_per_s = 1e15
+    return g
 
 
 @functools.cache
@@ -335,6 +343,42 @@ def test_forward_on_another_batch_shape_is_refused_naming_the_op():
     assert _get_current_dispatch_mode() is None  # nothing of the executor is left active
 
 
+def test_later_steps_on_the_fast_path_still_refuse_a_divergent_step():
+    """After the first step (which watches every op) a step checks only the op at each position inside the
+    plan's window, and the shapes of the tensors the plan moves: a batch of 2 and a model whose
+    activations became GELU are both refused naming the op; the executor leaves nothing active, and the
+    right step then trains as before."""
+    model = fresh_model("gpt2")
+    w = workload("gpt2")
+    small = {k: v[:2] for k, v in w.batch.items()}
+    opt = adamw(model)
+    ex = apply(model, plan_of("gpt2", "dp"), graph=graph_of("gpt2"), optimizer=opt)
+    try:
+        w.loss_fn(model, w.batch).backward()
+        opt.step()
+        assert ex.learned and ex.watch_plan.ops > 0
+        with pytest.raises(PlanMismatch, match=r"forward op \d+ \(aten\.\w+\.\w+, module [\w.]+\) made tensor "
+                                               r"\d+ as \w+\[2, .*the profiled graph has \w+\[4, "):
+            w.loss_fn(model, small)
+        opt.zero_grad(set_to_none=True)
+        acts = [m for m in model.modules() if hasattr(m, "act")]
+        originals = [m.act for m in acts]
+        for m in acts:
+            m.act = nn.GELU()
+        with pytest.raises(PlanMismatch, match=r"forward op \d+ differs from the profiled graph: the plan expects "
+                                               r"aten\.\w+\.\w+ \(module [\w.]+\), the model ran aten\.gelu"):
+            w.loss_fn(model, w.batch)
+        for m, act in zip(acts, originals, strict=True):
+            m.act = act
+        opt.zero_grad(set_to_none=True)
+        w.loss_fn(model, w.batch).backward()
+        opt.step()
+        assert ex.last_step.fast and ex.last_step.replays > 0
+    finally:
+        ex.remove()
+    assert _get_current_dispatch_mode() is None
+
+
 def test_fusion_without_the_optimizer_is_refused():
     with pytest.raises(MemplanError, match=r"fuse='backward' needs the optimizer"):
         apply(fresh_model("mlp"), _mlp_plan(), graph=graph_of("mlp"), fuse="backward")
@@ -456,7 +500,7 @@ def test_parameters_and_their_views_are_never_offloaded(monkeypatch):
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     packed_params: list[bool] = []
     offloaded: list[int] = []
-    real_pack, real_offload = _Step.pack, _Step._offload
+    real_pack, real_offload = Step.pack, Step._offload
 
     def pack(self, t):
         out = real_pack(self, t)
@@ -468,8 +512,8 @@ def test_parameters_and_their_views_are_never_offloaded(monkeypatch):
         offloaded.append((tid, s.data_ptr()))
         return real_offload(self, tid, s)
 
-    monkeypatch.setattr(_Step, "pack", pack)
-    monkeypatch.setattr(_Step, "_offload", offload)
+    monkeypatch.setattr(Step, "pack", pack)
+    monkeypatch.setattr(Step, "_offload", offload)
     w = workload("gpt2")
     opt = adamw(model)
     ex = apply(model, plan, graph=g, optimizer=opt)

@@ -14,6 +14,7 @@ from memplan.planner.core.errors import GraphError
 from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
 from memplan.planner.core.simulator import simulate_actions
 from memplan.planner.core.synthetic import fill_structural_grads, linear_chain, random_dag
+from memplan.planner.core.watch import forward_watch
 
 
 def _phases(report):
@@ -204,3 +205,23 @@ def test_a_replayed_op_costs_its_time_and_the_executors_dispatch():
     # the two replayed ops of test_recompute_replays_from_the_nearest_kept_tensor_once, 1 s + 0.25 s each
     assert r.recomputed_ops == 2 and r.recompute_time_s == 2.5 and r.time_s == 14.5
     assert simulate(g).time_s == 12.0  # nothing replayed, nothing charged
+
+
+def test_the_executors_watched_forward_ops_are_charged():
+    """Recomputing tensors 1 and 2 of a 4-op chain replays ops 0 and 1: the executor watches ops 0-1 (their
+    producers and the replayed ops, planner/core/watch.py), charged watch_op_dispatch_s each in forward."""
+    g = linear_chain(4)
+    g.replay_op_dispatch_s = 0.25
+    g.watch_op_dispatch_s = 0.5
+    r = simulate(g, Plan.for_graph(g, {1: "recompute", 2: "recompute"}))
+    assert (r.watched_ops, r.watch_time_s) == (2, 1.0)
+    assert r.time_s == 15.5 and r.forward_time_s == 5.0
+    w = forward_watch(g, {1: Action.RECOMPUTE, 2: Action.RECOMPUTE}, replayed_ops=[0, 1])
+    assert (w.first, w.last, w.needed, w.tracked, w.full) == (0, 1, {0, 1}, {1, 2}, False)
+    # only tensor 3 recomputed: op 2 replays from tensor 2, which the executor must find by its id
+    w = forward_watch(g, {3: Action.RECOMPUTE}, replayed_ops=[2])
+    assert (w.first, w.last, w.tracked) == (1, 2, {2, 3})
+    # offload: every op's autograd node is tagged, from op 0 to the last saver (op 2 saves tensor 2)
+    w = forward_watch(g, {2: Action.OFFLOAD}, replayed_ops=[])
+    assert w.full and (w.first, w.last) == (0, 2) and w.needed == {0, 1, 2}
+    assert simulate(g).watched_ops == 0 and forward_watch(g, {}, []).ops == 0  # nothing moved: plain

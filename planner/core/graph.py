@@ -160,6 +160,9 @@ class Graph(_Strict):
     optimizer_time_s: Seconds = 0.0
     replay_op_dispatch_s: Seconds = Field(
         default=0.0, description="what the executor pays per replayed op beyond the op itself (its dispatch)")
+    watch_op_dispatch_s: Seconds = Field(
+        default=0.0, description="what the executor pays per forward op it watches under a plan (its dispatch "
+                                 "mode), beyond the op itself (planner/core/watch.py)")
     host_bandwidth_bytes_per_s: float = Field(
         default=12e9, gt=0, allow_inf_nan=False,
         description="device<->host copy bandwidth for offload (measured on CUDA, nominal on CPU)")

@@ -37,6 +37,7 @@ from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.replay import replay
 from memplan.planner.core.schedule import Schedule, ScheduleEvent
+from memplan.planner.core.watch import forward_watch
 
 _NEVER = 1 << 62
 
@@ -68,6 +69,9 @@ class Report(BaseModel):
     host_peak_bytes: int = Field(description="most host (pinned) memory held by offloaded activations")
     fixed_bytes: int
     recomputed_ops: int = Field(description="op replays in backward")
+    watched_ops: int = Field(0, description="forward ops the executor watches under the plan (planner/core/watch.py)")
+    watch_time_s: float = Field(0.0, description="their dispatch, watched_ops x graph.watch_op_dispatch_s "
+                                                 "(included in forward_time_s)")
     peak_phase: str
     peak_op: int | None
     peak_note: str
@@ -272,6 +276,7 @@ class _Replay:
         self.recompute_s = 0.0
         self.exposed_s = 0.0
         self.replays = 0
+        self.replayed_ops: set[int] = set()
         self.pending: list[tuple[float, int]] = []  # (copy end, tensor) awaiting device release
         self.prefetch_ops: dict[int, list[int]] = {}
         for t, a in actions.items():
@@ -330,6 +335,11 @@ class _Replay:
         fwd_s = self.now
         self._backward()
         bwd_s = self.now - fwd_s - self.recompute_s - self.exposed_s
+        # the executor's dispatch mode over the forward ops it watches, known once the replays are
+        watch = forward_watch(g, self.actions, self.replayed_ops, self.pins, self.prefetch_ops, self.st.d2h_after)
+        watch_s = watch.ops * g.watch_op_dispatch_s
+        fwd_s += watch_s
+        self.now += watch_s
         start = self.now
         self.phase, self.at = "optimizer", None
         self._sched("optimizer", None, reason="optimizer step")
@@ -343,6 +353,7 @@ class _Replay:
             recompute_time_s=self.recompute_s, exposed_transfer_s=self.exposed_s,
             optimizer_time_s=g.optimizer_time_s, transfer_bytes=self.transfer_bytes,
             host_peak_bytes=self.host_peak, fixed_bytes=g.fixed.resident_bytes, recomputed_ops=self.replays,
+            watched_ops=watch.ops, watch_time_s=watch_s,
             peak_phase=pw[0], peak_op=pw[1], peak_note=pw[2], timeline=self.events)
 
     def _forward(self) -> None:
@@ -458,6 +469,7 @@ class _Replay:
             self.now += cost_s
             self.recompute_s += cost_s
             self.replays += 1
+            self.replayed_ops.add(p)
             for u in freed:
                 self._free(u, f"replay for tensor {target} no longer reads it")
             self._event("recompute", p, start, during, note)

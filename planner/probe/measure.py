@@ -349,21 +349,32 @@ def restore_missed_frees(events: list[tuple[int, int, int, int | None]]) -> list
 # ---- times ------------------------------------------------------------------------------------------------------
 
 
+def op_clock() -> Callable[[], float]:
+    """The clock ops and plain steps are timed with: with one torch thread on a machine without CUDA, the
+    thread's CPU time (the op runs on the calling thread; other jobs' time slices on a shared machine would
+    otherwise land on the longest ops and skew the op times against each other); else wall time."""
+    if torch.get_num_threads() == 1 and not torch.cuda.is_available():
+        return time.thread_time
+    return time.perf_counter
+
+
 class PhaseClock:
     """A ``run_phase`` for :func:`memplan.planner.workloads.training_step` that times each phase:
     ``seconds[phase]`` gains one entry per step. ``sync`` (CUDA: ``torch.cuda.synchronize``) runs before
     each phase starts and after it ends, so that queued kernels are waited for before the clock is read."""
 
-    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, sync: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.sync = sync
+        self.clock = clock
         self.seconds: dict[str, list[float]] = {phase: [] for phase in STEP_PHASES}
 
     def __call__(self, phase: str, fn: Callable[[], Any]) -> Any:
         self.sync()
-        start = time.perf_counter()
+        start = self.clock()
         out = fn()
         self.sync()
-        self.seconds[phase].append(time.perf_counter() - start)
+        self.seconds[phase].append(self.clock() - start)
         return out
 
 
@@ -379,16 +390,19 @@ class StepTimes:
 
 
 def time_steps(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
-               steps: int, device: torch.device | None = None) -> StepTimes:
+               steps: int, device: torch.device | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> StepTimes:
     """``steps`` plain training steps (no mode, no hooks: what eager training pays), each phase timed by a
-    :class:`PhaseClock`, synchronised when ``device`` (None: that of ``model``'s parameters) is CUDA."""
+    :class:`PhaseClock` reading ``clock``, synchronised when ``device`` (None: that of ``model``'s
+    parameters) is CUDA."""
     if steps < 1:
         raise ValueError(f"time_steps needs steps >= 1, got {steps}")
     device = device or next(model.parameters()).device
-    clock = PhaseClock((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None))
+    phases = PhaseClock((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None),
+                        clock)
     for _ in range(steps):
-        training_step(model, batch, loss_fn, optimizer, run_phase=clock)
-    fwd, bwd, opt = (clock.seconds[p] for p in STEP_PHASES)
+        training_step(model, batch, loss_fn, optimizer, run_phase=phases)
+    fwd, bwd, opt = (phases.seconds[p] for p in STEP_PHASES)
     return StepTimes(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
                      optimizer_s=statistics.median(opt),
                      step_s=statistics.median(f + b + o for f, b, o in zip(fwd, bwd, opt, strict=True)))

@@ -58,6 +58,7 @@ import hashlib
 import itertools
 import json
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,13 @@ from memplan.planner.core.devicespec import DeviceSpec, round_allocation
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import FixedMemory, Graph, Measured
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
-from memplan.planner.probe.measure import host_bandwidth_bytes_per_s, max_prefix, measure_step, time_steps
+from memplan.planner.probe.measure import (
+    host_bandwidth_bytes_per_s,
+    max_prefix,
+    measure_step,
+    op_clock,
+    time_steps,
+)
 from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
 from memplan.planner.probe.tracing import forward_lifetimes, module_stack, traced_step
@@ -180,22 +187,27 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     # the allocator's view includes kernel scratch; the storages' view is the floor
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
     graph.measured = measured
-    if measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s:
+    clock = op_clock()
+    if (measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s
+            and clock is time.perf_counter):  # else the ops' clock: op times and the plain step in one unit
         plain = (measured.forward_time_s, measured.backward_time_s,
                  max(measured.step_time_s - measured.forward_time_s - measured.backward_time_s, 0.0))
     else:
-        t = time_steps(model, batch, loss_fn, optimizer, steps=repeats, device=device)
+        t = time_steps(model, batch, loss_fn, optimizer, steps=repeats, device=device, clock=clock)
         plain = (t.forward_s, t.backward_s, t.optimizer_s)
     calibrate_times(graph, *plain)
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
+    graph.watch_op_dispatch_s = WATCH_OP_DISPATCH_S
     return graph
 
 
-# What the executor pays per replayed op beyond the op itself: resolving its recipe's tensor references
-# to views, the check for arguments written in place, and the replay's own planning (planner/core/replay.py).
-# Measured on the benchmark machine (2-core CPU, Python 3.11, torch 2.13) by replaying recorded ops on
-# tiny tensors against calling them directly (docs/model.md, "Time").
-REPLAY_OP_DISPATCH_S = 15e-6
+# What the executor pays per replayed op beyond the op itself (resolving its recipe's tensor references to
+# views, the replay's planning, the unpack that asks for it) and per forward op it watches under a plan
+# (its dispatch mode; the saved-tensor and module hooks spread over them). Measured by
+# benchmarks/dispatch.py on the benchmark machine (2-core CPU, Python 3.11, torch 2.13): tiny GPT-2 and
+# BERT steps, planned against plain, in CPU time (docs/model.md, "Time").
+REPLAY_OP_DISPATCH_S = 150e-6
+WATCH_OP_DISPATCH_S = 30e-6
 
 
 def calibrate_times(graph: Graph, forward_s: float, backward_s: float, optimizer_s: float) -> None:
@@ -338,6 +350,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     # the plan runs on the same executor whichever way the graph was profiled (isolated op times need no
     # calibration: no tracing instrumentation was on while they ran)
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
+    graph.watch_op_dispatch_s = WATCH_OP_DISPATCH_S
     return graph
 
 

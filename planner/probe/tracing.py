@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.planner.core.build import Trace, TraceOp, TraceStorage
 from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.probe.fake import fake_call
-from memplan.planner.probe.measure import allocation_highs, allocator_events
+from memplan.planner.probe.measure import allocation_highs, allocator_events, op_clock
 from memplan.planner.probe.optime import OpCall, record_call
 from memplan.planner.probe.storage import dtype_name, storage_keys, storage_of, tensors_in
 from memplan.planner.workloads import LossFn, compute_loss, training_step
@@ -126,10 +126,11 @@ class Tracer(TorchDispatchMode):
         if self.memory == "cuda":
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+        clock = op_clock()
+        start = clock()
         out = func(*args, **kwargs)
         self.sync()
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         if self.memory == "cuda":
             self.high[number] = torch.cuda.max_memory_allocated() - before
         return out, seconds, number
