@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
-from memplan.planner.core.replay import replay
+from memplan.planner.core.replay import kept_by_replays, replay
 from memplan.planner.core.schedule import ScheduleEvent
 from memplan.planner.core.shapes import ShapeMatcher
 from memplan.planner.core.simulator import static_facts
@@ -515,7 +515,8 @@ class _Step:
         made after its last use unless a handle still waits for it; leaves the target in ``self.cache``."""
         g = self.g
         r = replay(g, target, available=lambda u: self.available(u) is not None, fetchable=self.host.__contains__,
-                   retain=lambda u: self.pending_unpacks[u] > 0)
+                   retain=lambda u: self.pending_unpacks[u] > 0
+                   and kept_by_replays(self.ex.actions.get(u, Action.KEEP)))
         r.check(g)
         lost = next((p for p in r.ops if p not in self.recipes), None)
         if lost is not None:

@@ -160,6 +160,8 @@ def test_a_reader_of_a_tensor_written_later_cannot_be_replayed():
 CASES = [(n, m) for n in ("gru", "lstm") for m in ("greedy", "capuchin", "all")]
 CASES += [pytest.param(n, "ilp", marks=pytest.mark.slow) for n in ("gru", "lstm")]
 CASES += [("residual", "all"), ("gru", "offload"), ("lstm", "offload")]
+# "each": every rebuildable saved tensor recompute_each (multi-level replays: a replay keeps only its target)
+CASES += [(n, "each") for n in ("gru", "lstm", "residual")]
 
 
 @functools.cache
@@ -168,8 +170,9 @@ def low_plan(name: str, method: str) -> Plan:
     that it can meet (its minimum-memory plan, to the grid's resolution); "all": recompute every saved
     activation that can be rebuilt."""
     g = graph_of(name)
-    if method == "all":
-        return Plan.for_graph(g, {t: Action.RECOMPUTE for t in g.saved_activations if g.tensors[t].recomputable})
+    if method in ("all", "each"):
+        action = Action.RECOMPUTE if method == "all" else Action.RECOMPUTE_EACH
+        return Plan.for_graph(g, {t: action for t in g.saved_activations if g.tensors[t].recomputable})
     if method == "offload":
         return Plan.for_graph(g, {t: Action.OFFLOAD for t in g.saved_activations})
     lo, hi = memory_lower_bound(g), keep_all_report(g).peak_bytes
@@ -227,7 +230,7 @@ def test_low_memory_plans_replay_chains_as_simulated_and_train_bitwise(name, met
         replayed = {m for e in sched.replays() for m in e.ops}
         # the plan drops chain tensors, and the schedule's replays re-run their in-place ops
         assert chains and any(set(g.tensors[t].rebuilt_by) <= replayed for t in chains)
-    if method not in ("all", "offload"):
+    if method not in ("all", "each", "offload"):
         assert rep.peak_bytes < keep_all_report(g).peak_bytes
 
     want_losses, want_params = _plain(name)

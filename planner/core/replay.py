@@ -18,7 +18,9 @@ definition: a replay is asked for only then), every tensor the replay needs is c
 The replay runs the ops of every rebuilt tensor once each, in forward (op id) order. After each op it
 frees the tensors it re-created that no later op of the replay reads, unless the tensor is the target or
 ``retain(u)`` says backward still needs it (a saved tensor whose own backward step is still to come stays
-resident, as checkpointing keeps it); those, with the target, are ``kept`` when it ends. An output of a
+resident, as checkpointing keeps it), unless the plan recomputes it with ``recompute_each``
+(:func:`kept_by_replays`: a multi-level replay, which re-runs it for its own backward instead of holding
+it); those, with the target, are ``kept`` when it ends. An output of a
 replayed op that was already available is not re-created (the new copy is dropped at once).
 
 Which tensors are needed is decided once, from the state when the replay starts: a fetch or a rebuild
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 from memplan.planner.core.errors import PlanError
 from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Action
 
 Predicate = Callable[[int], bool]
 
@@ -82,6 +85,14 @@ def _as_predicate(x: Predicate | Collection[int] | None) -> Predicate:
     if callable(x):
         return x
     return x.__contains__
+
+
+def kept_by_replays(action: Action) -> bool:
+    """Whether a replay that re-creates a saved tensor planned ``action`` for another target keeps it
+    until its own backward (``recompute``: a checkpoint left behind) or frees it after its last use in
+    the replay (``recompute_each``: rebuilt again when its own backward needs it). The simulator and the
+    executor both build their ``retain`` predicate from it."""
+    return action != Action.RECOMPUTE_EACH
 
 
 def rebuild_ops(graph: Graph, tensor: int) -> tuple[int, ...]:

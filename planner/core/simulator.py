@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
-from memplan.planner.core.replay import replay
+from memplan.planner.core.replay import kept_by_replays, replay
 from memplan.planner.core.schedule import Schedule, ScheduleEvent
 
 _NEVER = 1 << 62
@@ -220,7 +220,7 @@ def _run(graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int], 
     those, each until its last read."""
     pins: dict[int, int] = {}
     st = static_facts(graph)
-    if any(a == Action.RECOMPUTE for a in actions.values()) and any(st.fixed_content):
+    if any(a.rebuilds for a in actions.values()) and any(st.fixed_content):
         probe = _Replay(graph, actions, prefetch_at, bandwidth, False, discover=True)
         probe.run()
         pins = probe.reads
@@ -377,7 +377,7 @@ class _Replay:
                     self._free(t, "last forward use")
                     continue
                 a = self._action(t)
-                if a == Action.RECOMPUTE:
+                if a.rebuilds:
                     self._free(t, "last forward use; recomputed for backward")
                 elif a == Action.OFFLOAD:
                     heapq.heappush(self.pending, (self.d2h_end[t], t))
@@ -434,7 +434,7 @@ class _Replay:
         resident, on_host = self.resident, self.on_host
         r = replay(g, target, available=resident.__getitem__,
                    fetchable=lambda u: on_host[u] and self._action(u) == Action.OFFLOAD,
-                   retain=lambda u: st.saved[u] and st.release_at[u] <= step)
+                   retain=lambda u: st.saved[u] and st.release_at[u] <= step and kept_by_replays(self._action(u)))
         r.check(g, step)
         if self.discover:
             for u in r.reads:
