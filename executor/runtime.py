@@ -530,7 +530,9 @@ class _Step:
         with self.ex.internal(), torch.no_grad():
             for p, freed in zip(r.ops, r.frees_after, strict=True):
                 for tid, s in self._run(p, made):
-                    if tid in rebuilds and tid not in made:
+                    if tid in r.scratch:  # a private copy read mid-chain: shadows the resident one, not found
+                        made[tid] = s
+                    elif tid in rebuilds and tid not in made:
                         made[tid] = s
                         # Remember the rebuilt storage itself: after its last unpack autograd still holds
                         # it while the node runs, and a replay for another saved tensor of the same node

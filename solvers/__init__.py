@@ -9,7 +9,18 @@ every strategy module once, below, so that :func:`solvers` lists them all.
 """
 
 # the strategy modules register themselves when imported; the import is the registration
-from memplan.solvers import auto, capuchin, dp, every_k, greedy, ilp, manual, min_memory, oracle  # noqa: F401
+from memplan.solvers import (  # noqa: F401
+    auto,
+    capuchin,
+    dp,
+    every_k,
+    greedy,
+    ilp,
+    manual,
+    min_memory,
+    multilevel,  # noqa: F401
+    oracle,
+)
 from memplan.solvers.auto import choose_method
 from memplan.solvers.bounds import activation_bytes, keep_all_report, memory_lower_bound
 from memplan.solvers.core import SolveResult, solve

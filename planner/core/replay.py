@@ -53,6 +53,10 @@ class Replay:
     from the target (target first): the rebuilt, fetched and blocked ones (not the frontier).
     ``blocked``: needed activations that can be neither read, fetched nor rebuilt (ascending).
     ``frontier``: needed activations past ``max_depth`` (a subset of ``blocked``).
+    ``scratch``: available or fetched tensors that a replayed op reads mid-chain (:func:`reads_mid_chain`),
+    re-created as private copies by their producer and the chain's ops before that reader, and freed
+    after it (``frees_after`` lists them; they are in neither ``rebuilds`` nor ``kept``; the resident
+    copy, if any, is untouched).
     """
 
     target: int
@@ -65,6 +69,7 @@ class Replay:
     missing: tuple[int, ...]
     blocked: tuple[int, ...]
     frontier: tuple[int, ...]
+    scratch: tuple[int, ...] = ()
 
     def check(self, graph: Graph, step: int | None = None) -> None:
         """Raise :class:`PlanError` naming the first blocked tensor, if any (``step``: the backward step
@@ -103,6 +108,16 @@ def rebuild_ops(graph: Graph, tensor: int) -> tuple[int, ...]:
     return (info.producer, *info.rebuilt_by)
 
 
+def reads_mid_chain(graph: Graph, op: int, tensor: int) -> bool:
+    """Whether forward op ``op`` reads ``tensor`` before its in-place chain is finished: one of the
+    tensor's ``rebuilt_by`` ops comes after ``op``, and ``op`` is neither its producer nor one of those
+    (``y = h * 3; h.relu_()``; autograd's clone of a GRU chunk before its in-place ``mul_``). Replayed,
+    such an op must read a copy of the tensor at that point of its chain, not the finished tensor."""
+    info = graph.tensors[tensor]
+    chain = info.rebuilt_by
+    return bool(chain) and chain[-1] > op and op != info.producer and op not in chain
+
+
 def replay(graph: Graph, target: int, *, available: Predicate | Collection[int],
            fetchable: Predicate | Collection[int] | None = None, retain: Predicate | Collection[int] | None = None,
            max_depth: int | None = None) -> Replay:
@@ -120,45 +135,82 @@ def replay(graph: Graph, target: int, *, available: Predicate | Collection[int],
     is_retained = _as_predicate(retain)
     tensors, ops = graph.tensors, graph.ops
     depth = {target: 0}
-    order = [target]
+    order = [target]   # the breadth-first queue: tensors to rebuild, scratch copies to re-create
+    missing = [target]
     to_run: set[int] = set()
     reads: set[int] = set()
     fetches: list[int] = []
     blocked: list[int] = []
     frontier: list[int] = []
+    full: set[int] = {target}  # rebuilt in full by this replay (producer and whole chain)
+    # scratch copies: a tensor that a replayed op reads mid-chain, not rebuilt in full here, is
+    # re-created privately up to that op (its producer and the chain's ops before the last such reader)
+    scratch_upto: dict[int, int] = {}
+    expanded: dict[int, set[int]] = {}
+
+    def need_full(v: int, hops: int) -> None:
+        """``v`` is read finished by a replayed op: read it, fetch it, or rebuild it in full."""
+        if v in full or v in reads or v in fetches or v in blocked or v in frontier:
+            return
+        if is_available(v):
+            reads.add(v)
+            return
+        if v not in scratch_upto and max_depth is not None and hops > max_depth:
+            frontier.append(v)
+            return
+        if is_fetchable(v):
+            fetches.append(v)
+            return
+        if not tensors[v].recomputable or tensors[v].producer is None:
+            blocked.append(v)
+            return
+        full.add(v)
+        scratch_upto.pop(v, None)  # the whole chain runs: mid-chain readers see it in forward order
+        depth.setdefault(v, hops)
+        missing.append(v)
+        order.append(v)
+
+    def need_scratch(v: int, reader: int, hops: int) -> None:
+        """``v`` is read mid-chain by replayed op ``reader``."""
+        if v in full or reader <= scratch_upto.get(v, -1):
+            return
+        if not tensors[v].recomputable or tensors[v].producer is None:
+            if v not in blocked:
+                blocked.append(v)
+            return
+        scratch_upto[v] = reader
+        depth.setdefault(v, hops)
+        order.append(v)  # (again, if it grew: the chain's further ops are expanded)
+
     i = 0
     while i < len(order):  # breadth first: the depth limit counts hops from the target
         u = order[i]
         i += 1
-        info = tensors[u]
-        if u != target and is_fetchable(u):
-            fetches.append(u)
+        if u in full:
+            run = rebuild_ops(graph, u)
+        elif u in scratch_upto:
+            run = tuple(p for p in rebuild_ops(graph, u) if p < scratch_upto[u])
+        else:
             continue
-        if not info.recomputable or info.producer is None:
-            blocked.append(u)
-            continue
-        run = rebuild_ops(graph, u)
+        done = expanded.setdefault(u, set())
+        run = tuple(p for p in run if p not in done)
+        done.update(run)
         to_run.update(run)
         for p in run:
             for v in ops[p].inputs:
-                if v in depth or v == u:
+                if v == u or tensors[v].kind != "activation":
                     continue
-                vinfo = tensors[v]
-                if vinfo.kind != "activation":
-                    continue
-                if is_available(v):
-                    reads.add(v)
-                    continue
-                if max_depth is not None and depth[u] + 1 > max_depth:
-                    if v not in frontier:
-                        frontier.append(v)
-                    continue
-                depth[v] = depth[u] + 1
-                order.append(v)
+                if reads_mid_chain(graph, p, v):
+                    need_scratch(v, p, depth[u] + 1)
+                else:
+                    need_full(v, depth[u] + 1)
+    scratch_upto = {v: q for v, q in scratch_upto.items() if v not in full}
     run_order = sorted(to_run)
     last_use: dict[int, int] = {}
     for p in run_order:
         for v in ops[p].inputs:
+            if v in scratch_upto and p > scratch_upto[v]:
+                continue  # a reader of the finished tensor reads the resident (or fetched) copy
             last_use[v] = p
     have = set(reads) | set(fetches)
     made: list[int] = []
@@ -166,17 +218,20 @@ def replay(graph: Graph, target: int, *, available: Predicate | Collection[int],
     frees_after: list[tuple[int, ...]] = []
     for p in run_order:
         for o in ops[p].outputs:
-            if o not in have and not (o != target and is_available(o)):
+            if o in scratch_upto:
+                live.append(o)
+            elif o not in have and not (o != target and is_available(o)):
                 have.add(o)
                 made.append(o)
                 live.append(o)
         freed = tuple(u for u in live
-                      if u != target and last_use.get(u, -1) <= p and not is_retained(u))
+                      if u != target and last_use.get(u, -1) <= p and (u in scratch_upto or not is_retained(u)))
         if freed:
             live = [u for u in live if u not in freed]
         frees_after.append(freed)
     kept = sorted(live, key=lambda u: (u != target, u))
     return Replay(
         target=target, ops=tuple(run_order), rebuilds=tuple(sorted(made)), fetches=tuple(sorted(fetches)),
-        reads=tuple(sorted(reads)), frees_after=tuple(frees_after), kept=tuple(kept), missing=tuple(order),
-        blocked=tuple(sorted(blocked + frontier)), frontier=tuple(sorted(frontier)))
+        reads=tuple(sorted(reads)), frees_after=tuple(frees_after), kept=tuple(kept), missing=tuple(missing),
+        blocked=tuple(sorted(blocked + frontier)), frontier=tuple(sorted(frontier)),
+        scratch=tuple(sorted(scratch_upto)))

@@ -444,11 +444,14 @@ class _Replay:
             self._prefetch(u, f"needed to recompute tensor {target}")
             self._wait(u, step)
         self._sched("replay", step, target, r.ops, f"op {step}'s backward reads it")
+        scratch = set(r.scratch)  # private copies of tensors read mid-chain: counted, never resident
         for p, freed in zip(r.ops, r.frees_after, strict=True):
             op = g.ops[p]
             start = self.now
             for o in op.outputs:
-                if not resident[o]:
+                if o in scratch:
+                    self.live += tensors[o].bytes
+                elif not resident[o]:
                     resident[o] = True
                     self.live += tensors[o].bytes
             note = f"recompute op {p} ({op.name}) for op {step}'s backward"
@@ -459,7 +462,10 @@ class _Replay:
             self.recompute_s += cost_s
             self.replays += 1
             for u in freed:
-                self._free(u, f"replay for tensor {target} no longer reads it")
+                if u in scratch:
+                    self.live -= tensors[u].bytes
+                else:
+                    self._free(u, f"replay for tensor {target} no longer reads it")
             self._event("recompute", p, start, during, note)
 
     def _backward(self) -> None:
