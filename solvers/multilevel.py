@@ -32,7 +32,8 @@ from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register
 
 Actions = dict[int, Action]
-Family = tuple[int, int, Action]  # (k0, k1, inner); k0 or k1 > len(cuts): that level is empty
+Family = tuple[int, int, Action]  # (k0, k1, inner); k0 or k1 > len(cuts): that level is empty; inner
+                                  # keep: the keep-everything plan
 
 
 def cut_points(graph: Graph) -> list[tuple[int, ...]]:
@@ -65,6 +66,8 @@ def cut_points(graph: Graph) -> list[tuple[int, ...]]:
 def family_actions(graph: Graph, cuts: list[tuple[int, ...]], family: Family) -> Actions:
     """The plan of ``family`` = (k0, k1, inner) on ``cuts`` (module docstring)."""
     k0, k1, inner = family
+    if inner == Action.KEEP:
+        return {}
     tensors = graph.tensors
     actions: Actions = {t: inner for t in graph.saved_activations
                         if tensors[t].recomputable and tensors[t].bytes > 0}
@@ -107,11 +110,24 @@ class _Search:
         """Every (k0, k1, inner) of the grid, the cheapest to simulate (fewest replays) first."""
         n = len(self.cuts)
         # inner recompute: one level (a replay keeps what it passes); level-1 spacings double
-        out: list[Family] = [(k0, n + 1, Action.RECOMPUTE) for k0 in _grid(n)]
+        out: list[Family] = [(1, n + 1, Action.KEEP)]  # keep everything
+        out += [(k0, n + 1, Action.RECOMPUTE) for k0 in _grid(n)]
         for k0 in _grid(n):
             out += [(k0, 1 << i, Action.RECOMPUTE_EACH) for i in range(n.bit_length()) if 1 << i < k0]
             out.append((k0, n + 1, Action.RECOMPUTE_EACH))
         return out
+
+
+def per_use_everything(graph: Graph, max_replayed_ops: int = 1_000_000) -> Actions | None:
+    """Every saved activation that can be rebuilt as ``recompute_each`` (each backward step replays from
+    the inputs: the least memory replays can reach, at quadratic compute), or None when simulating it
+    would replay more than about ``max_replayed_ops`` ops (ops times rebuildable saved tensors / 2)."""
+    tensors = graph.tensors
+    actions = {t: Action.RECOMPUTE_EACH for t in graph.saved_activations
+               if tensors[t].recomputable and tensors[t].bytes > 0}
+    if len(graph.ops) * len(actions) // 2 > max_replayed_ops:
+        return None
+    return actions
 
 
 def searcher(graph: Graph) -> _Search:
@@ -129,7 +145,10 @@ def multilevel_search(graph: Graph, budget: int | None, *, deadline: float) -> t
     search = searcher(graph)
     if len(search.cuts) < 2:
         return None
-    for family in search.families():
+    families = search.families()
+    if budget is not None and search(families[0])[0].peak_bytes <= budget:
+        families = families[:1]  # keep-everything fits: nothing is faster
+    for family in families:
         if time.perf_counter() > deadline:
             break
         search(family)
@@ -155,10 +174,11 @@ def solve_multilevel(graph: Graph, budget_bytes: int, *, time_limit_s: float = 6
     ``budget_bytes``; ``infeasible`` with the least-peak plan when none does (or with keep-everything
     when the graph has no cut points)."""
     found = multilevel_search(graph, budget_bytes, deadline=time.perf_counter() + time_limit_s)
-    if found is None:
-        return Proposal({}, status="infeasible", stats={"cuts": len(cut_points(graph))})
-    (k0, k1, inner), actions, report = found
     n = len(searcher(graph).cuts)
+    if found is None:  # no chain of cut points: keep everything, if that fits
+        fits = simulate_actions(graph, {}).peak_bytes <= budget_bytes
+        return Proposal({}, status="feasible" if fits else "infeasible", stats={"cuts": n})
+    (k0, k1, inner), actions, report = found
     status = "feasible" if report.peak_bytes <= budget_bytes else "infeasible"
     return Proposal(actions, status=status, stats={
         "cuts": n, "k0": k0 if k0 <= n else None, "k1": k1 if k1 <= n else None, "inner": inner.value,
