@@ -160,9 +160,11 @@ def replay(graph: Graph, target: int, *, available: Predicate | Collection[int],
             return
         if is_fetchable(v):
             fetches.append(v)
+            missing.append(v)
             return
         if not tensors[v].recomputable or tensors[v].producer is None:
             blocked.append(v)
+            missing.append(v)
             return
         full.add(v)
         scratch_upto.pop(v, None)  # the whole chain runs: mid-chain readers see it in forward order
