@@ -18,8 +18,10 @@ How a step runs (see docs/model.md for the model it reproduces):
   (:func:`memplan.planner.core.replay.replay`): when backward unpacks a missing tensor, its producer (and its
   in-place initialisers) are replayed from recipes recorded in forward (the ATen op, its non-tensor
   arguments, and references to its input storages by tensor id with their view geometry), recursively
-  through missing inputs, in forward order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack;
-  the others die after their last use in the replay. Only the ops the schedule's replays run are
+  through missing inputs, in forward order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack
+  (unless the plan says ``recompute_each``: rebuilt again for their own backward); the others die after
+  their last use in the replay. A tensor an op reads before its in-place chain ends gets a scratch copy
+  re-created up to that op (the replay's ``scratch``), dropped right after it. Only the ops the schedule's replays run are
   recorded. Random ops replay under the RNG state captured before they ran (inside
   ``torch.random.fork_rng``, which restores the loop's stream), so dropout masks are identical. Arguments an op writes in place (batch norm's running
   statistics) are cloned for the replay, so a replay changes nothing but what it returns.
