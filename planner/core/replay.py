@@ -92,6 +92,27 @@ def _as_predicate(x: Predicate | Collection[int] | None) -> Predicate:
     return x.__contains__
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """Per-graph facts a replay reads, computed once per graph: ``rebuild[t]`` (:func:`rebuild_ops`),
+    ``reads[p]``: op ``p``'s activation inputs, each with whether ``p`` reads it mid-chain."""
+
+    rebuild: dict[int, tuple[int, ...]]
+    reads: list[tuple[tuple[int, bool], ...]]
+
+
+def _facts(graph: Graph) -> _Facts:
+    cached = graph.__dict__.get("_memplan_replay_facts")
+    if cached is None:
+        tensors = graph.tensors
+        rebuild = {t.id: rebuild_ops(graph, t.id) for t in tensors if t.kind == "activation"}
+        reads = [tuple((v, reads_mid_chain(graph, op.id, v)) for v in op.inputs if tensors[v].kind == "activation")
+                 for op in graph.ops]
+        cached = _Facts(rebuild, reads)
+        graph.__dict__["_memplan_replay_facts"] = cached
+    return cached
+
+
 def kept_by_replays(action: Action) -> bool:
     """Whether a replay that re-creates a saved tensor planned ``action`` for another target keeps it
     until its own backward (``recompute``: a checkpoint left behind) or frees it after its last use in
@@ -184,14 +205,15 @@ def replay(graph: Graph, target: int, *, available: Predicate | Collection[int],
         depth.setdefault(v, hops)
         order.append(v)  # (again, if it grew: the chain's further ops are expanded)
 
+    facts = _facts(graph)
     i = 0
     while i < len(order):  # breadth first: the depth limit counts hops from the target
         u = order[i]
         i += 1
         if u in full:
-            run = rebuild_ops(graph, u)
+            run = facts.rebuild[u]
         elif u in scratch_upto:
-            run = tuple(p for p in rebuild_ops(graph, u) if p < scratch_upto[u])
+            run = tuple(p for p in facts.rebuild[u] if p < scratch_upto[u])
         else:
             continue
         done = expanded.setdefault(u, set())
@@ -199,10 +221,10 @@ def replay(graph: Graph, target: int, *, available: Predicate | Collection[int],
         done.update(run)
         to_run.update(run)
         for p in run:
-            for v in ops[p].inputs:
-                if v == u or tensors[v].kind != "activation":
+            for v, mid in facts.reads[p]:
+                if v == u:
                     continue
-                if reads_mid_chain(graph, p, v):
+                if mid:
                     need_scratch(v, p, depth[u] + 1)
                 else:
                     need_full(v, depth[u] + 1)
@@ -216,22 +238,22 @@ def replay(graph: Graph, target: int, *, available: Predicate | Collection[int],
             last_use[v] = p
     have = set(reads) | set(fetches)
     made: list[int] = []
-    live: list[int] = []
+    kept: list[int] = []
+    dies_after: dict[int, list[int]] = {}  # op -> re-created tensors freed right after it, in creation order
     frees_after: list[tuple[int, ...]] = []
     for p in run_order:
         for o in ops[p].outputs:
-            if o in scratch_upto:
-                live.append(o)
-            elif o not in have and not (o != target and is_available(o)):
+            if o not in scratch_upto:
+                if o in have or (o != target and is_available(o)):
+                    continue
                 have.add(o)
                 made.append(o)
-                live.append(o)
-        freed = tuple(u for u in live
-                      if u != target and last_use.get(u, -1) <= p and (u in scratch_upto or not is_retained(u)))
-        if freed:
-            live = [u for u in live if u not in freed]
-        frees_after.append(freed)
-    kept = sorted(live, key=lambda u: (u != target, u))
+                if o == target or is_retained(o):
+                    kept.append(o)
+                    continue
+            dies_after.setdefault(max(p, last_use.get(o, -1)), []).append(o)
+        frees_after.append(tuple(dies_after.pop(p, ())))
+    kept.sort(key=lambda u: (u != target, u))
     return Replay(
         target=target, ops=tuple(run_order), rebuilds=tuple(sorted(made)), fetches=tuple(sorted(fetches)),
         reads=tuple(sorted(reads)), frees_after=tuple(frees_after), kept=tuple(kept), missing=tuple(missing),
