@@ -15,7 +15,7 @@ few bytes: the hidden state between two steps of a recurrent cell, the residual 
   tensor; or ``recompute``).
 
 ``k0`` past the last cut keeps none (everything replayed from the inputs: memory near the lower bound at
-quadratic compute); no level 1 is one-level checkpointing with per-use replays. The strategy simulates a
+quadratic compute); ``k1`` past it leaves none behind (one-level checkpointing with per-use replays). The strategy simulates a
 grid of these plans and returns the fastest within the budget (Griewank & Walther 2000 for the
 time-memory trade of nested checkpoints; Chen et al. 2016 section 4 for the two-level recursion).
 """
@@ -39,7 +39,8 @@ Family = tuple[int, int, Action]  # (k0, k1, inner); k0 or k1 > len(cuts): that 
 def cut_points(graph: Graph) -> list[tuple[int, ...]]:
     """The crossing tensor sets of the graph's cut points, in forward order: at each op, the activations
     made before it and read at or after it; a cut is the first op of a run with the same set whose bytes
-    are at most half the median over all ops (the narrow waists of the forward). Empty sets are skipped."""
+    are at most half the median over all ops (the narrow waists of the forward), or, when that leaves
+    fewer than two (a uniform chain), at most the median. Empty sets are skipped."""
     tensors = graph.tensors
     last_read: dict[int, int] = {}
     for op in graph.ops:
@@ -58,9 +59,12 @@ def cut_points(graph: Graph) -> list[tuple[int, ...]]:
     sizes = [sum(tensors[t].bytes for t in s) for s in sets]
     if not sizes:
         return []
-    waist = statistics.median(sizes) / 2
-    return [s for p, s in enumerate(sets)
-            if s and sizes[p] <= waist and (p == 0 or sets[p - 1] != s)]
+    cuts: list[tuple[int, ...]] = []
+    for waist in (statistics.median(sizes) / 2, statistics.median(sizes)):  # a uniform chain: the median
+        cuts = [s for p, s in enumerate(sets) if s and sizes[p] <= waist and (p == 0 or sets[p - 1] != s)]
+        if len(cuts) >= 2:
+            break
+    return cuts
 
 
 def family_actions(graph: Graph, cuts: list[tuple[int, ...]], family: Family) -> Actions:
@@ -76,9 +80,9 @@ def family_actions(graph: Graph, cuts: list[tuple[int, ...]], family: Family) ->
         for t in cut:
             if t not in saved:
                 continue
-            if j % k0 == 0:
+            if k0 <= len(cuts) and j % k0 == 0:
                 actions.pop(t, None)
-            elif j % k1 == 0 and t in actions:
+            elif k1 <= len(cuts) and j % k1 == 0 and t in actions:
                 actions[t] = Action.RECOMPUTE
     return actions
 
