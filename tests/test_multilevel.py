@@ -36,7 +36,7 @@ def test_the_family_keeps_every_k0th_cut_leaves_every_k1th_and_recomputes_the_re
     assert family_actions(g, cuts, (n + 1, n + 1, Action.RECOMPUTE_EACH)) == per_use_everything(g)
 
 
-@pytest.mark.parametrize("n", [4, 6, 8])
+@pytest.mark.parametrize("n", [4, 6, 7])
 def test_recompute_each_goes_below_every_keep_recompute_plan_and_multilevel_finds_it(n):
     """On a chain, every keep / recompute plan keeps what its replays pass, so it peaks at two or more
     activations above the fixed memory; a recompute_each plan holds one replay's working set. The
@@ -55,9 +55,9 @@ def test_recompute_each_goes_below_every_keep_recompute_plan_and_multilevel_find
     assert info.value.min_feasible_bytes == simulate_actions(g, per_use_everything(g)).peak_bytes == per_use
 
 
-@pytest.mark.parametrize("seed", [1, 3, 7])
+@pytest.mark.parametrize("seed", [1, 2, 3])
 def test_multilevel_never_beats_the_per_use_oracle_and_fits(seed):
-    g = random_dag(8, seed=seed)
+    g = random_dag(7, seed=seed)
     lo, hi = oracle_min_peak(g, per_use=True), keep_all_report(g).peak_bytes
     for budget in (lo, (lo + hi) // 2, hi):
         best = solve(g, budget, "oracle", per_use=True)
