@@ -4,7 +4,7 @@ Layout: :mod:`~memplan.solvers.registry` (the strategy contract and the registry
 :mod:`~memplan.solvers.core` (``solve``: validation, scoring, the plan), :mod:`~memplan.solvers.bounds`,
 :mod:`~memplan.solvers.frontier`, and one module per strategy, each registering itself on import:
 ``oracle``, ``greedy``, ``capuchin`` (sharing :mod:`~memplan.solvers.evict`), ``every_k``, ``manual``,
-``min_memory``, ``auto``, ``dp`` (with its chain baselines) and the ``ilp`` package. This package imports
+``min_memory``, ``multilevel``, ``auto``, ``dp`` (with its chain baselines) and the ``ilp`` package. This package imports
 every strategy module once, below, so that :func:`solvers` lists them all.
 """
 
@@ -18,7 +18,7 @@ from memplan.solvers import (  # noqa: F401
     ilp,
     manual,
     min_memory,
-    multilevel,  # noqa: F401
+    multilevel,
     oracle,
 )
 from memplan.solvers.auto import choose_method
