@@ -309,7 +309,7 @@ def solve(
         "overhead": result.report.time_s / base.time_s - 1.0 if base.time_s else 0.0,
         "solve_time_s": result.solve_time_s, "gap": result.gap, "lower_bound_s": result.lower_bound_s,
         "recompute": result.plan.count("recompute"), "offload": result.plan.count("offload"),
-        "keep": result.plan.count("keep"),
+        "keep": result.plan.count("keep"), "recompute_each": result.plan.count("recompute_each"),
     }
     if json_out:
         _emit_json(summary)
@@ -317,7 +317,9 @@ def solve(
     _print_report(result.report, title=f"{graph.name}: {summary['solver']} ({summary['status']}), "
                                        f"solved in {summary['solve_time_s']:.2f} s", budget=b)
     out.print(f"keep-all: {format_bytes(base.peak_bytes)}, {base.time_s * 1e3:.2f} ms -> overhead "
-              f"{summary['overhead'] * 100:.1f}%; {summary['recompute']} recomputed, {summary['offload']} "
+              f"{summary['overhead'] * 100:.1f}%; {summary['recompute']} recomputed, "
+              + (f"{summary['recompute_each']} recomputed per use, " if summary["recompute_each"] else "")
+              + f"{summary['offload']} "
               f"offloaded, {summary['keep']} kept; wrote [bold]{output}[/bold]")
     if result.lower_bound_s is not None and result.gap is not None:  # a proven bound on the step time
         out.print(f"proven lower bound {result.lower_bound_s * 1e3:.2f} ms: gap {result.gap * 100:.2f}%")

@@ -3,10 +3,12 @@
 For ``nn.GRUCell`` and ``nn.LSTMCell`` unrolled over 64 steps (the ``rnn`` built-in): profile one step,
 then report ``memory_lower_bound``, keep-everything, how much of the saved activations can be rebuilt, and
 the smallest simulated peak found: the smallest known peak (``smallest_known_peak``) and, per solver, a
-bisection on the budget between the lower bound and keep-everything (each solve limited to 10 s). Prints a
-markdown table; ``--update-doc`` replaces the ``inplace`` section of docs/benchmarks.md.
+bisection on the budget between the lower bound and keep-everything (each solve limited to 10 s). Then
+the time side: per solver, the simulated step time of its plan at budgets of 1.15x and 1.5x the lower
+bound, against keep-everything's. Prints markdown tables; ``--update-doc`` replaces the ``inplace``
+section of docs/benchmarks.md.
 
-    python benchmarks/inplace.py [--update-doc] [--solvers capuchin greedy] [--label after]
+    python benchmarks/inplace.py [--update-doc] [--solvers capuchin greedy multilevel]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from memplan.planner.workloads import load_workload
 from memplan.solvers import keep_all_report, memory_lower_bound, smallest_known_peak, solve
 
 SIZE = dict(steps=64, input_size=16, hidden_size=64, batch_size=32)
+TIME_AT = (1.15, 1.5)  # budgets, as multiples of the lower bound, at which step times are reported
 
 
 def smallest_peak(graph, method: str, lo: int, hi: int, rounds: int) -> int:
@@ -37,6 +40,14 @@ def smallest_peak(graph, method: str, lo: int, hi: int, rounds: int) -> int:
         except Infeasible:
             lo = mid
     return best
+
+
+def step_time_at(graph, method: str, budget: int, keep_s: float) -> str:
+    """``method``'s simulated step time at ``budget`` relative to keep-everything's, or '—'."""
+    try:
+        return f"{solve(graph, budget, method, time_limit_s=10.0).report.time_s / keep_s:.2f}x"
+    except Infeasible:
+        return "—"
 
 
 def row(cell: str, solvers: list[str], rounds: int) -> dict:
@@ -53,7 +64,10 @@ def row(cell: str, solvers: list[str], rounds: int) -> dict:
         peaks[m] = smallest_peak(g, m, lb, keep, rounds)
         print(f"  {cell} {m}: {peaks[m]} B ({time.perf_counter() - start:.0f} s)", flush=True)
     best = min(peaks.values())
-    return {"cell": cell, "lb": lb, "keep": keep, "rebuildable": rebuildable / total, "peaks": peaks, "best": best}
+    keep_s = keep_all_report(g).time_s
+    times = {m: [step_time_at(g, m, int(lb * f), keep_s) for f in TIME_AT] for m in solvers}
+    return {"cell": cell, "lb": lb, "keep": keep, "rebuildable": rebuildable / total, "peaks": peaks, "best": best,
+            "times": times}
 
 
 def table(rows: list[dict], solvers: list[str]) -> str:
@@ -65,12 +79,17 @@ def table(rows: list[dict], solvers: list[str]) -> str:
                  *(format_bytes(r["peaks"][k]) for k in ["smallest known", *solvers]),
                  f"{r['best'] / r['lb']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    head = ["cell", *(f"{m} at {f}x lower bound" for m in solvers for f in TIME_AT)]
+    lines += ["", "Simulated step time (keep-everything = 1.00x; '—': no plan at that budget):", "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([r["cell"], *(t for m in solvers for t in r["times"][m])]) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--solvers", nargs="*", default=["capuchin", "greedy"])
+    ap.add_argument("--solvers", nargs="*", default=["capuchin", "greedy", "multilevel"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--update-doc", action="store_true")
     args = ap.parse_args()

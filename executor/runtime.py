@@ -22,8 +22,10 @@ How a step runs (see docs/model.md for the model it reproduces):
   (:func:`memplan.planner.core.replay.replay`): when backward unpacks a missing tensor, its producer (and its
   in-place initialisers) are replayed from recipes recorded in forward (the ATen op, its non-tensor
   arguments, and references to its input storages by tensor id with their view geometry), recursively
-  through missing inputs, in forward order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack;
-  the others die after their last use in the replay. Only the ops the schedule's replays run are
+  through missing inputs, in forward order. Replayed tensors that other saved-tensor handles still wait for stay until their last unpack
+  (unless the plan says ``recompute_each``: rebuilt again for their own backward); the others die after
+  their last use in the replay. A tensor an op reads before its in-place chain ends gets a scratch copy
+  re-created up to that op (the replay's ``scratch``), dropped right after it. Only the ops the schedule's replays run are
   recorded. Random ops replay under the RNG state captured before they ran (inside
   ``torch.random.fork_rng``, which restores the loop's stream), so dropout masks are identical. Arguments an op writes in place (batch norm's running
   statistics) are cloned for the replay, so a replay changes nothing but what it returns.
@@ -55,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
-from memplan.planner.core.replay import replay
+from memplan.planner.core.replay import kept_by_replays, replay
 from memplan.planner.core.schedule import ScheduleEvent
 from memplan.planner.core.shapes import ShapeMatcher
 from memplan.planner.core.simulator import static_facts
@@ -610,7 +612,8 @@ class Step:
         made after its last use unless a handle still waits for it; leaves the target in ``self.cache``."""
         g = self.g
         r = replay(g, target, available=lambda u: self.available(u) is not None, fetchable=self.host.__contains__,
-                   retain=lambda u: self.pending_unpacks[u] > 0)
+                   retain=lambda u: self.pending_unpacks[u] > 0
+                   and kept_by_replays(self.ex.actions.get(u, Action.KEEP)))
         r.check(g)
         lost = next((p for p in r.ops if p not in self.recipes), None)
         if lost is not None:
@@ -629,7 +632,10 @@ class Step:
         try:
             for p, freed in zip(r.ops, r.frees_after, strict=True):
                 for tid, s, t in self._run(p, made, made_tensors):
-                    if tid in rebuilds and tid not in made:
+                    if tid in r.scratch:  # a private copy read mid-chain: shadows the resident one, not found
+                        made[tid] = s
+                        made_tensors[tid] = t
+                    elif tid in rebuilds and tid not in made:
                         made[tid] = s
                         made_tensors[tid] = t
                         # Remember the rebuilt storage itself: after its last unpack autograd still holds

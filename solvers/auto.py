@@ -90,15 +90,22 @@ def _best_of(graph: Graph, first: Scored, budget: int, common: dict) -> Scored:
 
 
 def _fallback(graph: Graph, budget: int, failed: str, common: dict) -> Scored | None:
-    """``auto``'s second try after ``failed`` found no plan: the greedy heuristic, then the plan of
-    :func:`~memplan.solvers.min_memory.min_memory_actions` (named ``min-memory``). None when neither fits."""
+    """``auto``'s second try after ``failed`` found no plan: the greedy heuristic, then (without offload)
+    the multilevel strategy, then the plan of :func:`~memplan.solvers.min_memory.min_memory_actions`
+    (named ``min-memory``). None when none fits."""
     reg = solvers()
-    if failed != "greedy" and "greedy" in reg:
+    # greedy, then the fastest two-level plan with per-use replays (multilevel, no offload; at most 10 s):
+    # both within the budget, before the least-peak plan, which may be far slower
+    tries = [("greedy", common)]
+    if not common["offload"]:
+        tries.append(("multilevel", {**common, "time_limit_s": min(common["time_limit_s"], 10.0)}))
+    for name, args in tries:
+        if name == failed or name not in reg:
+            continue
         try:
-            proposal, report = propose(graph, reg["greedy"], budget, config=reg["greedy"].default_config(),
-                                       **common)
+            proposal, report = propose(graph, reg[name], budget, config=reg[name].default_config(), **args)
             proposal.stats["fallback_from"] = failed
-            return proposal, report, "greedy"
+            return proposal, report, name
         except Infeasible:
             pass
     offload, host_budget = common["offload"], common["host_budget_bytes"]

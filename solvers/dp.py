@@ -76,6 +76,7 @@ from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import Report, default_prefetch_at, simulate_actions
 from memplan.solvers.bounds import keep_all_report
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
+from memplan.solvers.multilevel import per_use_everything
 from memplan.solvers.registry import Proposal, register
 
 Actions = dict[int, Action]
@@ -825,8 +826,13 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
             floor = chain_min_budget_bytes(graph)
             if floor is None:
                 return Proposal(status="infeasible", stats={"model": "chain"})
+            # the DP's plans keep or recompute; recompute_each (multi-level replays) may go lower
+            per_use = per_use_everything(graph)
+            least = floor if per_use is None else min(floor, simulate_actions(graph, per_use).peak_bytes)
+            lower = f"; a recompute_each plan fits {least} B" if least < floor else ""
             raise Infeasible(f"dp: no plan of chain {graph.name!r} fits {budget_bytes} B; the least budget any "
-                             f"plan fits is exactly {floor} B", budget_bytes=budget_bytes, min_feasible_bytes=floor)
+                             f"keep / recompute plan fits is exactly {floor} B{lower}", budget_bytes=budget_bytes,
+                             min_feasible_bytes=least)
         return Proposal(sol.actions, status=sol.status, lower_bound_s=sol.lower_bound_s,
                         stats={"model": "chain", "predicted_time_s": sol.time_s, **sol.stats})
     if ch is None and not offload and has_blocks(graph):

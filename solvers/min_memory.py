@@ -12,10 +12,12 @@ import time
 from memplan.planner.core.graph import Graph, coarsen
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import Report, simulate_actions
+from memplan.solvers.bounds import memory_lower_bound
 from memplan.solvers.capuchin import pick_capuchin
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.evict import Actions, Facts, Site, candidates, graph_facts, peak_site, shrink, simulate
 from memplan.solvers.greedy import pick_dtr
+from memplan.solvers.multilevel import per_use_everything
 from memplan.solvers.oracle import oracle_min_peak, plan_count
 
 MAX_EXACT_SAVED = 10      # smallest_known_peak enumerates every plan of graphs this small ...
@@ -148,7 +150,8 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     Starting points: segmentations of the finest chain (Chen's budgeted greedy and its REVOLVE-shaped
     refinement, each at the limit of least peak), every-k at the k of least peak, the greedy (and with
     ``offload`` the Capuchin) loop driven towards budget 0 (the lowest plan on its way), recompute-
-    everything and, with ``offload``, everything offloaded and prefetched just before its first backward
+    everything, recompute_each-everything where affordable (multi-level replays, which keep only their
+    target) and, with ``offload``, everything offloaded and prefetched just before its first backward
     use. The best (on small graphs, each) is then improved by single-tensor moves until ``time_limit_s``.
     It is what Infeasible errors quote as the minimum feasible budget (:func:`smallest_known_peak`)."""
     t0 = time.perf_counter()
@@ -156,6 +159,9 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     facts = graph_facts(graph)
     starts: list[tuple[Actions, dict[int, int]]] = [
         ({}, {}), ({t: Action.RECOMPUTE for t in facts.evictable if graph.tensors[t].recomputable}, {})]
+    per_use = per_use_everything(graph)  # multi-level replays: near the lower bound on long chains
+    if per_use is not None:
+        starts.append((per_use, {}))
     if offload:
         everything = {t: Action.OFFLOAD for t in facts.evictable}
         starts.append((everything, {t: facts.first_bwd_use[t] for t in everything}))
@@ -182,13 +188,20 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
 
 def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
     """The smallest simulated peak among memplan's low-memory plans: keep-everything, recompute-
-    everything, offload-everything (when allowed) and :func:`min_memory_actions`; on chains, the exact DP's
+    everything, recompute_each-everything (where affordable), offload-everything (when allowed) and
+    :func:`min_memory_actions`; on chains, the exact DP's
     least budget; on graphs of at most
     ``MAX_EXACT_SAVED`` saved activations, the oracle's exact minimum. It is achievable, so it is what an
     Infeasible error reports as the minimum feasible budget."""
     saved = graph.saved_activations
     recomputable = {t: Action.RECOMPUTE for t in saved if graph.tensors[t].recomputable}
     plans: list[tuple[dict[int, Action], dict[int, int]]] = [({}, {}), (recomputable, {})]
+    per_use = per_use_everything(graph)  # recompute_each: a replay keeps only its target
+    if per_use is not None:
+        peak = simulate_actions(graph, per_use).peak_bytes
+        if peak <= memory_lower_bound(graph):
+            return peak  # at the lower bound: no plan goes lower
+        plans.append((per_use, {}))
     if offload:
         plans.append(({t: Action.OFFLOAD for t in saved}, {}))
     plans.append(min_memory_actions(graph, offload=offload))
@@ -198,10 +211,12 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
     exact = chain_min_budget_bytes(graph)  # a chain: the DP knows the exact least keep/recompute budget
     if exact is not None:
         best = min(best, exact)
-    if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (or, with offload, the
-        for prefetch in ("choose", "default"):  # minimum at default prefetch)
-            if plan_count(graph, offload=offload, prefetch=prefetch) <= MAX_EXACT_PLANS:
-                best = min(best, oracle_min_peak(graph, offload=offload, prefetch=prefetch))
+    if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (with recompute_each when
+        # that space is small; else without it; with offload, perhaps only at default prefetch)
+        for prefetch, per_use in (("choose", True), ("choose", False), ("default", False)):
+            limit = MAX_EXACT_PLANS // 16 if per_use else MAX_EXACT_PLANS
+            if plan_count(graph, offload=offload, prefetch=prefetch, per_use=per_use) <= limit:
+                best = min(best, oracle_min_peak(graph, offload=offload, prefetch=prefetch, per_use=per_use))
                 break
     return best
 

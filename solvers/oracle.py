@@ -1,5 +1,5 @@
-"""The exhaustive oracle: every keep / recompute (/ offload, at every legal prefetch point) assignment of
-every saved activation, each scored by the simulator. Exact by construction, exponential in size: for
+"""The exhaustive oracle: every keep / recompute (/ offload, at every legal prefetch point; / recompute_each
+with ``per_use``) assignment of every saved activation, each scored by the simulator. Exact by construction, exponential in size: for
 graphs of up to about 12 saved activations, as the reference the other solvers are proved against.
 
 With offload the plan space includes the prefetch point of each offloaded tensor (``prefetch_at``, any
@@ -36,6 +36,9 @@ class Config:
 
     # choose: every legal prefetch point of each offloaded tensor; default: the simulator's only
     prefetch: Literal["choose", "default"] = "choose"
+    # also recompute_each for every rebuildable tensor (multi-level replays); off: the keep / recompute /
+    # offload space that the exact solvers (ILP, chain DP) are optimal over
+    per_use: bool = False
 
 
 DEFAULT = Config()
@@ -44,8 +47,9 @@ DEFAULT = Config()
 Choice = tuple[Action, int | None]  # an action and, for offload, its prefetch point (None: the default)
 
 
-def _choices(graph: Graph, offload: bool, prefetch: str) -> list[list[Choice]]:
-    """Per saved activation, every (action, prefetch point) the plan space allows."""
+def _choices(graph: Graph, offload: bool, prefetch: str, per_use: bool = False) -> list[list[Choice]]:
+    """Per saved activation, every (action, prefetch point) the plan space allows (``per_use``: with
+    ``recompute_each`` beside ``recompute``)."""
     if prefetch not in PREFETCH_MODES:
         raise MemplanError(f"oracle: prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
     st = static_facts(graph)
@@ -55,6 +59,8 @@ def _choices(graph: Graph, offload: bool, prefetch: str) -> list[list[Choice]]:
         opts: list[Choice] = [(Action.KEEP, None)]
         if graph.tensors[t].recomputable:
             opts.append((Action.RECOMPUTE, None))
+            if per_use:
+                opts.append((Action.RECOMPUTE_EACH, None))
         if offload:
             if prefetch == "default":
                 opts.append((Action.OFFLOAD, None))
@@ -64,14 +70,15 @@ def _choices(graph: Graph, offload: bool, prefetch: str) -> list[list[Choice]]:
     return out
 
 
-def plan_count(graph: Graph, *, offload: bool = False, prefetch: str = "choose") -> int:
+def plan_count(graph: Graph, *, offload: bool = False, prefetch: str = "choose", per_use: bool = False) -> int:
     """How many plans the oracle enumerates for ``graph`` (to decide whether it is affordable)."""
-    return math.prod(len(c) for c in _choices(graph, offload, prefetch))
+    return math.prod(len(c) for c in _choices(graph, offload, prefetch, per_use))
 
 
-def _plans(graph: Graph, offload: bool, prefetch: str) -> Iterator[tuple[dict[int, Action], dict[int, int]]]:
+def _plans(graph: Graph, offload: bool, prefetch: str,
+           per_use: bool = False) -> Iterator[tuple[dict[int, Action], dict[int, int]]]:
     saved = graph.saved_activations
-    for combo in itertools.product(*_choices(graph, offload, prefetch)):
+    for combo in itertools.product(*_choices(graph, offload, prefetch, per_use)):
         actions = {t: a for t, (a, _) in zip(saved, combo, strict=True) if a != Action.KEEP}
         points = {t: q for t, (_, q) in zip(saved, combo, strict=True) if q is not None}
         yield actions, points
@@ -83,19 +90,20 @@ def _plans(graph: Graph, offload: bool, prefetch: str) -> Iterator[tuple[dict[in
 def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
                  host_budget_bytes: int | None = None, config: Config = DEFAULT) -> Proposal:
     """Minimise simulated step time subject to simulated peak <= budget (and host peak <= host budget);
-    ties: lower peak, then fewer non-keep actions, then fewer explicit prefetch points. ``prefetch``:
-    ``choose`` enumerates every legal prefetch point of each offloaded tensor, ``default`` only the
-    simulator's default. ``status`` is ``optimal`` when the enumeration finished, ``timeout`` otherwise."""
+    ties: lower peak, then fewer non-keep actions, then fewer recompute_each, then fewer explicit prefetch
+    points. ``prefetch``: ``choose`` enumerates every legal prefetch point of each offloaded tensor,
+    ``default`` only the simulator's default; ``per_use`` adds recompute_each. ``status`` is ``optimal`` when the enumeration finished, ``timeout`` otherwise."""
     prefetch = config.prefetch
-    best: tuple[float, int, int, int] | None = None
+    best: tuple[float, int, int, int, int] | None = None
     best_plan: tuple[dict[int, Action], dict[int, int]] = ({}, {})
     deadline = time.perf_counter() + time_limit_s
     tried = 0
-    for actions, points in _plans(graph, offload, prefetch):
+    for actions, points in _plans(graph, offload, prefetch, config.per_use):
         r = simulate_actions(graph, actions, prefetch_at=points)
         tried += 1
         if r.peak_bytes <= budget_bytes and (host_budget_bytes is None or r.host_peak_bytes <= host_budget_bytes):
-            key = (r.time_s, r.peak_bytes, len(actions), len(points))
+            per_use = sum(a == Action.RECOMPUTE_EACH for a in actions.values())
+            key = (r.time_s, r.peak_bytes, len(actions), per_use, len(points))
             if best is None or key < best:
                 best, best_plan = key, (actions, points)
         if time.perf_counter() > deadline:
@@ -106,7 +114,8 @@ def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0,
     return Proposal(*best_plan, status="optimal", lower_bound_s=best[0], stats={"plans_tried": tried})
 
 
-def oracle_min_peak(graph: Graph, *, offload: bool = False, prefetch: str = "choose") -> int:
+def oracle_min_peak(graph: Graph, *, offload: bool = False, prefetch: str = "choose", per_use: bool = False) -> int:
     """The exact smallest simulated peak over all plans (tiny graphs only; with offload, over every
-    prefetch point unless ``prefetch="default"``)."""
-    return min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in _plans(graph, offload, prefetch))
+    prefetch point unless ``prefetch="default"``; with ``per_use``, recompute_each included)."""
+    return min(simulate_actions(graph, a, prefetch_at=p).peak_bytes
+               for a, p in _plans(graph, offload, prefetch, per_use))

@@ -109,9 +109,10 @@ def test_infeasible_budget_names_the_minimum(client):
     r = client.post("/v1/plans", json=body(budget=10, solver="oracle"))
     assert r.status_code == 422
     assert r.json() == {
+        # 400 B: every activation recompute_each (a keep / recompute plan needs 600 B)
         "detail": "no plan fits budget 10 B for graph 'chain'; the minimum feasible budget memplan knows is "
-                  "600 B (fixed memory alone is 100 B)",
-        "error": "infeasible", "budget_bytes": 10, "min_feasible_bytes": 600}
+                  "400 B (fixed memory alone is 100 B)",
+        "error": "infeasible", "budget_bytes": 10, "min_feasible_bytes": 400}
 
 
 def test_bad_budget_and_unknown_solver_are_422(client):

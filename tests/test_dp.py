@@ -20,6 +20,7 @@ from memplan.planner.core.synthetic import linear_chain, random_dag
 from memplan.solvers import dp as dp_mod
 from memplan.solvers import keep_all_report, memory_lower_bound, solve, solve_frontier
 from memplan.solvers.dp import dp_frontier, revolve_checkpoints
+from memplan.solvers.multilevel import per_use_everything
 from memplan.solvers.oracle import oracle_min_peak
 
 REL = 1e-9
@@ -103,8 +104,11 @@ def test_below_the_minimum_is_infeasible_and_names_the_minimum():
     assert solve(g, floor, "dp").report.peak_bytes <= floor  # the exact minimum is reachable
     with pytest.raises(Infeasible) as info:
         solve(g, floor - 1, "dp")
-    assert info.value.min_feasible_bytes == floor
-    assert f"{floor} B" in str(info.value)
+    e = info.value
+    assert f"{floor} B" in str(e)  # the DP's exact minimum over keep / recompute plans
+    # the minimum feasible budget named: that, or a recompute_each plan's peak (outside the DP's plans)
+    assert e.min_feasible_bytes == min(floor, simulate_actions(g, per_use_everything(g)).peak_bytes)
+    assert e.min_feasible_bytes >= oracle_min_peak(g, per_use=True)
 
 
 @pytest.mark.parametrize("frac", [0.1, 0.3, 0.5, 0.7])
@@ -197,7 +201,9 @@ def test_dp_is_exact_at_and_one_byte_below_every_trade_off_point(seed, n, scale)
 
 def test_refusals_name_the_exact_least_budget_of_a_long_chain():
     """Past the oracle's size the minimum memplan quotes was the heuristics' (too high on most chains):
-    now it is the DP's exact minimum, whether the budget is below the sound lower bound or not."""
+    now it is the DP's exact minimum over keep / recompute plans, or, lower, the recompute_each plan's
+    peak (multi-level replays, outside the DP's plan space), whether the budget is below the sound lower
+    bound or not."""
     rng = random.Random(0)
     n = 40
     g = linear_chain(n, activation_bytes=[rng.randint(1, 300) for _ in range(n)])
@@ -206,10 +212,11 @@ def test_refusals_name_the_exact_least_budget_of_a_long_chain():
     g.invalidate()
     exact = dp_mod.chain_min_budget_bytes(g)
     assert solve(g, exact, "dp").report.peak_bytes <= exact
+    floor = min(exact, simulate_actions(g, per_use_everything(g)).peak_bytes)
     for budget in (exact - 1, memory_lower_bound(g) - 1):
         with pytest.raises(Infeasible) as info:
             solve(g, budget, "dp")
-        assert info.value.min_feasible_bytes == exact
+        assert info.value.min_feasible_bytes == floor
 
 
 def test_a_two_op_chain_at_exactly_its_only_peak_is_solved():

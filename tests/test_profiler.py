@@ -7,6 +7,7 @@ from torch import nn
 
 from memplan.planner.core.errors import WorkloadError
 from memplan.planner.core.graph import Graph
+from memplan.planner.core.replay import reads_mid_chain
 from memplan.planner.probe.profiler import model_fingerprint, profile
 
 
@@ -108,7 +109,7 @@ def test_nested_module_paths_and_inplace():
     assert g.tensors[addmm_out].recomputable and g.tensors[addmm_out].rebuilt_by == [relu.id]
 
 
-def test_inplace_after_another_reader_leaves_the_reader_unrebuildable():
+def test_a_reader_before_an_inplace_chain_is_replayed_mid_chain():
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -117,7 +118,7 @@ def test_inplace_after_another_reader_leaves_the_reader_unrebuildable():
 
         def forward(self, x):
             h = self.a(x)
-            y = h * 3        # reads h before it is changed: a replay of y would read the finished h
+            y = h * 3        # reads h before relu_ changes it: a replay of y re-creates h up to here
             h.relu_()
             r = self.b(x)
             r += y           # finishes r from another activation, read as it stays: replayable
@@ -128,8 +129,10 @@ def test_inplace_after_another_reader_leaves_the_reader_unrebuildable():
     assert len(mutated) == 2
     for t, ops in mutated.items():  # h (addmm + relu_) and r (addmm + add_ of y)
         assert g.tensors[t].recomputable and g.tensors[t].rebuilt_by == ops
-    (y,) = next(op for op in g.ops if op.name == "aten.mul.Tensor").outputs
-    assert not g.tensors[y].recomputable
+    mul = next(op for op in g.ops if op.name == "aten.mul.Tensor")
+    (y,) = mul.outputs
+    (h,) = [t for t in mul.inputs if reads_mid_chain(g, mul.id, t)]
+    assert g.tensors[y].recomputable and h in mutated
 
 
 def test_dropout_mask_is_rebuilt_by_its_initialisers():

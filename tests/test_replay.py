@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from memplan.planner.core.errors import PlanError
 from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
-from memplan.planner.core.replay import rebuild_ops, replay
+from memplan.planner.core.plan import Action
+from memplan.planner.core.replay import kept_by_replays, reads_mid_chain, rebuild_ops, replay
+from memplan.planner.core.simulator import simulate_actions
 from memplan.planner.core.synthetic import linear_chain, random_dag
 
 
@@ -143,6 +145,58 @@ def test_a_depth_limit_stops_the_traversal_at_a_frontier():
     r = replay(g, 6, available=set(), max_depth=2)
     assert r.missing == (6, 5, 4)
     assert r.frontier == (3,) and r.blocked == (3,)
+
+
+def _mid_chain() -> Graph:
+    """h = op 1 (from x = op 0); y = h * 3 (op 2) reads h before relu_ (op 3) finishes it; op 4 reads
+    the finished h and y and saves both."""
+    t = [TensorInfo(id=0, kind="input", bytes=8),
+         TensorInfo(id=1, kind="activation", producer=0, bytes=64),
+         TensorInfo(id=2, kind="activation", producer=1, bytes=64, rebuilt_by=[3]),
+         TensorInfo(id=3, kind="activation", producer=2, bytes=64),
+         TensorInfo(id=4, kind="activation", producer=4, bytes=64)]
+    ops = [Op(id=0, name="aten.relu.default", inputs=[0], outputs=[1], saved=[1], has_backward=True),
+           Op(id=1, name="aten.addmm.default", inputs=[1], outputs=[2], saved=[1], has_backward=True),
+           Op(id=2, name="aten.mul.Tensor", inputs=[2], outputs=[3]),
+           Op(id=3, name="aten.relu_.default", inputs=[2], saved=[2], has_backward=True),
+           Op(id=4, name="aten.mul.Tensor", inputs=[2, 3], outputs=[4], saved=[2, 3], has_backward=True)]
+    return Graph(tensors=t, ops=ops, fixed=FixedMemory(inputs_bytes=8))
+
+
+def test_a_reader_mid_chain_gets_a_scratch_copy_up_to_its_op():
+    g = _mid_chain()
+    assert reads_mid_chain(g, 2, 2) and not reads_mid_chain(g, 3, 2) and not reads_mid_chain(g, 4, 2)
+    # h resident (finished): y's replay re-creates h privately up to op 2 (not relu_), frees it after
+    r = replay(g, 3, available={1, 2})
+    assert r.scratch == (2,) and r.ops == (1, 2) and r.rebuilds == (3,)
+    assert r.frees_after == ((), (2,)) and r.kept == (3,) and r.reads == (1,)
+    # h missing and needed finished too (op 4's output): the whole chain runs once, in forward order,
+    # and op 2 reads h before relu_ as in forward: no scratch copy
+    both = replay(g, 4, available={1})
+    assert not both.scratch and both.ops == (1, 2, 3, 4) and both.rebuilds == (2, 3, 4)
+    # h resident, the target reads it finished and y (whose replay needs h mid-chain): a scratch copy for
+    # op 2, the resident h for op 4
+    mixed = replay(g, 4, available={1, 2})
+    assert mixed.scratch == (2,) and mixed.ops == (1, 2, 4) and mixed.reads == (1, 2)
+    assert mixed.frees_after == ((), (2,), (3,))
+    # a mid-chain reader of a tensor that cannot be rebuilt is blocked
+    g.tensors[2].recomputable = False
+    assert replay(g, 3, available={1, 2}).blocked == (2,)
+
+
+def test_recompute_each_is_not_kept_by_another_tensors_replay():
+    """A chain whose activations are all saved: recompute keeps what a replay passes (checkpointing),
+    recompute_each replays from the input for each backward step: less memory, more replays."""
+    assert kept_by_replays(Action.RECOMPUTE) and not kept_by_replays(Action.RECOMPUTE_EACH)
+    g = linear_chain(8)
+    rebuild = {t: Action.RECOMPUTE for t in g.saved_activations if t > 1}
+    each = {t: Action.RECOMPUTE_EACH for t in rebuild}
+    one, per_use = simulate_actions(g, rebuild), simulate_actions(g, each)
+    assert per_use.peak_bytes < one.peak_bytes
+    assert one.recomputed_ops == 7  # ops 1..7 once (tensor 1 is kept)
+    # backward of op 7 replays ops 1..6 for tensor 7, then op 7 for its output 8; op k < 7 replays 1..k-1
+    assert per_use.recomputed_ops == 6 + 1 + sum(range(1, 6))
+    assert per_use.time_s > one.time_s
 
 
 def _reference_ops(g: Graph, target: int, available: set[int], fetchable: set[int]) -> set[int]:

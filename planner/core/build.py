@@ -158,12 +158,15 @@ def initialisers(trace: Trace, new_id: dict[int, int], mutated_by: dict[int, lis
     return out
 
 
-def stale_readers(trace: Trace, new_id: dict[int, int], mutated_by: dict[int, list[int]]) -> set[int]:
-    """Ops that read an activation which a later op writes in place: replayed, such an op would read the
-    tensor's final content (a resident, fetched or fully rebuilt copy), not what it read in forward
-    (``y = h * 3; h.relu_()``; autograd's clone of ``self`` before an in-place ``mul_``). A tensor whose
-    replay runs one of them cannot be rebuilt; its readers still can, from the kept tensor."""
-    last_write = {gid: max(ops) for gid, ops in mutated_by.items()}
+def stale_readers(trace: Trace, new_id: dict[int, int], mutated_by: dict[int, list[int]],
+                  chains: dict[int, list[int]]) -> set[int]:
+    """Ops that read an activation which a later op writes in place, outside a rebuildable chain
+    (``chains``, from :func:`initialisers`): replayed, such an op would read the tensor's final content,
+    not what it read in forward. A tensor whose replay runs one of them cannot be rebuilt; its readers
+    still can, from the kept tensor. A reader of a chain mid-way (``y = h * 3; h.relu_()``; autograd's
+    clone of a GRU chunk before its in-place ``mul_``) is not stale: a replay re-creates the chain up to
+    it (:func:`memplan.planner.core.replay.reads_mid_chain`)."""
+    last_write = {gid: max(ops) for gid, ops in mutated_by.items() if gid not in chains}
     out = set()
     for k, op in enumerate(trace.ops):
         for t in op.inputs:
@@ -223,7 +226,15 @@ def build_graph(trace: Trace, *, name: str = "graph", device: str = "cpu", fixed
                 mutated_by.setdefault(new_id[t], []).append(k)
 
     rebuilders = initialisers(trace, new_id, mutated_by)
-    stale = stale_readers(trace, new_id, mutated_by)
+    stale = stale_readers(trace, new_id, mutated_by, rebuilders)
+    producer_of = {new_id[st.tid]: st.producer for st in trace.storages if st.tid in new_id}
+    while True:  # a chain that runs a stale reader is no chain: its own mid-chain readers become stale
+        broken = [g for g, ops in rebuilders.items() if any(k in stale for k in (producer_of[g], *ops))]
+        if not broken:
+            break
+        for g in broken:
+            del rebuilders[g]
+        stale = stale_readers(trace, new_id, mutated_by, rebuilders)
     tensors = []
     for i, st in enumerate(order):
         act = st.kind == "activation"

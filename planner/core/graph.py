@@ -48,7 +48,8 @@ TensorKind = Literal["activation", "param", "buffer", "input"]
 
 
 # Keys of the views computed once per graph (cached_property and the simulator's static facts).
-_DERIVED_VIEWS = ("consumers", "savers", "saved_activations", "fingerprint", "_memplan_sim_static")
+_DERIVED_VIEWS = ("consumers", "savers", "saved_activations", "fingerprint", "_memplan_sim_static",
+                  "_memplan_replay_facts", "_memplan_multilevel")
 
 
 class _Strict(BaseModel):

@@ -1,4 +1,5 @@
-"""The plan file ``memplan.plan/1``: for each saved activation, keep / recompute / offload.
+"""The plan file ``memplan.plan/1``: for each saved activation, keep / recompute / offload (and
+``recompute_each``: recomputed, never kept by another tensor's replay).
 
 Activations a plan does not list are kept. An offloaded activation is copied to host memory as soon as
 it is produced and copied back when backward reaches ``prefetch_at`` (see docs/model.md).
@@ -19,9 +20,25 @@ PLAN_FORMAT = "memplan.plan/1"
 
 
 class Action(str, Enum):
+    """What a plan does with a saved activation between its forward use and its backward readers.
+
+    ``keep``: stays on the device. ``offload``: copied to host, copied back for backward. ``recompute``:
+    freed after its last forward use and rebuilt by a replay when backward needs it; a replay that
+    re-creates it on the way to another tensor keeps it until its own backward (a checkpoint left behind,
+    as checkpointing keeps a segment). ``recompute_each``: the same, except that a replay which re-creates
+    it for another tensor frees it after its last use there: it is rebuilt again when its own backward
+    needs it (multi-level checkpointing: memory held by replays for compute spent again; docs/model.md).
+    """
+
     KEEP = "keep"
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
+    RECOMPUTE_EACH = "recompute_each"
+
+    @property
+    def rebuilds(self) -> bool:
+        """Freed after forward and rebuilt by a replay for backward (``recompute`` or ``recompute_each``)."""
+        return self in (Action.RECOMPUTE, Action.RECOMPUTE_EACH)
 
 
 class Decision(BaseModel):
@@ -125,7 +142,7 @@ class Plan(BaseModel):
                 raise PlanError(f"decision names tensor {d.tensor}, which is not an activation saved "
                                 f"for backward; only saved activations can be planned")
             t = graph.tensors[d.tensor]
-            if d.action == Action.RECOMPUTE and not t.recomputable:
+            if d.action.rebuilds and not t.recomputable:
                 raise PlanError(f"tensor {d.tensor} (output of op {t.producer} "
                                 f"{graph.ops[t.producer].name}) cannot be recomputed: it is mutated in "
                                 f"place or its producer cannot be replayed")

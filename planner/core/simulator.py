@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
-from memplan.planner.core.replay import replay
+from memplan.planner.core.replay import kept_by_replays, replay
 from memplan.planner.core.schedule import Schedule, ScheduleEvent
 from memplan.planner.core.watch import forward_watch
 
@@ -224,7 +224,7 @@ def _run(graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int], 
     those, each until its last read."""
     pins: dict[int, int] = {}
     st = static_facts(graph)
-    if any(a == Action.RECOMPUTE for a in actions.values()) and any(st.fixed_content):
+    if any(a.rebuilds for a in actions.values()) and any(st.fixed_content):
         probe = _Replay(graph, actions, prefetch_at, bandwidth, False, discover=True)
         probe.run()
         pins = probe.reads
@@ -388,7 +388,7 @@ class _Replay:
                     self._free(t, "last forward use")
                     continue
                 a = self._action(t)
-                if a == Action.RECOMPUTE:
+                if a.rebuilds:
                     self._free(t, "last forward use; recomputed for backward")
                 elif a == Action.OFFLOAD:
                     heapq.heappush(self.pending, (self.d2h_end[t], t))
@@ -445,7 +445,7 @@ class _Replay:
         resident, on_host = self.resident, self.on_host
         r = replay(g, target, available=resident.__getitem__,
                    fetchable=lambda u: on_host[u] and self._action(u) == Action.OFFLOAD,
-                   retain=lambda u: st.saved[u] and st.release_at[u] <= step)
+                   retain=lambda u: st.saved[u] and st.release_at[u] <= step and kept_by_replays(self._action(u)))
         r.check(g, step)
         if self.discover:
             for u in r.reads:
@@ -455,11 +455,14 @@ class _Replay:
             self._prefetch(u, f"needed to recompute tensor {target}")
             self._wait(u, step)
         self._sched("replay", step, target, r.ops, f"op {step}'s backward reads it")
+        scratch = set(r.scratch)  # private copies of tensors read mid-chain: counted, never resident
         for p, freed in zip(r.ops, r.frees_after, strict=True):
             op = g.ops[p]
             start = self.now
             for o in op.outputs:
-                if not resident[o]:
+                if o in scratch:
+                    self.live += tensors[o].bytes
+                elif not resident[o]:
                     resident[o] = True
                     self.live += tensors[o].bytes
             note = f"recompute op {p} ({op.name}) for op {step}'s backward"
@@ -471,7 +474,10 @@ class _Replay:
             self.replays += 1
             self.replayed_ops.add(p)
             for u in freed:
-                self._free(u, f"replay for tensor {target} no longer reads it")
+                if u in scratch:
+                    self.live -= tensors[u].bytes
+                else:
+                    self._free(u, f"replay for tensor {target} no longer reads it")
             self._event("recompute", p, start, during, note)
 
     def _backward(self) -> None:
