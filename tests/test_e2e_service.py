@@ -3,10 +3,6 @@ processes, a SQLite cache file), spoken to over HTTP with httpx, planning a grap
 PyTorch model."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,12 +20,6 @@ MAX_BODY_BYTES = 1 << 20
 MAX_TIME_LIMIT_S = 20.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def graph() -> Graph:
     """A profiled training step of a small real model (a 4-layer MLP)."""
@@ -41,36 +31,12 @@ def graph() -> Graph:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The base URL of a running ``memplan serve``; stopped (Ctrl-C, as a user would) at the end."""
-    port = free_port()
+def server(serve, tmp_path_factory):
+    """The base URL of a running ``memplan serve`` (tests/conftest.py) with a SQLite cache file."""
     cache = tmp_path_factory.mktemp("cache") / "plans.sqlite"
-    env = {**os.environ, "MEMPLAN_MAX_BODY_BYTES": str(MAX_BODY_BYTES), "MEMPLAN_MAX_OPS": "2000",
-           "MEMPLAN_MAX_TIME_LIMIT_S": str(MAX_TIME_LIMIT_S), "MEMPLAN_DEFAULT_TIME_LIMIT_S": "5"}
-    proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port), "--cache",
-                             str(cache), "--workers", "2"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"memplan serve exited with {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"memplan serve did not answer within 90 s: {proc.stdout.read()}")
-        time.sleep(0.2)
+    url, _ = serve(cache, env={"MEMPLAN_MAX_BODY_BYTES": str(MAX_BODY_BYTES), "MEMPLAN_MAX_OPS": "2000",
+                               "MEMPLAN_MAX_TIME_LIMIT_S": str(MAX_TIME_LIMIT_S), "MEMPLAN_DEFAULT_TIME_LIMIT_S": "5"})
     yield url
-    proc.send_signal(subprocess.signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("memplan serve did not stop on Ctrl-C within 20 s")
     assert cache.exists()
 
 
