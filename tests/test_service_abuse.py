@@ -26,9 +26,10 @@ GRACE_S = 1.5
 QUEUE_TIMEOUT_S = 1.0
 MAX_BODY_BYTES = 24 * 2**20
 CHAIN = linear_chain(8).model_dump(mode="json")
-# budget 0 on a 2,000-op chain: the solver gives up at once, then the minimum-budget search simulates
-# plans for ~10 s with no deadline of its own: an overrun the server must stop
-OVERRUN = {"graph": linear_chain(2000).model_dump(mode="json"), "budget": 0, "time_limit_s": 0.3}
+BIG = linear_chain(2000).model_dump(mode="json")  # simulating one plan of it takes 0.1-1 s
+# every-k has no time limit of its own: on a 2,000-op chain its search simulates plans for ~8 s whatever the
+# request's time_limit_s: an overrun the server must stop
+OVERRUN = {"graph": BIG, "budget": "50%", "solver": "every-k", "time_limit_s": 0.3}
 
 
 def worker_pids(server_pid: int) -> list[int]:
@@ -244,6 +245,23 @@ def test_an_overrunning_solve_is_stopped_and_its_worker_replaced(http, server):
     after = set(worker_pids(proc.pid))
     assert len(before - after) == 1 and len(after - before) == 1
     assert http.post("/v1/plans", json={"graph": CHAIN, "budget": 700, "solver": "oracle"}).status_code == 200
+
+
+@pytest.mark.parametrize("budget", [0, 1])
+def test_a_budget_below_every_plan_of_a_large_graph_is_a_422_within_the_time_limit(http, budget):
+    """The least-peak search the answer quotes takes a minute on this graph undisturbed: it stops at the
+    request's time limit, and the answer names the budget, the least peak found by then and why."""
+    t0 = time.perf_counter()
+    r = http.post("/v1/plans", json={"graph": BIG, "budget": budget, "time_limit_s": 1.0})
+    took_s = time.perf_counter() - t0
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["error"] == "infeasible" and body["budget_bytes"] == budget
+    assert 100 < body["min_feasible_bytes"] <= 200_200  # over the fixed memory, at most keep-everything's peak
+    assert body["detail"].startswith(f"no plan fits budget {budget} B for graph 'chain'; the minimum feasible "
+                                     f"budget memplan knows is ")
+    assert body["detail"].endswith("the search for it stopped at the time limit of 1 s, a longer one may find less")
+    assert took_s < 1.0 + GRACE_S + 2.0  # its limit, one simulation past it, and reading the body
 
 
 def test_waiting_for_a_worker_is_bounded_by_a_503_with_retry_after(http, server):
