@@ -74,9 +74,13 @@ def test_budget_as_a_fraction(client):
 
 def test_identical_request_is_a_cache_hit_with_the_same_plan(client):
     req = body(budget=777, solver="oracle")
-    first = client.post("/v1/plans", json=req).json()
-    second = client.post("/v1/plans", json=req).json()
+    first_raw = client.post("/v1/plans", json=req)
+    second_raw = client.post("/v1/plans", json=req)
+    # a hit serves the bytes validated when the plan was solved, the flag set: nothing is validated again
+    assert second_raw.content == first_raw.content.replace(b'{"cache_hit":false,', b'{"cache_hit":true,', 1)
+    first, second = first_raw.json(), second_raw.json()
     assert first["cache_hit"] is False and second["cache_hit"] is True
+    PlanResponse.model_validate(second)  # and they are a PlanResponse
     assert {k: v for k, v in second.items() if k != "cache_hit"} == {k: v for k, v in first.items() if k != "cache_hit"}
     # another budget, solver setting or graph timing is another key
     assert client.post("/v1/plans", json=body(budget=778, solver="oracle")).json()["cache_hit"] is False
@@ -455,6 +459,27 @@ def test_repeated_bytes_are_answered_without_reading_them_again(monkeypatch):
         assert spaced.json() == again.json()
         c.app.state.service.cache.clear()
         assert c.post("/v1/plans", content=raw, headers=headers).json()["cache_hit"] is False
+
+
+def test_a_graph_is_validated_once_on_a_cache_miss(monkeypatch):
+    """The parse worker validates the request; a solve worker process gets the validated graph pickled and
+    loads it without parsing or validating it again."""
+    from memplan.api.cache import content_hash
+    from memplan.api.schemas import PlanRequest, read_request
+
+    kind, read = read_request(PlanRequest, json.dumps(body(budget=700)).encode(), FAST, keep_graph=False)
+    assert kind == "ok" and isinstance(read.graph, bytes)
+    assert read.graph_sha256 == content_hash(CHAIN8.model_dump_json())  # what the cache key is made of
+
+    def validated_again(*a, **kw):
+        raise AssertionError("the graph was validated a second time")
+
+    monkeypatch.setattr(Graph, "model_validate_json", validated_again)
+    monkeypatch.setattr(Graph, "model_validate", validated_again)
+    monkeypatch.setattr(Graph, "from_json", validated_again)
+    assert jobs.load_graph(read.graph) == CHAIN8
+    out = jobs.plan_job(read.graph, budget=700, solver="oracle", time_limit_s=5.0, offload=False, host_budget=None)
+    assert out["budget_bytes"] == 700 and out["predicted"]["peak_bytes"] <= 700
 
 
 def test_token_and_allowed_hosts():

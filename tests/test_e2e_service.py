@@ -78,6 +78,8 @@ def test_plan_then_cache_hit_then_simulate(http, graph):
     hit_s = time.perf_counter() - t0
     assert second.status_code == 200 and second.json()["cache_hit"] is True
     assert {**second.json(), "cache_hit": False} == res  # identical answer, marked as a hit
+    # the bytes validated when it was solved, served again without validating them
+    assert second.content == first.content.replace(b'{"cache_hit":false,', b'{"cache_hit":true,', 1)
     assert hit_s < max(0.5, miss_s)
 
     sim = http.post("/v1/simulate", json={"graph": req["graph"], "plan": res["plan"], "timeline": True})
