@@ -1,0 +1,142 @@
+"""Cache hits and graph reading over real HTTP, one request at a time, for two builds of memplan side by side.
+
+Starts one ``memplan serve`` (2 worker processes, a fresh SQLite cache) per build: this checkout, and, with
+``--before DIR``, another source tree (a folder holding a ``memplan`` package, e.g. an extracted
+``git archive`` of an older commit, put first on ``PYTHONPATH``). Then, in ``--rounds`` rounds whose build
+order alternates (the machine's other load falls on both alike), per build:
+
+* **hit**: ``--requests`` identical ``POST /v1/plans`` of the ``mlp`` graph (65 ops: a small answer), then
+  of a ``--chain``-op chain (every-k at 80%: an answer with a decision per activation), each solved once
+  before the rounds and answered from the plan cache;
+* **simulate**: ``--requests`` ``POST /v1/simulate`` of a ``--chain``-op chain (keep everything): reading a
+  graph of ~1 MB, then one simulation, as a cache miss reads it.
+
+Prints each build's median latency per round and the median and range over the rounds (markdown).
+
+    python benchmarks/service_hits.py --before /tmp/before_pkg [--rounds 5] [--requests 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(pythonpath: str | None, cache: Path) -> tuple[subprocess.Popen, str]:
+    """``memplan serve`` of the build on ``pythonpath`` (None: this checkout); (process, URL) once it answers."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port), "--cache",
+                             str(cache), "--workers", "2"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"memplan serve exited with {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("memplan serve did not answer /healthz within 120 s")
+
+
+def timed(client: httpx.Client, path: str, body: bytes, n: int, check) -> float:
+    """Median seconds of ``n`` POSTs of ``body`` to ``path``, one at a time; ``check(response)`` must hold."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        out.append(time.perf_counter() - t0)
+        if not check(r):
+            raise SystemExit(f"{path}: unexpected answer {r.status_code} {r.text[:200]}")
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", help="a folder holding the other build's memplan package (PYTHONPATH)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--chain", type=int, default=2000, help="ops of the chain sent to /v1/simulate")
+    args = ap.parse_args()
+
+    from memplan.planner.core.synthetic import linear_chain
+    from memplan.planner.probe.profiler import profile
+    from memplan.planner.workloads import load_workload
+
+    w = load_workload("mlp")
+    graph = profile(w.model, w.batch, w.loss_fn, name="mlp", progress=False, repeats=1).model_dump(mode="json")
+    chain = linear_chain(args.chain).model_dump(mode="json")
+    plan_bodies = {"mlp": json.dumps({"graph": graph, "budget": "80%", "solver": "greedy"}).encode(),
+                   "chain": json.dumps({"graph": chain, "budget": "80%", "solver": "every-k", "time_limit_s": 60}
+                                       ).encode()}
+    sim_body = json.dumps({"graph": chain}).encode()
+    builds = {"this checkout": None, **({"before": args.before} if args.before else {})}
+    servers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for i, (name, path) in enumerate(builds.items()):
+                servers[name] = start(path, Path(tmp) / f"plans{i}.sqlite")
+            clients = {name: httpx.Client(base_url=url, timeout=120) for name, (_, url) in servers.items()}
+            sizes = {}
+            for c in clients.values():  # solve once; warm both routes
+                for what, plan_body in plan_bodies.items():
+                    r = c.post("/v1/plans", content=plan_body, headers={"content-type": "application/json"})
+                    assert r.status_code == 200, r.text
+                    sizes[what] = len(r.content)
+                    timed(c, "/v1/plans", plan_body, 5, lambda r: r.json()["cache_hit"])
+                timed(c, "/v1/simulate", sim_body, 2, lambda r: r.status_code == 200)
+            hits: dict[tuple[str, str], list[float]] = {(n, w): [] for n in builds for w in plan_bodies}
+            sims: dict[str, list[float]] = {n: [] for n in builds}
+            for rnd in range(args.rounds):
+                order = list(builds) if rnd % 2 == 0 else list(reversed(builds))
+                for name in order:
+                    for what, plan_body in plan_bodies.items():
+                        hits[name, what].append(timed(clients[name], "/v1/plans", plan_body, args.requests,
+                                                      lambda r: r.status_code == 200 and r.json()["cache_hit"]))
+                    sims[name].append(timed(clients[name], "/v1/simulate", sim_body, max(5, args.requests // 10),
+                                            lambda r: r.status_code == 200))
+                print(f"round {rnd + 1}: " + ", ".join(
+                    f"{n}: hits {hits[n, 'mlp'][-1] * 1e3:.1f} / {hits[n, 'chain'][-1] * 1e3:.1f} ms, "
+                    f"simulate {sims[n][-1] * 1e3:.0f} ms" for n in order), flush=True)
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=30)
+    print(f"\nOne request at a time; median of each round's median, [min-max] over {args.rounds} rounds "
+          f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end). Answers: mlp "
+          f"{sizes['mlp'] // 1024} KiB, chain {sizes['chain'] // 1024} KiB; /v1/simulate body "
+          f"{len(sim_body) // 1024} KiB.\n")
+    print(f"| build | hit, mlp plan | hit, {args.chain}-op chain plan | simulate {args.chain}-op chain "
+          f"(read the graph, simulate) |\n|---|--:|--:|--:|")
+
+    def cell(xs: list[float], digits: int) -> str:
+        return f"{statistics.median(xs) * 1e3:.{digits}f} ms [{min(xs) * 1e3:.{digits}f}-{max(xs) * 1e3:.{digits}f}]"
+    for n in builds:
+        print(f"| {n} | {cell(hits[n, 'mlp'], 1)} | {cell(hits[n, 'chain'], 1)} | {cell(sims[n], 0)} |")
+
+
+if __name__ == "__main__":
+    main()
