@@ -11,6 +11,11 @@ order alternates (the machine's other load falls on both alike), per build:
 * **simulate**: ``--requests`` ``POST /v1/simulate`` of a ``--chain``-op chain (keep everything): reading a
   graph of ~1 MB, then one simulation, as a cache miss reads it.
 
+Then the same two builds' server-side work alone, in-process (no sockets, no worker processes: FastAPI's
+test client, a thread pool), ``--requests`` times per round: a cache hit of the chain's plan; and reading a
+``--chain``-op graph as a cache miss does: the parse worker's function, the pipe's pickling both ways, and
+the solve worker's load of the graph.
+
 Prints each build's median latency per round and the median and range over the rounds (markdown).
 
     python benchmarks/service_hits.py --before /tmp/before_pkg [--rounds 5] [--requests 100]
@@ -74,13 +79,59 @@ def timed(client: httpx.Client, path: str, body: bytes, n: int, check) -> float:
     return statistics.median(out)
 
 
+def in_process(requests: int, chain_ops: int) -> dict[str, float]:
+    """This process's build: median seconds of a cache hit (test client) and of reading a graph on a miss."""
+    import pickle
+
+    from fastapi.testclient import TestClient
+
+    from memplan.api import jobs
+    from memplan.api.app import create_app
+    from memplan.api.schemas import PlanRequest, read_request
+    from memplan.api.settings import Settings
+    from memplan.planner.core.synthetic import linear_chain
+
+    chain = linear_chain(chain_ops).model_dump(mode="json")
+    body = json.dumps({"graph": chain, "budget": "80%", "solver": "every-k", "time_limit_s": 60}).encode()
+    settings = Settings(pool="thread", workers=1, max_ops=50_000, max_body_bytes=64 << 20)
+    out: dict[str, float] = {}
+    with TestClient(create_app(settings)) as c:
+        assert c.post("/v1/plans", content=body).status_code == 200
+        times = []
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            r = c.post("/v1/plans", content=body)
+            times.append(time.perf_counter() - t0)
+            assert r.json()["cache_hit"]
+        out["hit"] = statistics.median(times)
+    times = []
+    for _ in range(max(3, requests // 20)):
+        t0 = time.perf_counter()
+        kind, read = read_request(PlanRequest, body, settings, keep_graph=False)  # the parse worker
+        read = pickle.loads(pickle.dumps((kind, read)))[1]                         # its pipe to the server
+        graph = read.graph if hasattr(read, "graph") and read.graph is not None else read.graph_json
+        graph = pickle.loads(pickle.dumps(graph))                                   # the pipe to a solve worker
+        jobs.load_graph(graph)                                                      # the solve worker
+        times.append(time.perf_counter() - t0)
+    out["read"] = statistics.median(times)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="a folder holding the other build's memplan package (PYTHONPATH)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--chain", type=int, default=2000, help="ops of the chain sent to /v1/simulate")
+    ap.add_argument("--in-process-only", action="store_true", help="skip the HTTP rounds")
+    ap.add_argument("--in-process-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.in_process_worker:  # run by in_process_rounds, under one build's PYTHONPATH
+        print(json.dumps(in_process(args.requests, args.chain)))
+        return
+    if args.in_process_only:
+        in_process_rounds(args)
+        return
 
     from memplan.planner.core.synthetic import linear_chain
     from memplan.planner.probe.profiler import profile
@@ -136,6 +187,31 @@ def main() -> None:
         return f"{statistics.median(xs) * 1e3:.{digits}f} ms [{min(xs) * 1e3:.{digits}f}-{max(xs) * 1e3:.{digits}f}]"
     for n in builds:
         print(f"| {n} | {cell(hits[n, 'mlp'], 1)} | {cell(hits[n, 'chain'], 1)} | {cell(sims[n], 0)} |")
+    in_process_rounds(args)
+
+
+def in_process_rounds(args: argparse.Namespace) -> None:
+    """:func:`in_process` under each build, a process per build and round, the order alternating."""
+    builds = {"this checkout": None, **({"before": args.before} if args.before else {})}
+    results: dict[str, list[dict[str, float]]] = {n: [] for n in builds}
+    for rnd in range(args.rounds):
+        for name in (list(builds) if rnd % 2 == 0 else list(reversed(builds))):
+            env = dict(os.environ)
+            if builds[name]:
+                env["PYTHONPATH"] = builds[name]
+            done = subprocess.run([sys.executable, __file__, "--in-process-worker", "--requests", str(args.requests),
+                                   "--chain", str(args.chain)], env=env, capture_output=True, text=True,
+                                  cwd=tempfile.gettempdir(), check=True)
+            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"in-process round {rnd + 1}, {name}: {results[name][-1]}", flush=True)
+    print(f"\nIn-process (test client, thread pool), {args.chain}-op chain; median [min-max] over {args.rounds} "
+          f"rounds:\n\n| build | cache hit | reading the graph on a miss (parse worker, pipes, solve worker) |"
+          f"\n|---|--:|--:|")
+    for n in builds:
+        h = [r["hit"] for r in results[n]]
+        g = [r["read"] for r in results[n]]
+        print(f"| {n} | {statistics.median(h) * 1e3:.1f} ms [{min(h) * 1e3:.1f}-{max(h) * 1e3:.1f}] | "
+              f"{statistics.median(g) * 1e3:.0f} ms [{min(g) * 1e3:.0f}-{max(g) * 1e3:.0f}] |")
 
 
 if __name__ == "__main__":
