@@ -1,5 +1,5 @@
-"""What the service's workers run: pure functions from a graph (the object, pickled by a parse worker, or
-JSON text) and plain arguments to JSON-able dicts, shaped like the response schemas. They import memplan's core only (no FastAPI), so a
+"""What the service's workers run: pure functions from a graph (JSON text or object) and plain arguments
+to JSON-able dicts, shaped like the response schemas. They import memplan's core only (no FastAPI), so a
 worker process starts quickly; memplan's errors raised here reach the server intact (they pickle).
 """
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,17 +29,11 @@ def warm_up() -> list[str]:
     return sorted(solvers())
 
 
-def load_graph(graph: Graph | bytes | str) -> Graph:
-    """A validated graph: the object itself; or pickled, as a parse worker sends a graph it has validated
-    (:class:`memplan.api.schemas.ReadRequest`: loaded as it is, not parsed and validated a second time; the
-    bytes are the service's own, never a client's); or JSON text, validated here."""
+def load_graph(graph: Graph | str) -> Graph:
+    """A validated graph from its JSON text (what travels to a worker process: the canonical text of a
+    graph a parse worker has validated, read by pydantic-core directly) or the object itself."""
     if isinstance(graph, Graph):
         g = graph
-    elif isinstance(graph, bytes):
-        g = pickle.loads(graph)  # noqa: S301 - made by the service's parse worker from a validated Graph
-        if not isinstance(g, Graph):
-            raise TypeError(f"load_graph: the bytes hold a {type(g).__name__}, not a pickled Graph")
-        return g
     else:
         try:
             g = Graph.model_validate_json(graph)
@@ -90,7 +83,7 @@ def _overhead(time_s: float, base_s: float) -> float:
     return time_s / base_s - 1.0 if base_s > 0 else 0.0
 
 
-def plan_job(graph: Graph | bytes | str, *, budget: int | str | None, solver: str, time_limit_s: float,
+def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_limit_s: float,
              offload: bool, host_budget: int | str | None, budget_fraction: float | None = None) -> dict[str, Any]:
     """Solve; returns a :class:`memplan.api.schemas.PlanResponse` without ``cache_hit``.
 
@@ -124,7 +117,7 @@ def plan_job(graph: Graph | bytes | str, *, budget: int | str | None, solver: st
     }
 
 
-def simulate_job(graph: Graph | bytes | str, plan: Plan | dict[str, Any] | None, *, timeline: bool) -> dict[str, Any]:
+def simulate_job(graph: Graph | str, plan: Plan | dict[str, Any] | None, *, timeline: bool) -> dict[str, Any]:
     """Replay the step under ``plan`` (None: keep everything); returns a ``SimulationResponse``.
     Raises :class:`memplan.planner.core.errors.PlanMismatch` / ``PlanError`` for a plan of another graph."""
     g = load_graph(graph)
@@ -136,7 +129,7 @@ def simulate_job(graph: Graph | bytes | str, plan: Plan | dict[str, Any] | None,
     return out
 
 
-def frontier_job(graph: Graph | bytes | str, *, budgets: list[int | str], solvers: list[str], time_limit_s: float,
+def frontier_job(graph: Graph | str, *, budgets: list[int | str], solvers: list[str], time_limit_s: float,
                  offload: bool) -> dict[str, Any]:
     """Predicted overhead at each budget for each solver; returns a ``FrontierResponse``."""
     from memplan.solvers import keep_all_report, solve_frontier

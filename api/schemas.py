@@ -12,7 +12,6 @@ server's limits (:class:`memplan.api.settings.Settings`, handed in as the valida
 
 from __future__ import annotations
 
-import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ from pydantic import (
     model_validator,
 )
 
-from memplan.api.cache import content_hash
 from memplan.api.errors import LimitExceeded
 from memplan.api.jobs import check_finite
 from memplan.api.settings import Settings
@@ -232,12 +230,10 @@ class ReadRequest(Generic[M]):
 
     fields: dict[str, Any]
     """The request model's fields but ``graph``, validated (a simulate request's plan is a ``Plan``)."""
-    graph_sha256: str
-    """The hash of the graph's canonical JSON text: what the plan cache key is made of."""
-    graph: Graph | bytes
-    """The validated graph: the object itself when it was read in this process (a thread pool shares
-    objects), else pickled by the parse worker, for a solve worker to load without parsing and validating
-    it again (:func:`memplan.api.jobs.load_graph`); the server only passes the bytes on."""
+    graph_json: str
+    """The graph as canonical JSON text: what the plan cache key hashes and a worker process reads."""
+    graph: Graph | None
+    """The graph itself when it was read in this process (a thread pool shares objects), else None."""
 
 
 def read_request(model: type[M], body: bytes, settings: Settings | None, *, keep_graph: bool
@@ -260,8 +256,7 @@ def read_request(model: type[M], body: bytes, settings: Settings | None, *, keep
         return "limit", (str(e), e.limit, e.limit_value)
     graph: Graph = req.graph  # type: ignore[attr-defined]  # every request model has one
     fields = {name: value for name, value in req if name != "graph"}
-    sha256 = content_hash(graph.model_dump_json())
-    return "ok", ReadRequest(fields, sha256, graph if keep_graph else pickle.dumps(graph, pickle.HIGHEST_PROTOCOL))
+    return "ok", ReadRequest(fields, graph.model_dump_json(), graph if keep_graph else None)
 
 
 # ---- responses ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from memplan.api import jobs
-from memplan.api.cache import PlanCache, plan_key
+from memplan.api.cache import PlanCache, content_hash, plan_key
 from memplan.api.pool import WorkerPool
 from memplan.api.schemas import (
     EventOut,
@@ -74,6 +74,11 @@ class Service:
         self.cache.close()
 
 
+    @staticmethod
+    def _graph_arg(req: ReadRequest[Any]) -> Graph | str:
+        # A worker process gets the JSON text; a thread shares the object.
+        return req.graph if req.graph is not None else req.graph_json
+
     # ---- plans -----------------------------------------------------------------------------------
     # A plan answer is validated against PlanResponse once, when it is solved, and stored as that JSON text
     # without ``cache_hit``; every answer, hit or miss, is that text with the flag put in front, served as
@@ -103,7 +108,8 @@ class Service:
         that the same bytes again are answered without reading them (:meth:`cached_for_body`)."""
         req = read.fields
         time_limit_s = self.settings.time_limit_s(req["time_limit_s"])
-        key = plan_key(graph_sha256=read.graph_sha256, budget=req["budget"], budget_fraction=req["budget_fraction"],
+        graph_sha256 = await asyncio.to_thread(content_hash, read.graph_json)
+        key = plan_key(graph_sha256=graph_sha256, budget=req["budget"], budget_fraction=req["budget_fraction"],
                        solver=req["solver"], time_limit_s=time_limit_s, offload=req["offload"],
                        host_budget=req["host_budget"], context=self._cache_context)
         if body_key is not None:
@@ -114,7 +120,7 @@ class Service:
         task = self._inflight.get(key)
         if task is None:  # else the same request is being solved now: share its answer
             task = asyncio.ensure_future(self._solve_and_cache(
-                key, read.graph, budget=req["budget"], budget_fraction=req["budget_fraction"],
+                key, self._graph_arg(read), budget=req["budget"], budget_fraction=req["budget_fraction"],
                 solver=req["solver"], time_limit_s=time_limit_s, offload=req["offload"],
                 host_budget=req["host_budget"]))
             self._inflight[key] = task
@@ -122,7 +128,7 @@ class Service:
         # shield: a request that goes away leaves the solve running; its answer is still cached.
         return self._body(await asyncio.shield(task), cache_hit=False)
 
-    async def _solve_and_cache(self, key: str, graph_arg: Graph | bytes, *, time_limit_s: float,
+    async def _solve_and_cache(self, key: str, graph_arg: Graph | str, *, time_limit_s: float,
                                **kwargs: Any) -> str:
         """Solve in the pool; returns the answer as JSON text without ``cache_hit``, validated, and
         cached when its status is complete."""
@@ -142,7 +148,7 @@ class Service:
     # ---- simulate --------------------------------------------------------------------------------
     async def simulate(self, read: ReadRequest[SimulateRequest]) -> dict[str, Any]:
         out = await self.pool.run(
-            jobs.simulate_job, read.graph, read.fields["plan"], timeline=read.fields["timeline"],
+            jobs.simulate_job, self._graph_arg(read), read.fields["plan"], timeline=read.fields["timeline"],
             timeout_s=self.settings.max_time_limit_s + self.settings.grace_s)
         # The wire form names its fields: a figure the simulator adds later is not sent until it is
         # added to the schema (rather than failing the response's validation).
@@ -157,7 +163,7 @@ class Service:
         solves = len(req["budgets"]) * len(req["solvers"])
         per_solve_s = self.settings.time_limit_s(req["time_limit_s"], solves=solves)
         return await self.pool.run(
-            jobs.frontier_job, read.graph, budgets=list(req["budgets"]), solvers=list(req["solvers"]),
+            jobs.frontier_job, self._graph_arg(read), budgets=list(req["budgets"]), solvers=list(req["solvers"]),
             time_limit_s=per_solve_s, offload=req["offload"], timeout_s=per_solve_s * solves + self.settings.grace_s)
 
 

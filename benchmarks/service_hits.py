@@ -1,4 +1,4 @@
-"""Cache hits and graph reading over real HTTP, one request at a time, for two builds of memplan side by side.
+"""Cache hits over real HTTP, one request at a time, for two builds of memplan side by side.
 
 Starts one ``memplan serve`` (2 worker processes, a fresh SQLite cache) per build: this checkout, and, with
 ``--before DIR``, another source tree (a folder holding a ``memplan`` package, e.g. an extracted
@@ -7,14 +7,10 @@ order alternates (the machine's other load falls on both alike), per build:
 
 * **hit**: ``--requests`` identical ``POST /v1/plans`` of the ``mlp`` graph (65 ops: a small answer), then
   of a ``--chain``-op chain (every-k at 80%: an answer with a decision per activation), each solved once
-  before the rounds and answered from the plan cache;
-* **simulate**: ``--requests`` ``POST /v1/simulate`` of a ``--chain``-op chain (keep everything): reading a
-  graph of ~1 MB, then one simulation, as a cache miss reads it.
+  before the rounds and answered from the plan cache.
 
 Then the same two builds' server-side work alone, in-process (no sockets, no worker processes: FastAPI's
-test client, a thread pool), ``--requests`` times per round: a cache hit of the chain's plan; and reading a
-``--chain``-op graph as a cache miss does: the parse worker's function, the pipe's pickling both ways, and
-the solve worker's load of the graph.
+test client, a thread pool), ``--requests`` times per round: a cache hit of the chain's plan.
 
 Prints each build's median latency per round and the median and range over the rounds (markdown).
 
@@ -80,14 +76,10 @@ def timed(client: httpx.Client, path: str, body: bytes, n: int, check) -> float:
 
 
 def in_process(requests: int, chain_ops: int) -> dict[str, float]:
-    """This process's build: median seconds of a cache hit (test client) and of reading a graph on a miss."""
-    import pickle
-
+    """This process's build: median seconds of a cache hit (test client)."""
     from fastapi.testclient import TestClient
 
-    from memplan.api import jobs
     from memplan.api.app import create_app
-    from memplan.api.schemas import PlanRequest, read_request
     from memplan.api.settings import Settings
     from memplan.planner.core.synthetic import linear_chain
 
@@ -104,16 +96,6 @@ def in_process(requests: int, chain_ops: int) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
             assert r.json()["cache_hit"]
         out["hit"] = statistics.median(times)
-    times = []
-    for _ in range(max(3, requests // 20)):
-        t0 = time.perf_counter()
-        kind, read = read_request(PlanRequest, body, settings, keep_graph=False)  # the parse worker
-        read = pickle.loads(pickle.dumps((kind, read)))[1]                         # its pipe to the server
-        graph = read.graph if hasattr(read, "graph") and read.graph is not None else read.graph_json
-        graph = pickle.loads(pickle.dumps(graph))                                   # the pipe to a solve worker
-        jobs.load_graph(graph)                                                      # the solve worker
-        times.append(time.perf_counter() - t0)
-    out["read"] = statistics.median(times)
     return out
 
 
@@ -122,7 +104,7 @@ def main() -> None:
     ap.add_argument("--before", help="a folder holding the other build's memplan package (PYTHONPATH)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=100)
-    ap.add_argument("--chain", type=int, default=2000, help="ops of the chain sent to /v1/simulate")
+    ap.add_argument("--chain", type=int, default=2000, help="ops of the chain whose plan is served")
     ap.add_argument("--in-process-only", action="store_true", help="skip the HTTP rounds")
     ap.add_argument("--in-process-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -143,7 +125,6 @@ def main() -> None:
     plan_bodies = {"mlp": json.dumps({"graph": graph, "budget": "80%", "solver": "greedy"}).encode(),
                    "chain": json.dumps({"graph": chain, "budget": "80%", "solver": "every-k", "time_limit_s": 60}
                                        ).encode()}
-    sim_body = json.dumps({"graph": chain}).encode()
     builds = {"this checkout": None, **({"before": args.before} if args.before else {})}
     servers = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,35 +139,29 @@ def main() -> None:
                     assert r.status_code == 200, r.text
                     sizes[what] = len(r.content)
                     timed(c, "/v1/plans", plan_body, 5, lambda r: r.json()["cache_hit"])
-                timed(c, "/v1/simulate", sim_body, 2, lambda r: r.status_code == 200)
             hits: dict[tuple[str, str], list[float]] = {(n, w): [] for n in builds for w in plan_bodies}
-            sims: dict[str, list[float]] = {n: [] for n in builds}
             for rnd in range(args.rounds):
                 order = list(builds) if rnd % 2 == 0 else list(reversed(builds))
                 for name in order:
                     for what, plan_body in plan_bodies.items():
                         hits[name, what].append(timed(clients[name], "/v1/plans", plan_body, args.requests,
                                                       lambda r: r.status_code == 200 and r.json()["cache_hit"]))
-                    sims[name].append(timed(clients[name], "/v1/simulate", sim_body, max(5, args.requests // 10),
-                                            lambda r: r.status_code == 200))
                 print(f"round {rnd + 1}: " + ", ".join(
-                    f"{n}: hits {hits[n, 'mlp'][-1] * 1e3:.1f} / {hits[n, 'chain'][-1] * 1e3:.1f} ms, "
-                    f"simulate {sims[n][-1] * 1e3:.0f} ms" for n in order), flush=True)
+                    f"{n}: hits {hits[n, 'mlp'][-1] * 1e3:.1f} / {hits[n, 'chain'][-1] * 1e3:.1f} ms" for n in order),
+                    flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(timeout=30)
     print(f"\nOne request at a time; median of each round's median, [min-max] over {args.rounds} rounds "
           f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end). Answers: mlp "
-          f"{sizes['mlp'] // 1024} KiB, chain {sizes['chain'] // 1024} KiB; /v1/simulate body "
-          f"{len(sim_body) // 1024} KiB.\n")
-    print(f"| build | hit, mlp plan | hit, {args.chain}-op chain plan | simulate {args.chain}-op chain "
-          f"(read the graph, simulate) |\n|---|--:|--:|--:|")
+          f"{sizes['mlp'] // 1024} KiB, chain {sizes['chain'] // 1024} KiB.\n")
+    print(f"| build | hit, mlp plan | hit, {args.chain}-op chain plan |\n|---|--:|--:|")
 
     def cell(xs: list[float], digits: int) -> str:
         return f"{statistics.median(xs) * 1e3:.{digits}f} ms [{min(xs) * 1e3:.{digits}f}-{max(xs) * 1e3:.{digits}f}]"
     for n in builds:
-        print(f"| {n} | {cell(hits[n, 'mlp'], 1)} | {cell(hits[n, 'chain'], 1)} | {cell(sims[n], 0)} |")
+        print(f"| {n} | {cell(hits[n, 'mlp'], 1)} | {cell(hits[n, 'chain'], 1)} |")
     in_process_rounds(args)
 
 
@@ -205,13 +180,10 @@ def in_process_rounds(args: argparse.Namespace) -> None:
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"in-process round {rnd + 1}, {name}: {results[name][-1]}", flush=True)
     print(f"\nIn-process (test client, thread pool), {args.chain}-op chain; median [min-max] over {args.rounds} "
-          f"rounds:\n\n| build | cache hit | reading the graph on a miss (parse worker, pipes, solve worker) |"
-          f"\n|---|--:|--:|")
+          f"rounds:\n\n| build | cache hit |\n|---|--:|")
     for n in builds:
         h = [r["hit"] for r in results[n]]
-        g = [r["read"] for r in results[n]]
-        print(f"| {n} | {statistics.median(h) * 1e3:.1f} ms [{min(h) * 1e3:.1f}-{max(h) * 1e3:.1f}] | "
-              f"{statistics.median(g) * 1e3:.0f} ms [{min(g) * 1e3:.0f}-{max(g) * 1e3:.0f}] |")
+        print(f"| {n} | {statistics.median(h) * 1e3:.1f} ms [{min(h) * 1e3:.1f}-{max(h) * 1e3:.1f}] |")
 
 
 if __name__ == "__main__":

@@ -461,27 +461,6 @@ def test_repeated_bytes_are_answered_without_reading_them_again(monkeypatch):
         assert c.post("/v1/plans", content=raw, headers=headers).json()["cache_hit"] is False
 
 
-def test_a_graph_is_validated_once_on_a_cache_miss(monkeypatch):
-    """The parse worker validates the request; a solve worker process gets the validated graph pickled and
-    loads it without parsing or validating it again."""
-    from memplan.api.cache import content_hash
-    from memplan.api.schemas import PlanRequest, read_request
-
-    kind, read = read_request(PlanRequest, json.dumps(body(budget=700)).encode(), FAST, keep_graph=False)
-    assert kind == "ok" and isinstance(read.graph, bytes)
-    assert read.graph_sha256 == content_hash(CHAIN8.model_dump_json())  # what the cache key is made of
-
-    def validated_again(*a, **kw):
-        raise AssertionError("the graph was validated a second time")
-
-    monkeypatch.setattr(Graph, "model_validate_json", validated_again)
-    monkeypatch.setattr(Graph, "model_validate", validated_again)
-    monkeypatch.setattr(Graph, "from_json", validated_again)
-    assert jobs.load_graph(read.graph) == CHAIN8
-    out = jobs.plan_job(read.graph, budget=700, solver="oracle", time_limit_s=5.0, offload=False, host_budget=None)
-    assert out["budget_bytes"] == 700 and out["predicted"]["peak_bytes"] <= 700
-
-
 def test_token_and_allowed_hosts():
     settings = Settings(pool="thread", workers=1, token="t0k", allowed_hosts="localhost")
     with TestClient(create_app(settings), base_url="http://localhost") as c:

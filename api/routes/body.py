@@ -4,9 +4,8 @@ FastAPI would parse and validate a body on the event loop, where a maximal graph
 thousand ops) takes seconds during which nothing else is answered, ``/healthz`` included; a thread would
 not help, as pydantic-core holds the GIL while it parses. So the bytes go to a parse worker process
 (``Service.parsers``), which validates them with the request model
-(:func:`memplan.api.schemas.read_request`) and sends back the fields, the hash of the graph's canonical
-JSON (for the plan cache) and the validated graph, pickled: a solve worker loads it without parsing and
-validating it again, and the server only passes the bytes on. A refusal is the same ``RequestValidationError`` FastAPI raises, so it is answered the same way
+(:func:`memplan.api.schemas.read_request`) and sends back the fields and the graph's canonical JSON. A
+refusal is the same ``RequestValidationError`` FastAPI raises, so it is answered the same way
 (:mod:`memplan.api.errors`). The route documents the body with :func:`documented`, so the schema still
 says exactly what the model accepts.
 """

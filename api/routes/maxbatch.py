@@ -96,7 +96,7 @@ class MaxBatchResponse(BaseModel):
     graph: Graph | None = None
 
 
-def maxbatch_job(graph: Graph | bytes, budget_bytes: int, *, dim: str, max_overhead: float | None, solver: str,
+def maxbatch_job(graph: Graph | str, budget_bytes: int, *, dim: str, max_overhead: float | None, solver: str,
                  time_limit_s: float, offload: bool, max_value: int, include_graph: bool) -> dict[str, Any]:
     """The search, in a worker: the response body as a dict."""
     from memplan.solvers.maxbatch import max_dim
@@ -122,7 +122,8 @@ async def maxbatch(read: Annotated[ReadRequest[MaxBatchRequest], Depends(json_bo
     req = read.fields
     n = candidates(req["max_value"])
     budget_bytes = parse_budget(req["budget"])
+    graph = read.graph if read.graph is not None else read.graph_json
     return await service.pool.run(
-        maxbatch_job, read.graph, budget_bytes, dim=req["dim"], max_overhead=req["max_overhead"], solver=req["solver"],
+        maxbatch_job, graph, budget_bytes, dim=req["dim"], max_overhead=req["max_overhead"], solver=req["solver"],
         time_limit_s=req["time_limit_s"], offload=req["offload"], max_value=req["max_value"],
         include_graph=req["include_graph"], timeout_s=req["time_limit_s"] * n + service.settings.grace_s)
