@@ -27,6 +27,7 @@ QUEUE_TIMEOUT_S = 1.0
 MAX_BODY_BYTES = 24 * 2**20
 CHAIN = linear_chain(8).model_dump(mode="json")
 BIG = linear_chain(2000).model_dump(mode="json")  # simulating one plan of it takes 0.1-1 s
+LARGE = linear_chain(1000).model_dump(mode="json")  # 0.05-0.3 s
 # every-k has no time limit of its own: on a 2,000-op chain its search simulates plans for ~8 s whatever the
 # request's time_limit_s: an overrun the server must stop
 OVERRUN = {"graph": BIG, "budget": "50%", "solver": "every-k", "time_limit_s": 0.3}
@@ -249,15 +250,17 @@ def test_an_overrunning_solve_is_stopped_and_its_worker_replaced(http, server):
 
 @pytest.mark.parametrize("budget", [0, 1])
 def test_a_budget_below_every_plan_of_a_large_graph_is_a_422_within_the_time_limit(http, budget):
-    """The least-peak search the answer quotes takes a minute on this graph undisturbed: it stops at the
-    request's time limit, and the answer names the budget, the least peak found by then and why."""
+    """The least-peak search the answer quotes takes ~4 s on this graph undisturbed (past the 2.5 s this
+    server gives a request of time_limit_s 1: it answered 504 before it had a deadline): it stops at the
+    request's time limit (one simulation past it at most: well within the grace period), and the answer
+    names the budget, the least peak found by then and why."""
     t0 = time.perf_counter()
-    r = http.post("/v1/plans", json={"graph": BIG, "budget": budget, "time_limit_s": 1.0})
+    r = http.post("/v1/plans", json={"graph": LARGE, "budget": budget, "time_limit_s": 1.0})
     took_s = time.perf_counter() - t0
     assert r.status_code == 422, r.text
     body = r.json()
     assert body["error"] == "infeasible" and body["budget_bytes"] == budget
-    assert 100 < body["min_feasible_bytes"] <= 200_200  # over the fixed memory, at most keep-everything's peak
+    assert 100 < body["min_feasible_bytes"] <= 100_200  # over the fixed memory, at most keep-everything's peak
     assert body["detail"].startswith(f"no plan fits budget {budget} B for graph 'chain'; the minimum feasible "
                                      f"budget memplan knows is ")
     assert body["detail"].endswith("the search for it stopped at the time limit of 1 s, a longer one may find less")
