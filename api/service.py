@@ -73,7 +73,6 @@ class Service:
         self.parsers.close()
         self.cache.close()
 
-
     @staticmethod
     def _graph_arg(req: ReadRequest[Any]) -> Graph | str:
         # A worker process gets the JSON text; a thread shares the object.

@@ -62,7 +62,7 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     if budget < memory_lower_bound(graph):
         # no strategy runs: the search for the least peak to quote gets the whole time limit
         floor = smallest_known_peak(graph, offload=offload, deadline=t0 + time_limit_s)
-        raise infeasible(graph, budget, floor, cut_at_s=_cut(t0, time_limit_s))
+        raise infeasible(graph, budget, floor, cut_at_s=_cut(t0 + time_limit_s, time_limit_s))
     proposal, report = propose(graph, spec, budget, time_limit_s=time_limit_s, offload=offload,
                                host_budget_bytes=host_budget_bytes, config=config)
     elapsed = time.perf_counter() - t0
@@ -99,7 +99,7 @@ def propose(graph: Graph, spec: SolverSpec, budget: int, *, time_limit_s: float,
                              f"{_both(budget)}; the least peak memplan knows is {_both(floor)}: try a longer "
                              f"time limit", budget_bytes=budget, min_feasible_bytes=floor)
         raise infeasible(graph, budget, floor, method=method,
-                         cut_at_s=_cut(deadline - time_limit_s, time_limit_s))
+                         cut_at_s=_cut(deadline, time_limit_s))
     report = simulate_actions(graph, proposal.actions, prefetch_at=proposal.prefetch_at, timeline=False)
     if report.peak_bytes > budget:
         raise Infeasible(
@@ -116,9 +116,10 @@ def _both(n: int) -> str:
     return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n} B)"
 
 
-def _cut(t0: float, time_limit_s: float) -> float | None:
-    """``time_limit_s`` when the search that started with it at ``t0`` has run past it, else None."""
-    return time_limit_s if time.perf_counter() > t0 + time_limit_s else None
+def _cut(deadline: float, time_limit_s: float) -> float | None:
+    """``time_limit_s`` when the search it bounded has run to its ``deadline`` (and so may have been cut
+    short), else None."""
+    return time_limit_s if time.perf_counter() > deadline else None
 
 
 def infeasible(graph: Graph, budget: int, floor: int, method: str | None = None, *,
