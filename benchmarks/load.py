@@ -68,11 +68,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(workers: int, cache: Path) -> tuple[subprocess.Popen, str]:
+def start_server(workers: int, cache: Path, pythonpath: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``memplan serve`` on a free loopback port, (process, URL) once ``/healthz`` answers. ``pythonpath``:
+    a folder holding another build's ``memplan`` package, put first on ``PYTHONPATH`` (None: this one)."""
     port = free_port()
+    env = {**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
     proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port),
                              "--cache", str(cache), "--workers", str(workers)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tempfile.gettempdir() if pythonpath else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,36 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(pythonpath: str | None, cache: Path) -> tuple[subprocess.Popen, str]:
-    """``memplan serve`` of the build on ``pythonpath`` (None: this checkout); (process, URL) once it answers."""
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port), "--cache",
-                             str(cache), "--workers", "2"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"memplan serve exited with {proc.returncode}: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("memplan serve did not answer /healthz within 120 s")
+from load import start_server  # benchmarks/load.py (the scripts run from this folder)
 
 
 def timed(client: httpx.Client, path: str, body: bytes, n: int, check) -> float:
@@ -130,7 +100,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for i, (name, path) in enumerate(builds.items()):
-                servers[name] = start(path, Path(tmp) / f"plans{i}.sqlite")
+                servers[name] = start_server(2, Path(tmp) / f"plans{i}.sqlite", path)
             clients = {name: httpx.Client(base_url=url, timeout=120) for name, (_, url) in servers.items()}
             sizes = {}
             for c in clients.values():  # solve once; warm both routes
