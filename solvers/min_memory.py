@@ -151,9 +151,15 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     everything and, with ``offload``, everything offloaded and prefetched just before its first backward
     use. The best (on small graphs, each) is then improved by single-tensor moves until ``time_limit_s``.
     It is what Infeasible errors quote as the minimum feasible budget (:func:`smallest_known_peak`).
-    ``deadline`` (a ``time.perf_counter()`` value) cuts ``time_limit_s`` short: no start is made after it
-    (keep-everything is always scored), so the result is the best plan found by then."""
+    ``deadline`` (a ``time.perf_counter()`` value; None: none) is the caller's: it cuts ``time_limit_s``
+    short, and no start is made or scored after it (keep-everything always is), so the result is the best
+    plan found by then."""
     t0 = time.perf_counter()
+    stop = deadline  # the caller's deadline, if any: the starts below are made only before it
+
+    def in_time() -> bool:
+        return stop is None or time.perf_counter() < stop
+
     if deadline is not None:
         time_limit_s = max(0.0, min(time_limit_s, deadline - t0))
     deadline = t0 + time_limit_s
@@ -163,19 +169,19 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     if offload:
         everything = {t: Action.OFFLOAD for t in facts.evictable}
         starts.append((everything, {t: facts.first_bwd_use[t] for t in everything}))
-    # each start below is made only while time is left (building the finest chain, every-k's search and
+    # each start below is made only before the caller's deadline (building the finest chain, every-k's search and
     # a shrink's first simulation take seconds on graphs of thousands of ops)
-    if time.perf_counter() < deadline:
+    if in_time():
         starts += [(a, {}) for a in _segment_search(graph, t0 + 0.4 * time_limit_s)]
-    if time.perf_counter() < deadline:
-        starts.append((every_k_search(graph, None, deadline=deadline)[1], {}))
+    if in_time():
+        starts.append((every_k_search(graph, None, deadline=stop)[1], {}))
     for pick in ((pick_dtr, pick_capuchin) if offload else (pick_dtr,)):
-        if time.perf_counter() < deadline:
+        if in_time():
             out = shrink(graph, 0, facts, pick, offload=offload, host_budget_bytes=None,
                          deadline=t0 + 0.6 * time_limit_s)
             starts.append((out.lowest[1], {}))
     scored = sorted((simulate(graph, a, p).peak_bytes, len(a), i) for i, (a, p) in enumerate(starts)
-                    if i == 0 or time.perf_counter() < deadline)  # keep-everything at least
+                    if i == 0 or in_time())  # keep-everything at least
     best_peak, _, i = scored[0]
     best = starts[i]
     # Descend from the best start; on small graphs from every start (distinct local optima are common).
