@@ -148,13 +148,15 @@ class PlanCache:
             return None
         return row[0] if row else None
 
-    def put(self, key: str, response: dict[str, Any]) -> bool:
+    def put(self, key: str, response: dict[str, Any], *, text: str | None = None) -> bool:
         """Store ``response`` (a ``PlanResponse`` without ``cache_hit``) unless its status is not
-        cacheable; returns whether it was stored."""
+        cacheable; returns whether it was stored. ``text``: the response's JSON text as it is to be served
+        (default: ``response`` dumped); :meth:`get` returns it unchanged."""
         status = response["solver"]["status"]
         if status not in CACHEABLE_STATUSES:
             return False
-        text = json.dumps(response, separators=(",", ":"), allow_nan=False)
+        if text is None:
+            text = json.dumps(response, separators=(",", ":"), allow_nan=False)
         try:
             with self._lock:
                 now = time.time()

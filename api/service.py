@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 from collections import OrderedDict
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
@@ -23,6 +22,7 @@ from memplan.api.schemas import (
     EventOut,
     FrontierRequest,
     PlanRequest,
+    PlanResponse,
     ReadRequest,
     SimulateRequest,
     SimulationResponse,
@@ -56,7 +56,7 @@ class Service:
         self.cache = PlanCache(settings.cache_path, max_bytes=settings.cache_max_bytes)
         self.solver_names: list[str] = []
         self._cache_context = ""
-        self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}  # plan key -> the solve running
+        self._inflight: dict[str, asyncio.Future[str]] = {}  # plan key -> the solve running
         self._body_keys: OrderedDict[str, str] = OrderedDict()  # request body's hash -> plan key
 
     async def start(self) -> None:
@@ -79,14 +79,21 @@ class Service:
         return req.graph if req.graph is not None else req.graph_json
 
     # ---- plans -----------------------------------------------------------------------------------
-    async def cached_for_body(self, body_key: str) -> dict[str, Any] | None:
-        """The cached ``PlanResponse`` of a request body seen before (``body_key``: the bytes' hash,
-        :func:`memplan.api.cache.content_hash`), or None. Reading a graph takes a parse worker
+    # A plan answer is validated against PlanResponse once, when it is solved, and stored as that JSON text
+    # without ``cache_hit``; every answer, hit or miss, is that text with the flag put in front, served as
+    # it is (validating a stored answer again on every hit cost more than the rest of the hit).
+    @staticmethod
+    def _body(stored: str, *, cache_hit: bool) -> bytes:
+        return (b'{"cache_hit":true,' if cache_hit else b'{"cache_hit":false,') + stored[1:].encode()
+
+    async def cached_for_body(self, body_key: str) -> bytes | None:
+        """The cached ``PlanResponse`` (JSON bytes) of a request body seen before (``body_key``: the bytes'
+        hash, :func:`memplan.api.cache.content_hash`), or None. Reading a graph takes a parse worker
         milliseconds to seconds; a client that repeats a request sends the same bytes, answered here from
         their hash alone."""
         key = self._body_keys.get(body_key)
         stored = None if key is None else await asyncio.to_thread(self.cache.get, key)
-        return None if stored is None else {"cache_hit": True, **json.loads(stored)}
+        return None if stored is None else self._body(stored, cache_hit=True)
 
     def _remember_body(self, body_key: str, key: str) -> None:
         self._body_keys[body_key] = key
@@ -94,8 +101,8 @@ class Service:
         while len(self._body_keys) > _MAX_BODY_KEYS:  # bounded: the oldest bodies go first
             self._body_keys.popitem(last=False)
 
-    async def plan(self, read: ReadRequest[PlanRequest], *, body_key: str | None = None) -> dict[str, Any]:
-        """A ``PlanResponse`` as a dict: from the cache, from an identical request being solved now, or
+    async def plan(self, read: ReadRequest[PlanRequest], *, body_key: str | None = None) -> bytes:
+        """A ``PlanResponse`` as JSON bytes: from the cache, from an identical request being solved now, or
         solved in the pool (and then cached). ``body_key``: the hash of the request's bytes, remembered so
         that the same bytes again are answered without reading them (:meth:`cached_for_body`)."""
         req = read.fields
@@ -108,7 +115,7 @@ class Service:
             self._remember_body(body_key, key)
         stored = await asyncio.to_thread(self.cache.get, key)
         if stored is not None:
-            return {"cache_hit": True, **json.loads(stored)}
+            return self._body(stored, cache_hit=True)
         task = self._inflight.get(key)
         if task is None:  # else the same request is being solved now: share its answer
             task = asyncio.ensure_future(self._solve_and_cache(
@@ -118,17 +125,20 @@ class Service:
             self._inflight[key] = task
             task.add_done_callback(functools.partial(self._solved, key))
         # shield: a request that goes away leaves the solve running; its answer is still cached.
-        return {"cache_hit": False, **await asyncio.shield(task)}
+        return self._body(await asyncio.shield(task), cache_hit=False)
 
     async def _solve_and_cache(self, key: str, graph_arg: Graph | str, *, time_limit_s: float,
-                               **kwargs: Any) -> dict[str, Any]:
+                               **kwargs: Any) -> str:
+        """Solve in the pool; returns the answer as JSON text without ``cache_hit``, validated, and
+        cached when its status is complete."""
         result: dict[str, Any] = await self.pool.run(jobs.plan_job, graph_arg, time_limit_s=time_limit_s,
                                                      timeout_s=time_limit_s + self.settings.grace_s, **kwargs)
+        text = PlanResponse.model_validate({"cache_hit": False, **result}).model_dump_json(exclude={"cache_hit"})
         # before the task ends: an identical request finds it in one place or the other
-        await asyncio.to_thread(self.cache.put, key, result)
-        return result
+        await asyncio.to_thread(self.cache.put, key, result, text=text)
+        return text
 
-    def _solved(self, key: str, task: asyncio.Future[dict[str, Any]]) -> None:
+    def _solved(self, key: str, task: asyncio.Future[str]) -> None:
         if self._inflight.get(key) is task:
             del self._inflight[key]
         if not task.cancelled():

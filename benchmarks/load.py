@@ -10,9 +10,9 @@ names one, profiles a built-in workload into a graph (or reads ``--graph``), the
 2. **hit**: the same requests again, in another order: each is answered from the plan cache.
 
 3. **saturated**: for ``--saturate-seconds``, ``--overrun-concurrency`` requests at a time that overrun
-   their time limit (budget 0 on a 2,000-op chain with ``time_limit_s`` 0.3: the solver gives up at once
-   and the minimum-budget search would run ~10 s), so every worker is busy until the server stops the
-   job and replaces its process; meanwhile ``/healthz`` and cache hits are sent one at a time and timed.
+   their time limit (every-k, which has no time limit of its own, at 50% of a 2,000-op chain with
+   ``time_limit_s`` 0.3: its search simulates plans for ~8 s), so every worker is busy until the server
+   stops the job and replaces its process; meanwhile ``/healthz`` and cache hits are sent one at a time and timed.
 
 Each answer is classed by its ``cache_hit`` flag, not by phase. Both phases are bounded: by
 ``--requests`` and by ``--max-seconds`` (requests not started by then are not sent and are counted as
@@ -68,11 +68,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(workers: int, cache: Path) -> tuple[subprocess.Popen, str]:
+def start_server(workers: int, cache: Path, pythonpath: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``memplan serve`` on a free loopback port, (process, URL) once ``/healthz`` answers. ``pythonpath``:
+    a folder holding another build's ``memplan`` package, put first on ``PYTHONPATH`` (None: this one)."""
     port = free_port()
+    env = {**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
     proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port),
                              "--cache", str(cache), "--workers", str(workers)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tempfile.gettempdir() if pythonpath else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -278,8 +282,8 @@ async def main_async(args: argparse.Namespace, url: str, graph: dict) -> tuple[l
         if args.saturate_seconds > 0:
             from memplan.planner.core.synthetic import linear_chain
 
-            overrun = json.dumps({"graph": linear_chain(2000).model_dump(mode="json"), "budget": 0,
-                                  "solver": "auto", "time_limit_s": 0.3}).encode()
+            overrun = json.dumps({"graph": linear_chain(2000).model_dump(mode="json"), "budget": "50%",
+                                  "solver": "every-k", "time_limit_s": 0.3}).encode()
             sat = await run_saturated(client, shuffled[:20], overrun, args.saturate_seconds,
                                       args.overrun_concurrency)
     return [miss, hit, serial], sat

@@ -30,6 +30,7 @@ which must return ``(model, example_batch, loss_fn)``.
 
 from __future__ import annotations
 
+import dis
 import importlib.util
 import inspect
 import sys
@@ -60,15 +61,20 @@ class Workload:
 def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
     """``loss_fn(model, batch)``, checked: raises :class:`WorkloadError` unless it is a one-element tensor
     that requires grad (what ``loss.backward()`` needs), and when ``loss_fn`` (the user's code, or the
-    model it calls) raises or calls ``sys.exit``: the message names what it raised."""
+    model it calls) raises or calls ``sys.exit``: one line naming the loss function (where it is defined)
+    and what it raised. memplan's own code runs inside the call too (the profiler's and the executor's
+    dispatch modes and hooks): an exception raised there (:func:`raised_by_memplan`) is memplan's bug, not
+    the user's, and propagates unchanged, as do memplan's domain errors."""
     try:
         loss = loss_fn(model, batch)
     except (MemplanError, KeyboardInterrupt):
         raise
     except SystemExit as e:
-        raise WorkloadError(f"loss_fn(model, batch) called sys.exit({e.code!r})") from None
+        raise WorkloadError(f"loss_fn(model, batch) called sys.exit({e.code!r}){_where(loss_fn)}") from None
     except Exception as e:
-        raise WorkloadError(f"loss_fn(model, batch) raised {type(e).__name__}: {_one_line(e)}") from e
+        if raised_by_memplan(e):
+            raise
+        raise WorkloadError(f"loss_fn(model, batch) raised {type(e).__name__}: {_one_line(e)}{_where(loss_fn)}") from e
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
         got = (f"a tensor of shape {list(loss.shape)}{'' if loss.requires_grad else ' that does not require grad'}"
                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
@@ -385,6 +391,49 @@ def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str
         except Exception:  # noqa: BLE001 - an annotation pydantic cannot check: take the value as given
             continue
     return checked
+
+
+# memplan's code: its subpackages (the package's folder also holds tests/ and benchmarks/)
+_MEMPLAN_ROOTS = tuple(Path(__file__).resolve().parent.parent / p for p in ("planner", "solvers", "executor", "api"))
+_TORCH_ROOTS = (Path(torch.__file__).resolve().parent,)
+
+
+def raised_by_memplan(e: BaseException) -> bool:
+    """Whether ``e`` was raised by a statement of memplan's own code (a bug of memplan's) rather than by
+    the user's code or by an op the user's model ran.
+
+    The innermost frame of ``e``'s traceback outside torch's own Python code decides: memplan's, and
+    failing at a statement that is not a call (a subscript, an attribute, an ``assert``, a ``raise``...).
+    A call that failed there called out of memplan, without a frame of its own in the traceback (an ATen op
+    a dispatch mode runs for the model, with the model's tensors) or through torch's frames: the op's
+    error is about the user's model."""
+    tb = e.__traceback__
+    innermost = None
+    while tb is not None:
+        if not _within(tb.tb_frame.f_code.co_filename, _TORCH_ROOTS):
+            innermost = tb
+        tb = tb.tb_next
+    if innermost is None or not _within(innermost.tb_frame.f_code.co_filename, _MEMPLAN_ROOTS):
+        return False
+    if innermost.tb_next is not None:  # it called into torch, which raised
+        return False
+    at = next((i for i in dis.get_instructions(innermost.tb_frame.f_code) if i.offset == innermost.tb_lasti), None)
+    return at is None or not at.opname.startswith(("CALL", "PRECALL"))
+
+
+def _within(filename: str, roots: tuple[Path, ...]) -> bool:
+    try:
+        path = Path(filename).resolve()
+    except (OSError, ValueError):  # "<string>", a name that is no path
+        return False
+    return any(path.is_relative_to(r) for r in roots)
+
+
+def _where(loss_fn: Callable[..., Any]) -> str:
+    """`` (loss_fn is NAME, FILE:LINE)``: which workload's loss function a message is about."""
+    code = getattr(loss_fn, "__code__", None)
+    where = f", {Path(code.co_filename).name}:{code.co_firstlineno}" if code is not None else ""
+    return f" (loss_fn is {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}{where})"
 
 
 def _one_line(e: BaseException) -> str:

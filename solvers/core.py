@@ -57,10 +57,12 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     spec = get(method)
     spec.check(graph, offload)
     config = spec.config_for(options) if spec.config is not None else options
+    t0 = time.perf_counter()
     budget = budget_bytes if budget_bytes is not None else keep_all_report(graph).peak_bytes
     if budget < memory_lower_bound(graph):
-        raise infeasible(graph, budget, smallest_known_peak(graph, offload=offload))
-    t0 = time.perf_counter()
+        # no strategy runs: the search for the least peak to quote gets the whole time limit
+        floor = smallest_known_peak(graph, offload=offload, deadline=t0 + time_limit_s)
+        raise infeasible(graph, budget, floor, cut_at_s=_cut(t0 + time_limit_s, time_limit_s))
     proposal, report = propose(graph, spec, budget, time_limit_s=time_limit_s, offload=offload,
                                host_budget_bytes=host_budget_bytes, config=config)
     elapsed = time.perf_counter() - t0
@@ -86,22 +88,24 @@ def propose(graph: Graph, spec: SolverSpec, budget: int, *, time_limit_s: float,
     """Run one strategy and score its proposal; :class:`Infeasible` unless it fits the device and host
     budgets in the simulator."""
     method = spec.name
+    deadline = time.perf_counter() + time_limit_s  # the least-peak search below gets what the strategy left
     proposal = spec.call(graph, budget, time_limit_s=time_limit_s, offload=offload,
                          host_budget_bytes=host_budget_bytes, config=config)
     if proposal.status == "infeasible":
-        floor = smallest_known_peak(graph, offload=offload)
+        floor = smallest_known_peak(graph, offload=offload, deadline=deadline)
         if proposal.stats.get("stopped") == "time limit" and floor > budget:
             # not a proof: say what happened rather than call the budget infeasible
             raise Infeasible(f"solver {method!r} found no plan within its time limit of {time_limit_s:g} s at "
                              f"{_both(budget)}; the least peak memplan knows is {_both(floor)}: try a longer "
                              f"time limit", budget_bytes=budget, min_feasible_bytes=floor)
-        raise infeasible(graph, budget, floor, method=method)
+        raise infeasible(graph, budget, floor, method=method,
+                         cut_at_s=_cut(deadline, time_limit_s))
     report = simulate_actions(graph, proposal.actions, prefetch_at=proposal.prefetch_at, timeline=False)
     if report.peak_bytes > budget:
         raise Infeasible(
             f"solver {method!r} found no plan whose simulated peak fits {format_bytes(budget)} "
             f"(its best peaks at {format_bytes(report.peak_bytes)}); try another solver or a larger budget",
-            budget_bytes=budget, min_feasible_bytes=smallest_known_peak(graph, offload=offload))
+            budget_bytes=budget, min_feasible_bytes=smallest_known_peak(graph, offload=offload, deadline=deadline))
     if offload and host_budget_bytes is not None and report.host_peak_bytes > host_budget_bytes:
         raise Infeasible(f"solver {method!r} offloads {format_bytes(report.host_peak_bytes)}, over the host "
                          f"budget {format_bytes(host_budget_bytes)}", budget_bytes=budget)
@@ -112,10 +116,21 @@ def _both(n: int) -> str:
     return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n} B)"
 
 
-def infeasible(graph: Graph, budget: int, floor: int, method: str | None = None) -> Infeasible:
+def _cut(deadline: float, time_limit_s: float) -> float | None:
+    """``time_limit_s`` when the search it bounded has run to its ``deadline`` (and so may have been cut
+    short), else None."""
+    return time_limit_s if time.perf_counter() > deadline else None
+
+
+def infeasible(graph: Graph, budget: int, floor: int, method: str | None = None, *,
+               cut_at_s: float | None = None) -> Infeasible:
     """The :class:`Infeasible` error for ``budget``, quoting ``floor`` (the least peak memplan knows) as
-    the minimum feasible budget; when ``floor`` fits, it blames the method rather than the budget."""
+    the minimum feasible budget; when ``floor`` fits, it blames the method rather than the budget.
+    ``cut_at_s``: the time limit that stopped the search for ``floor`` (the message says a longer one
+    may find less), None when it finished."""
     who = f"solver {method!r}: " if method else ""
+    cut = (f"; the search for it stopped at the time limit of {cut_at_s:g} s, a longer one may find less"
+           if cut_at_s is not None else "")
     if floor <= budget:  # the method failed, yet a plan exists: say so rather than blame the budget
         return Infeasible(
             f"{who}found no plan within {_both(budget)}, but memplan's minimum-memory "
@@ -124,4 +139,4 @@ def infeasible(graph: Graph, budget: int, floor: int, method: str | None = None)
     return Infeasible(
         f"{who}no plan fits budget {_both(budget)} for graph {graph.name!r}; the minimum "
         f"feasible budget memplan knows is {_both(floor)} (fixed memory alone is "
-        f"{format_bytes(graph.fixed.resident_bytes)})", budget_bytes=budget, min_feasible_bytes=floor)
+        f"{format_bytes(graph.fixed.resident_bytes)}){cut}", budget_bytes=budget, min_feasible_bytes=floor)

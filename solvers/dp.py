@@ -331,7 +331,8 @@ class _Grid(_Engine):
 
     kind = "grid"
 
-    def __init__(self, ch: _OpChain, unit: int, M: int, *, round_down: bool = False, exact: bool = True):
+    def __init__(self, ch: _OpChain, unit: int, M: int, *, round_down: bool = False, exact: bool = True,
+                 deadline: float | None = None):
         self.ch, self.unit, self.M, self.exact = ch, unit, M, exact
         n = ch.n
         self.units = (ch.bytes_ // unit) if round_down else -(-ch.bytes_ // unit)
@@ -344,6 +345,7 @@ class _Grid(_Engine):
         first_fixed = n
         D = np.full(M + 1, -np.inf)
         for k in range(n - 1, -2, -1):
+            _check_deadline(deadline)
             ks, costs = _candidates(ch, k, first_fixed)
             th = (costs // unit) if round_down else -(-costs // unit)
             fits = th <= M
@@ -398,6 +400,15 @@ class _TooLarge(Exception):
     pass
 
 
+class _OutOfTime(Exception):
+    """A table was still being filled at its ``deadline``."""
+
+
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise _OutOfTime
+
+
 class _Pareto(_Engine):
     """Exact in bytes: ``F[k]`` lists the non-dominated (memory requirement ``R``, time saved ``V``) of the
     suffixes above kept ``k`` (``R`` and ``V`` both strictly increasing), ``R <= spare``; each point keeps
@@ -408,7 +419,7 @@ class _Pareto(_Engine):
     kind = "pareto"
     exact = True
 
-    def __init__(self, ch: _OpChain, spare: int, max_points: int):
+    def __init__(self, ch: _OpChain, spare: int, max_points: int, deadline: float | None = None):
         n = ch.n
         self.ch = ch
         # per row k' (n: the end): the E-frontier (b_k' + R, t_k' + V) and its back pointers
@@ -419,6 +430,7 @@ class _Pareto(_Engine):
         total = 0
         first_fixed = n
         for k in range(n - 1, -2, -1):
+            _check_deadline(deadline)
             ks, costs = _candidates(ch, k, first_fixed)
             rs, vs, bk, bi = [], [], [], []
             for kp, c in zip(ks.tolist(), costs.tolist(), strict=True):
@@ -483,19 +495,21 @@ def _full_spare(ch: _OpChain) -> int:
     return keep_all
 
 
-def _engine(ch: _OpChain, spare: int) -> _Engine:
+def _engine(ch: _OpChain, spare: int, deadline: float | None = None) -> _Engine:
     """The exact grid when its table is small enough, else the exact Pareto frontier, else a grid with
-    memory rounded up to a unit chosen from the chain alone (so every budget reads the same table)."""
+    memory rounded up to a unit chosen from the chain alone (so every budget reads the same table).
+    Raises ``_OutOfTime`` when a table is still being filled at ``deadline`` (a ``time.perf_counter()``
+    value; None: none)."""
     spare = min(spare, _full_spare(ch))
     g = ch.unit_gcd
     if (ch.n + 1) * (spare // g + 1) <= _GRID_CELLS:
-        return _Grid(ch, g, spare // g)
+        return _Grid(ch, g, spare // g, deadline=deadline)
     try:
-        return _Pareto(ch, spare, _PARETO_POINTS)
+        return _Pareto(ch, spare, _PARETO_POINTS, deadline)
     except _TooLarge:
         pass
     unit = g * max(1, -(-(_full_spare(ch) // g) // _ROUNDED_UNITS))
-    return _Grid(ch, unit, spare // unit, exact=False)
+    return _Grid(ch, unit, spare // unit, exact=False, deadline=deadline)
 
 
 def _chain_actions(ch: _OpChain, kept: list[int]) -> Actions:
@@ -540,13 +554,17 @@ def _solve_op_chain(graph: Graph, ch: _OpChain, budget: int) -> _ChainSolution |
     return _read(graph, ch, _engine(ch, budget - ch.fixed_bytes), budget, keep_all_report(graph).time_s)
 
 
-def chain_min_budget_bytes(graph: Graph) -> int | None:
+def chain_min_budget_bytes(graph: Graph, *, deadline: float | None = None) -> int | None:
     """The least budget at which a keep / recompute plan of ``graph`` fits, exactly, when ``graph`` is a
-    chain the DP solves exactly (module docstring); None otherwise."""
+    chain the DP solves exactly (module docstring); None otherwise, and when the DP's table is not filled
+    by ``deadline`` (a ``time.perf_counter()`` value; None: none)."""
     ch = _op_chain(graph)
     if ch is None:
         return None
-    engine = _engine(ch, _full_spare(ch))
+    try:
+        engine = _engine(ch, _full_spare(ch), deadline)
+    except _OutOfTime:
+        return None
     if not engine.exact:
         return None
     low = engine.min_spare_bytes()

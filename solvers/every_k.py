@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
@@ -79,19 +81,30 @@ class _KSearch:
             self.seen[k] = (_simulate(self.graph, actions), actions)
         return self.seen[k][0]
 
-    def lowest(self, grid: list[int]) -> int:
+    def lowest(self, grid: list[int], deadline: float | None = None) -> int:
         """The k of least peak: the grid's best, then a ternary search between its neighbours (the peak
-        is about n/k boundaries plus k stages: unimodal but for noise)."""
-        best = min(grid, key=lambda k: (self(k).peak_bytes, k))
+        is about n/k boundaries plus k stages: unimodal but for noise). Past ``deadline`` (a
+        ``time.perf_counter()`` value) no further k is simulated: the best k simulated by then."""
+        def in_time() -> bool:
+            return deadline is None or time.perf_counter() < deadline
+
+        tried = []
+        for k in grid:  # in order, simulating each, while time is left (the first k at least)
+            if tried and not in_time():
+                break
+            self(k)
+            tried.append(k)
+        best = min(tried, key=lambda k: (self(k).peak_bytes, k))
         i = grid.index(best)
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-        while hi - lo > 2:
+        while hi - lo > 2 and in_time():
             m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
             if self(m1).peak_bytes <= self(m2).peak_bytes:
                 hi = m2
             else:
                 lo = m1
-        return min(range(lo, hi + 1), key=lambda k: (self(k).peak_bytes, k))
+        near = [k for k in range(lo, hi + 1) if in_time() or k in self.seen] or [best]
+        return min(near, key=lambda k: (self(k).peak_bytes, k))
 
 
 def _k_grid(n: int) -> list[int]:
@@ -104,10 +117,12 @@ def _k_grid(n: int) -> list[int]:
     return grid + [n]
 
 
-def every_k_search(graph: Graph, budget: int | None, depth: int | None = None) -> tuple[int, Actions, Report, int]:
+def every_k_search(graph: Graph, budget: int | None, depth: int | None = None, *,
+                   deadline: float | None = None) -> tuple[int, Actions, Report, int]:
     """The every-k plan for ``budget``: the fastest that fits among the k tried (k = len(chain) keeps
     everything), or, with ``budget=None`` or when none fits, the one of least peak. Returns (k, actions,
-    report, stages)."""
+    report, stages). ``deadline`` (a ``time.perf_counter()`` value) bounds the search for the least peak:
+    past it, the best k simulated by then."""
     chain = _chain_for(graph, depth)
     n = len(chain)
     if n == 0:
@@ -127,7 +142,7 @@ def every_k_search(graph: Graph, budget: int | None, depth: int | None = None) -
                     lo = mid
                 else:
                     hi = mid
-    k = search.lowest(grid)
+    k = search.lowest(grid, deadline)
     fits = [k for k, (r, _) in search.seen.items() if budget is not None and r.peak_bytes <= budget]
     if fits:
         k = min(fits, key=lambda k: (search.seen[k][0].time_s, search.seen[k][0].peak_bytes, -k))

@@ -15,6 +15,7 @@ solving.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from memplan.planner.core.errors import GraphError, Infeasible, MemplanError
@@ -89,7 +90,8 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
             return probes[v]
         g = at_shape(graph, {**fixed, dim: v}, extrapolate=True)
         if memory_lower_bound(g) > budget_bytes:
-            p = Probe(v, False, "no plan fits the budget", smallest_known_peak(g, offload=offload))
+            least = smallest_known_peak(g, offload=offload, deadline=time.perf_counter() + time_limit_s)
+            p = Probe(v, False, "no plan fits the budget", least)
         else:
             try:
                 result = solve(g, budget_bytes, method, time_limit_s=time_limit_s, offload=offload)

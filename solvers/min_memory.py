@@ -143,8 +143,8 @@ def _descend(graph: Graph, facts: Facts, actions: Actions, *, offload: bool, dea
     return current, report
 
 
-def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: float = 1.0
-                       ) -> tuple[Actions, dict[int, int]]:
+def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: float = 1.0,
+                       deadline: float | None = None) -> tuple[Actions, dict[int, int]]:
     """The plan of least simulated peak that a cheap search finds, as (actions, prefetch_at).
 
     Starting points: segmentations of the finest chain (Chen's budgeted greedy and its REVOLVE-shaped
@@ -153,8 +153,18 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     everything, recompute_each-everything where affordable (multi-level replays, which keep only their
     target) and, with ``offload``, everything offloaded and prefetched just before its first backward
     use. The best (on small graphs, each) is then improved by single-tensor moves until ``time_limit_s``.
-    It is what Infeasible errors quote as the minimum feasible budget (:func:`smallest_known_peak`)."""
+    It is what Infeasible errors quote as the minimum feasible budget (:func:`smallest_known_peak`).
+    ``deadline`` (a ``time.perf_counter()`` value; None: none) is the caller's: it cuts ``time_limit_s``
+    short, and no start is made or scored after it (keep-everything always is), so the result is the best
+    plan found by then."""
     t0 = time.perf_counter()
+    stop = deadline  # the caller's deadline, if any: the starts below are made only before it
+
+    def in_time() -> bool:
+        return stop is None or time.perf_counter() < stop
+
+    if deadline is not None:
+        time_limit_s = max(0.0, min(time_limit_s, deadline - t0))
     deadline = t0 + time_limit_s
     facts = graph_facts(graph)
     starts: list[tuple[Actions, dict[int, int]]] = [
@@ -165,13 +175,19 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     if offload:
         everything = {t: Action.OFFLOAD for t in facts.evictable}
         starts.append((everything, {t: facts.first_bwd_use[t] for t in everything}))
-    starts += [(a, {}) for a in _segment_search(graph, t0 + 0.4 * time_limit_s)]
-    starts.append((every_k_search(graph, None)[1], {}))
+    # each start below is made only before the caller's deadline (building the finest chain, every-k's search and
+    # a shrink's first simulation take seconds on graphs of thousands of ops)
+    if in_time():
+        starts += [(a, {}) for a in _segment_search(graph, t0 + 0.4 * time_limit_s)]
+    if in_time():
+        starts.append((every_k_search(graph, None, deadline=stop)[1], {}))
     for pick in ((pick_dtr, pick_capuchin) if offload else (pick_dtr,)):
-        out = shrink(graph, 0, facts, pick, offload=offload, host_budget_bytes=None,
-                      deadline=t0 + 0.6 * time_limit_s)
-        starts.append((out.lowest[1], {}))
-    scored = sorted(((simulate(graph, a, p).peak_bytes, len(a), i) for i, (a, p) in enumerate(starts)))
+        if in_time():
+            out = shrink(graph, 0, facts, pick, offload=offload, host_budget_bytes=None,
+                         deadline=t0 + 0.6 * time_limit_s)
+            starts.append((out.lowest[1], {}))
+    scored = sorted((simulate(graph, a, p).peak_bytes, len(a), i) for i, (a, p) in enumerate(starts)
+                    if i == 0 or in_time())  # keep-everything at least
     best_peak, _, i = scored[0]
     best = starts[i]
     # Descend from the best start; on small graphs from every start (distinct local optima are common).
@@ -186,17 +202,24 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     return best
 
 
-def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
+def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float | None = None) -> int:
     """The smallest simulated peak among memplan's low-memory plans: keep-everything, recompute-
     everything, recompute_each-everything (where affordable), offload-everything (when allowed) and
     :func:`min_memory_actions`; on chains, the exact DP's
     least budget; on graphs of at most
     ``MAX_EXACT_SAVED`` saved activations, the oracle's exact minimum. It is achievable, so it is what an
-    Infeasible error reports as the minimum feasible budget."""
+    Infeasible error reports as the minimum feasible budget.
+
+    ``deadline`` (a ``time.perf_counter()`` value; None: none) bounds the search: no step (a plan's
+    simulation, the search, the chain DP, the oracle) starts after it, so it returns at most one step
+    past it with the least peak found by then: keep-everything's at worst, achievable, perhaps not the least."""
+    def in_time() -> bool:
+        return deadline is None or time.perf_counter() < deadline
+
     saved = graph.saved_activations
     recomputable = {t: Action.RECOMPUTE for t in saved if graph.tensors[t].recomputable}
     plans: list[tuple[dict[int, Action], dict[int, int]]] = [({}, {}), (recomputable, {})]
-    per_use = per_use_everything(graph)  # recompute_each: a replay keeps only its target
+    per_use = per_use_everything(graph) if in_time() else None  # recompute_each: a replay keeps only its target
     if per_use is not None:
         peak = simulate_actions(graph, per_use).peak_bytes
         if peak <= memory_lower_bound(graph):
@@ -204,19 +227,24 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False) -> int:
         plans.append((per_use, {}))
     if offload:
         plans.append(({t: Action.OFFLOAD for t in saved}, {}))
-    plans.append(min_memory_actions(graph, offload=offload))
-    best = min(simulate_actions(graph, a, prefetch_at=p).peak_bytes for a, p in plans)
+    best = simulate_actions(graph, {}).peak_bytes
+    for actions, prefetch_at in plans[1:]:
+        if in_time():
+            best = min(best, simulate_actions(graph, actions, prefetch_at=prefetch_at).peak_bytes)
+    if in_time():
+        actions, prefetch_at = min_memory_actions(graph, offload=offload, deadline=deadline)
+        best = min(best, simulate_actions(graph, actions, prefetch_at=prefetch_at).peak_bytes)
     from memplan.solvers.dp import chain_min_budget_bytes  # here: dp imports this module's strategies
 
-    exact = chain_min_budget_bytes(graph)  # a chain: the DP knows the exact least keep/recompute budget
+    # a chain: the DP knows the exact least keep/recompute budget
+    exact = chain_min_budget_bytes(graph, deadline=deadline) if in_time() else None
     if exact is not None:
         best = min(best, exact)
     if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (with recompute_each when
         # that space is small; else without it; with offload, perhaps only at default prefetch)
         for prefetch, per_use in (("choose", True), ("choose", False), ("default", False)):
             limit = MAX_EXACT_PLANS // 16 if per_use else MAX_EXACT_PLANS
-            if plan_count(graph, offload=offload, prefetch=prefetch, per_use=per_use) <= limit:
+            if in_time() and plan_count(graph, offload=offload, prefetch=prefetch, per_use=per_use) <= limit:
                 best = min(best, oracle_min_peak(graph, offload=offload, prefetch=prefetch, per_use=per_use))
                 break
     return best
-

@@ -1,5 +1,14 @@
 """Fixtures shared by the test modules."""
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 import torch
 
@@ -12,3 +21,50 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve():
+    """Start ``memplan serve`` as a user does, in a subprocess on a free loopback port:
+    ``serve(cache_path, env={"MEMPLAN_...": ...}, workers=2)`` returns ``(base URL, process)`` once
+    ``/healthz`` answers (the test fails if the server exits or does not answer within 90 s). Every server
+    started is stopped at the end of the module with Ctrl-C, as a user would stop it; one that does not
+    stop within 20 s fails the test."""
+    started: list[subprocess.Popen] = []
+
+    def start(cache: Path, env: dict[str, str] | None = None, workers: int = 2) -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port), "--cache",
+                                 str(cache), "--workers", str(workers)], env={**os.environ, **(env or {})},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"memplan serve exited with {proc.returncode}: {proc.stdout.read()}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    return url, proc
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"memplan serve did not answer within 90 s: {proc.stdout.read()}")
+            time.sleep(0.2)
+
+    yield start
+    for proc in started:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("memplan serve did not stop on Ctrl-C within 20 s")

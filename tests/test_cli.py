@@ -130,6 +130,13 @@ def bad_loss():
     (("show", "{plan}", "--graph", "{graph}", "--run", "{garbage}", "-o", "{tmp}/t.png"), "not valid JSON"),
     (("frontier", "{graph}", "--budgets", ",,"), "no budget in it"),
     (("run", "mlp", "--budget", "abc"), "cannot read size 'abc'"),
+    (("solve", "{graph}", "--budget", "0"), "no plan fits budget 0 B for graph 'chain'; the minimum feasible budget "
+                                            "memplan knows is 400 B"),
+    (("solve", "{graph}", "--budget", "399"), "no plan fits budget 399 B"),
+    (("plan", "mlp", "--budget", "0", "--set", "depth=2", "--set", "width=16", "--set", "batch_size=8"),
+     "no plan fits budget 0 B for graph 'mlp'; the minimum feasible budget memplan knows is"),
+    (("plan", "mlp", "--budget", "1", "--set", "depth=2", "--set", "width=16", "--set", "batch_size=8"),
+     "no plan fits budget 1 B for graph 'mlp'"),
     (("serve", "--cache", "/proc/nope/x.sqlite"), "cannot create the plan cache's folder /proc/nope"),
     (("serve", "--cache", "{tmp}"), "is a folder"),
 ])

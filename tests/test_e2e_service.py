@@ -3,10 +3,6 @@ processes, a SQLite cache file), spoken to over HTTP with httpx, planning a grap
 PyTorch model."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,12 +20,6 @@ MAX_BODY_BYTES = 1 << 20
 MAX_TIME_LIMIT_S = 20.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def graph() -> Graph:
     """A profiled training step of a small real model (a 4-layer MLP)."""
@@ -41,36 +31,12 @@ def graph() -> Graph:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The base URL of a running ``memplan serve``; stopped (Ctrl-C, as a user would) at the end."""
-    port = free_port()
+def server(serve, tmp_path_factory):
+    """The base URL of a running ``memplan serve`` (tests/conftest.py) with a SQLite cache file."""
     cache = tmp_path_factory.mktemp("cache") / "plans.sqlite"
-    env = {**os.environ, "MEMPLAN_MAX_BODY_BYTES": str(MAX_BODY_BYTES), "MEMPLAN_MAX_OPS": "2000",
-           "MEMPLAN_MAX_TIME_LIMIT_S": str(MAX_TIME_LIMIT_S), "MEMPLAN_DEFAULT_TIME_LIMIT_S": "5"}
-    proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port), "--cache",
-                             str(cache), "--workers", "2"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"memplan serve exited with {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"memplan serve did not answer within 90 s: {proc.stdout.read()}")
-        time.sleep(0.2)
+    url, _ = serve(cache, env={"MEMPLAN_MAX_BODY_BYTES": str(MAX_BODY_BYTES), "MEMPLAN_MAX_OPS": "2000",
+                               "MEMPLAN_MAX_TIME_LIMIT_S": str(MAX_TIME_LIMIT_S), "MEMPLAN_DEFAULT_TIME_LIMIT_S": "5"})
     yield url
-    proc.send_signal(subprocess.signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("memplan serve did not stop on Ctrl-C within 20 s")
     assert cache.exists()
 
 
@@ -112,6 +78,8 @@ def test_plan_then_cache_hit_then_simulate(http, graph):
     hit_s = time.perf_counter() - t0
     assert second.status_code == 200 and second.json()["cache_hit"] is True
     assert {**second.json(), "cache_hit": False} == res  # identical answer, marked as a hit
+    # the bytes validated when it was solved, served again without validating them
+    assert second.content == first.content.replace(b'{"cache_hit":false,', b'{"cache_hit":true,', 1)
     assert hit_s < max(0.5, miss_s)
 
     sim = http.post("/v1/simulate", json={"graph": req["graph"], "plan": res["plan"], "timeline": True})
@@ -197,3 +165,68 @@ def test_stays_responsive_while_a_long_solve_runs(http, server):
     assert r.json()["solver"]["status"] == "timeout"  # ...and said so
     again = http.post("/v1/plans", json={**req, "time_limit_s": 0.2})
     assert again.status_code == 200 and again.json()["cache_hit"] is False
+
+
+# ---- a budget below every plan: a 422 naming it and the least peak, on every route that takes one --------
+CHAIN8 = linear_chain(8)  # the least peak of any plan: 600 B (exact: the oracle enumerates every plan)
+
+
+def _chain_family():
+    """A shape family over ``batch`` (the torch-free one of tests/test_maxbatch.py's kind)."""
+    from memplan.planner.core.shapes import fit_family
+
+    def at(b: int):
+        return linear_chain(6, activation_bytes=[100 * b, 300 * b, 50 * b, 200 * b, 100 * b, 10 * b],
+                            input_bytes=100 * b, time_s=[1.0, 3.0, 1.0, 2.0, 1.0, 1.0])
+    return fit_family([({"batch": 8}, at(8)), ({"batch": 6}, at(6)), ({"batch": 4}, at(4))])
+
+
+@pytest.mark.parametrize("below", ["0", "1", "least - 1"])
+def test_a_budget_below_every_plan_is_a_422_on_every_route(http, below):
+    from memplan.planner.core.shapes import at_shape
+    from memplan.solvers import smallest_known_peak
+
+    least = smallest_known_peak(CHAIN8)
+    assert least == 600
+    budget = {"0": 0, "1": 1, "least - 1": least - 1}[below]
+    g = CHAIN8.model_dump(mode="json")
+    t0 = time.perf_counter()
+    r = http.post("/v1/plans", json={"graph": g, "budget": budget, "solver": "auto"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == "infeasible" and r.json()["budget_bytes"] == budget
+    assert r.json()["min_feasible_bytes"] == least
+    assert f"no plan fits budget {budget} B for graph 'chain'; the minimum feasible budget memplan knows is " \
+           f"600 B" in r.json()["detail"]
+    for solver in ("oracle", "greedy", "every-k", "dp", "ilp"):  # each solver's own path to Infeasible
+        r = http.post("/v1/plans", json={"graph": g, "budget": budget, "solver": solver})
+        assert r.status_code == 422 and r.json()["min_feasible_bytes"] == least, (solver, r.text)
+
+    r = http.post("/v1/frontier", json={"graph": g, "budgets": [budget, "100%"], "solvers": ["oracle", "greedy"]})
+    assert r.status_code == 200, r.text
+    for series in r.json()["series"]:
+        assert [p["overhead"] for p in series["points"]] == [None, 0.0]
+
+    family = _chain_family()
+    at_one = smallest_known_peak(at_shape(family, {"batch": 1}))
+    fam_budget = {"0": 0, "1": 1, "least - 1": at_one - 1}[below]
+    r = http.post("/v1/maxbatch", json={"graph": family.model_dump(mode="json"), "budget": fam_budget,
+                                        "max_value": 16, "time_limit_s": 1.0})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == "infeasible" and r.json()["min_feasible_bytes"] == at_one
+    assert r.json()["detail"].startswith(f"not even batch=1 fits budget {fam_budget} B")
+
+    # simulate scores a plan whatever budget it was made for: its figures, not a refusal
+    plan = Plan.keep_all(CHAIN8).model_copy(update={"budget_bytes": budget}).model_dump(mode="json")
+    r = http.post("/v1/simulate", json={"graph": g, "plan": plan})
+    assert r.status_code == 200 and r.json()["peak_bytes"] == 1000, r.text
+    assert time.perf_counter() - t0 < 30  # nine refusals and a frontier on a 8-op chain: seconds, not limits
+
+
+@pytest.mark.parametrize("budget", [0, 1])
+def test_a_budget_below_every_plan_of_a_real_model_is_a_422(http, graph, budget):
+    r = http.post("/v1/plans", json={"graph": graph.model_dump(mode="json"), "budget": budget})
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["error"] == "infeasible" and body["budget_bytes"] == budget
+    assert graph.fixed.resident_bytes < body["min_feasible_bytes"] <= simulate(graph).peak_bytes
+    assert f"no plan fits budget {budget} B for graph 'mlp'" in body["detail"]

@@ -9,8 +9,6 @@ is bounded, odd but valid JSON is a 422, and /healthz answers while a maximal bo
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,17 +26,11 @@ GRACE_S = 1.5
 QUEUE_TIMEOUT_S = 1.0
 MAX_BODY_BYTES = 24 * 2**20
 CHAIN = linear_chain(8).model_dump(mode="json")
-# budget 0 on a 2,000-op chain: the solver gives up at once, then the minimum-budget search simulates
-# plans for ~10 s with no deadline of its own: an overrun the server must stop
-OVERRUN = {"graph": linear_chain(2000).model_dump(mode="json"), "budget": 0, "time_limit_s": 0.3}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+BIG = linear_chain(2000).model_dump(mode="json")  # simulating one plan of it takes 0.1-1 s
+LARGE = linear_chain(1000).model_dump(mode="json")  # 0.05-0.3 s
+# every-k has no time limit of its own: on a 2,000-op chain its search simulates plans for ~8 s whatever the
+# request's time_limit_s: an overrun the server must stop
+OVERRUN = {"graph": BIG, "budget": "50%", "solver": "every-k", "time_limit_s": 0.3}
 
 
 def worker_pids(server_pid: int) -> list[int]:
@@ -87,38 +79,16 @@ def wait_for(predicate, timeout_s: float, what: str):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``(base URL, server process, cache path)``; the cache file starts as garbage."""
-    port = free_port()
+def server(serve, tmp_path_factory):
+    """``(base URL, server process, cache path)`` of a ``memplan serve`` (tests/conftest.py) with small
+    limits and a token, whose cache file starts as garbage."""
     cache = tmp_path_factory.mktemp("cache") / "plans.sqlite"
     cache.write_bytes(b"this is not an SQLite database" * 100)
-    env = {**os.environ, "MEMPLAN_MAX_TIME_LIMIT_S": "5", "MEMPLAN_DEFAULT_TIME_LIMIT_S": "1",
-           "MEMPLAN_GRACE_S": str(GRACE_S), "MEMPLAN_QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S),
-           "MEMPLAN_MAX_OPS": "20000", "MEMPLAN_MAX_BODY_BYTES": str(MAX_BODY_BYTES), "MEMPLAN_TOKEN": TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "memplan.api.cli", "serve", "--port", str(port), "--cache",
-                             str(cache), "--workers", "2"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"memplan serve exited with {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"memplan serve did not answer within 90 s: {proc.stdout.read()}")
-        time.sleep(0.2)
-    yield url, proc, cache
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("memplan serve did not stop on Ctrl-C within 20 s")
+    url, proc = serve(cache, env={
+        "MEMPLAN_MAX_TIME_LIMIT_S": "5", "MEMPLAN_DEFAULT_TIME_LIMIT_S": "1", "MEMPLAN_GRACE_S": str(GRACE_S),
+        "MEMPLAN_QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S), "MEMPLAN_MAX_OPS": "20000",
+        "MEMPLAN_MAX_BODY_BYTES": str(MAX_BODY_BYTES), "MEMPLAN_TOKEN": TOKEN})
+    return url, proc, cache
 
 
 @pytest.fixture
@@ -131,6 +101,24 @@ def idle(http) -> bool:
     """Every worker ready for a job (none running one, none being replaced)."""
     h = http.get("/healthz").json()
     return h["busy"] == 0 and h["queued"] == 0 and h["ready"] == h["workers"]
+
+
+def occupy_both_workers(http, url: str, limit_s: float) -> tuple[list[threading.Thread], dict[int, httpx.Response]]:
+    """Two exhaustive searches that each run to their ``limit_s`` time limit (two distinct requests: not
+    shared, not cached), posted from threads; returns once both workers show busy. ``answers[i]`` is filled
+    when thread ``i`` ends."""
+    answers: dict[int, httpx.Response] = {}
+
+    def long(i):
+        req = {"graph": linear_chain(14).model_dump(mode="json"), "solver": "oracle", "offload": True,
+               "time_limit_s": limit_s + i / 100}
+        answers[i] = httpx.post(f"{url}/v1/plans", json=req, headers=AUTH, timeout=60)
+
+    threads = [threading.Thread(target=long, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: http.get("/healthz").json()["busy"] == 2, 10, "both workers never showed busy")
+    return threads, answers
 
 
 # ---- the cache heals itself ---------------------------------------------------------------------
@@ -260,19 +248,28 @@ def test_an_overrunning_solve_is_stopped_and_its_worker_replaced(http, server):
     assert http.post("/v1/plans", json={"graph": CHAIN, "budget": 700, "solver": "oracle"}).status_code == 200
 
 
+@pytest.mark.parametrize("budget", [0, 1])
+def test_a_budget_below_every_plan_of_a_large_graph_is_a_422_within_the_time_limit(http, budget):
+    """The least-peak search the answer quotes takes ~4 s on this graph undisturbed (past the 2.5 s this
+    server gives a request of time_limit_s 1: it answered 504 before it had a deadline): it stops at the
+    request's time limit (one simulation past it at most: well within the grace period), and the answer
+    names the budget, the least peak found by then and why."""
+    t0 = time.perf_counter()
+    r = http.post("/v1/plans", json={"graph": LARGE, "budget": budget, "time_limit_s": 1.0})
+    took_s = time.perf_counter() - t0
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["error"] == "infeasible" and body["budget_bytes"] == budget
+    assert 100 < body["min_feasible_bytes"] <= 100_200  # over the fixed memory, at most keep-everything's peak
+    assert body["detail"].startswith(f"no plan fits budget {budget} B for graph 'chain'; the minimum feasible "
+                                     f"budget memplan knows is ")
+    assert body["detail"].endswith("the search for it stopped at the time limit of 1 s, a longer one may find less")
+    assert took_s < 1.0 + GRACE_S + 2.0  # its limit, one simulation past it, and reading the body
+
+
 def test_waiting_for_a_worker_is_bounded_by_a_503_with_retry_after(http, server):
     wait_for(lambda: whole(http, server[1].pid), 30, "the pool was not whole")
-    answers: dict[int, httpx.Response] = {}
-
-    def long(i):  # an exhaustive search that runs to its 2 s limit
-        req = {"graph": linear_chain(14).model_dump(mode="json"), "solver": "oracle", "offload": True,
-               "time_limit_s": 2.0 + i / 100}
-        answers[i] = httpx.post(f"{server[0]}/v1/plans", json=req, headers=AUTH, timeout=60)
-
-    threads = [threading.Thread(target=long, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: http.get("/healthz").json()["busy"] == 2, 10, "both workers never showed busy")
+    threads, answers = occupy_both_workers(http, server[0], 2.0)
     t0 = time.perf_counter()
     r = http.post("/v1/plans", json={"graph": CHAIN, "budget": 650, "solver": "oracle"})
     waited_s = time.perf_counter() - t0
@@ -286,17 +283,7 @@ def test_waiting_for_a_worker_is_bounded_by_a_503_with_retry_after(http, server)
 def test_a_dead_worker_fails_only_its_own_request(http, server):
     _, proc, _ = server
     wait_for(lambda: whole(http, proc.pid), 30, "the pool was not whole")
-    answers: dict[int, httpx.Response] = {}
-
-    def long(i):
-        req = {"graph": linear_chain(14).model_dump(mode="json"), "solver": "oracle", "offload": True,
-               "time_limit_s": 2.1 + i / 100}
-        answers[i] = httpx.post(f"{server[0]}/v1/plans", json=req, headers=AUTH, timeout=60)
-
-    threads = [threading.Thread(target=long, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: http.get("/healthz").json()["busy"] == 2, 10, "both workers never showed busy")
+    threads, answers = occupy_both_workers(http, server[0], 2.1)
     os.kill(busiest(worker_pids(proc.pid), 2)[0], signal.SIGKILL)
     for t in threads:
         t.join()

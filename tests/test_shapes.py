@@ -172,10 +172,17 @@ def test_dynamic_padding_trains_under_one_plan_bitwise_within_the_largest_predic
             assert replays > 0
             here = simulate(at_shape(graph, {"seq": max(lengths)}), plan, check=False).peak_bytes
             assert peak <= largest
-            # Exact under most plans; under the plan the 50% budget gives since budgets are parsed exactly
-            # (api merge), one shape measures 32 B below its prediction (an unexplained over-prediction,
-            # noted for follow-up): the prediction stays an upper bound within a few hundred bytes.
-            assert first or 0 <= here - peak <= 256, (max(lengths), peak, here)
+            # Exact but for the Python numbers GPT-2 multiplies activations by (per layer: the attention's
+            # scaling, NewGELU's 0.5, 0.044715 and sqrt(2/pi)). PyTorch wraps each into a 0-dim float64
+            # tensor (8 B) before dispatch, so the profiler sees no op make it, and autograd saves it for
+            # mul's backward. The profiler counts these as pre-existing storages (fixed.other_bytes, 64 B
+            # here), live all step; really each lives from its mul in forward to that mul's backward. So
+            # the prediction exceeds the measured peak by 8 B for each one not alive where the peak falls:
+            # 0 at the loss's backward (all alive: this plan's peak at seq 48), 32 B at layer 0's GELU
+            # backward (its peak at seqs 29, 39, 40: layer 1's four freed). Never below the measurement.
+            scalars = at_shape(graph, {"seq": max(lengths)}).fixed.other_bytes
+            assert scalars == 2 * 4 * 8
+            assert first or 0 <= here - peak <= scalars, (max(lengths), peak, here)
             seen.add(max(lengths))
     assert len(seen) > 2
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))

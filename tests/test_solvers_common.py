@@ -280,3 +280,23 @@ def test_budget_beyond_any_device_is_refused(bad):
         solve(linear_chain(3), bad, "greedy")
     with pytest.raises(MemplanError, match=r"host budget .* beyond any device"):
         solve(linear_chain(3), None, "greedy", offload=True, host_budget_bytes=bad)
+
+
+def test_the_least_peak_search_stops_at_its_deadline():
+    """``smallest_known_peak(deadline=...)``: past the deadline it starts nothing but keep-everything's
+    simulation (achievable, not the least); with time, the exact least; Infeasible says which it was."""
+    import time
+
+    g = linear_chain(8)
+    assert smallest_known_peak(g, deadline=time.perf_counter() - 1) == keep_all_report(g).peak_bytes == 1000
+    assert smallest_known_peak(g, deadline=time.perf_counter() + 60) == smallest_known_peak(g) == 400  # recompute_each reaches it
+    big = linear_chain(2000)  # the search takes ~60 s undisturbed
+    t0 = time.perf_counter()
+    least = smallest_known_peak(big, deadline=t0 + 0.5)
+    assert time.perf_counter() - t0 < 0.5 + 3.0  # at most one simulation past it (~1 s on a loaded machine)
+    assert least <= keep_all_report(big).peak_bytes
+    with pytest.raises(Infeasible, match="the search for it stopped at the time limit of 0.2 s"):
+        solve(big, 0, time_limit_s=0.2)
+    with pytest.raises(Infeasible, match=r"minimum feasible budget memplan knows is 400 B \(fixed memory alone is "
+                                         r"100 B\)$"):
+        solve(g, 0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from memplan.planner.core.errors import WorkloadError
+from memplan.planner.core.errors import MemplanError, WorkloadError
 from memplan.planner.workloads import BUILTINS, SIZES, compute_loss, load_workload
 
 
@@ -88,3 +88,50 @@ def test_loss_must_be_a_scalar_that_requires_grad():
         compute_loss(w.model, w.batch, lambda m, b: 1.0)
     with pytest.raises(WorkloadError, match="that does not require grad"):
         compute_loss(w.model, w.batch, lambda m, b: m(b[0]).sum().detach())
+
+
+# ---- whose bug: the user's (one line, exit 2) or memplan's (propagates as it is) ------------------------------
+def _user_shape_bug(model, batch):
+    return model(batch[0][:, :3]).sum()  # the model's first Linear takes 16 features
+
+
+def _user_raises(model, batch):
+    raise ValueError("my loss is broken")
+
+
+def test_a_user_bug_in_loss_fn_is_one_line_naming_the_loss_fn_and_the_exception():
+    """Raised by the user's code, or by an op of the user's model: directly, and through the profiler's
+    dispatch mode (memplan's frames are then on the stack, between the op and the user's code)."""
+    from memplan.planner.probe.profiler import profile
+
+    w = load_workload("mlp", depth=2, width=16, batch_size=8)
+    line = _user_shape_bug.__code__.co_firstlineno
+    for run in (lambda fn: compute_loss(w.model, w.batch, fn),
+                lambda fn: profile(w.model, w.batch, fn, repeats=1, progress=False)):
+        with pytest.raises(WorkloadError) as e:
+            run(_user_shape_bug)
+        assert str(e.value).startswith("loss_fn(model, batch) raised RuntimeError: mat1 and mat2 shapes cannot be "
+                                       "multiplied")
+        assert str(e.value).endswith(f"(loss_fn is _user_shape_bug, test_workloads.py:{line})")
+        assert "\n" not in str(e.value)
+        with pytest.raises(WorkloadError, match=r"raised ValueError: my loss is broken \(loss_fn is _user_raises, "):
+            run(_user_raises)
+
+
+def test_a_bug_of_memplans_inside_the_step_is_not_disguised_as_the_users(monkeypatch):
+    """The profiler's dispatch mode failing at a statement of its own (here a lookup of a missing key,
+    compiled at the tracing mode's file as a bug there would be) propagates as it is: not a WorkloadError."""
+    from memplan.planner.probe import profiler, tracing
+    from memplan.planner.workloads import raised_by_memplan
+
+    w = load_workload("mlp", depth=2, width=16, batch_size=8)
+    scope: dict = {}
+    exec(compile("def _forward(self, func, args, kwargs):\n    return self.by_op_name['aten.addmm']\n",
+                 tracing.__file__, "exec"), scope)
+    monkeypatch.setattr(tracing.Tracer, "by_op_name", {}, raising=False)
+    monkeypatch.setattr(tracing.Tracer, "_forward", scope["_forward"])
+    with pytest.raises(KeyError, match="aten.addmm") as e:
+        profiler.profile(w.model, w.batch, w.loss_fn, repeats=1, progress=False)
+    assert raised_by_memplan(e.value)
+    # the CLI's mapping: a MemplanError is the user's to fix (exit 2); this one is a bug (exit 1)
+    assert not isinstance(e.value, MemplanError)

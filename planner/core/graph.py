@@ -403,13 +403,23 @@ def coarsen(graph: Graph, depth: int | None = None, max_stages: int = 64) -> Cha
     for op in graph.ops:
         for t in op.inputs:
             last_use[t] = op.id
+    # crossing into a stage that starts at op ``start``: activations made before it and read at or after
+    # it; swept in op order (live: made so far, dropped once their last reader is behind), not a scan of
+    # every tensor per stage, which is quadratic on the finest chains of graphs of thousands of ops
+    made_by: dict[int, list[int]] = {}
+    for t in graph.tensors:
+        if t.kind == "activation" and t.producer is not None and t.id in last_use:
+            made_by.setdefault(t.producer, []).append(t.id)
+    live: set[int] = set()
+    swept = 0
     stages = []
     for k, (name, ops) in enumerate(runs):
         start = ops[0]
-        crossing = tuple(
-            t.id for t in graph.tensors
-            if t.kind == "activation" and t.producer is not None and t.producer < start
-            and last_use.get(t.id, -1) >= start)
+        for o in range(swept, start):
+            live.update(made_by.get(o, ()))
+        swept = max(swept, start)
+        live = {t for t in live if last_use[t] >= start}
+        crossing = tuple(sorted(live))
         saved = tuple(dict.fromkeys(
             t for o in ops for t in graph.ops[o].saved if graph.tensors[t].kind == "activation"))
         stages.append(ChainStage(
