@@ -443,12 +443,16 @@ class OpTimer:
         a SHA-256 of the timing key and the timer's identity."""
         return _hashed(f"{self.timing_key(call, cold)}|{self.identity}")
 
+    @property
+    def flush_bytes(self) -> int:
+        """Bytes written by :meth:`flush_caches`: twice the device's last-level cache."""
+        return 2 * last_level_cache_bytes(self.device)
+
     def flush_caches(self) -> None:
         """Evict the device's caches: write a buffer of twice the last-level cache's bytes (allocated
         once per timer, so no page is touched for the first time here)."""
         if self._flush is None:
-            n = 2 * last_level_cache_bytes(self.device) // 4
-            self._flush = torch.empty(n, dtype=torch.float32, device=self.device)
+            self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.float32, device=self.device)
         self._flush.fill_(1.0)
         self._sync()
 
