@@ -7,16 +7,21 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
 * **isolated**: the call runs alone on the target device, on real tensors of its recorded metadata
   (floats uniform in [0, 1), integers zero so that indices are valid; arguments sharing a storage share
   one here too). One warm-up run, then the median of at least 3 timed runs (more for calls under 50 ms
-  in all). Only one call's working set is allocated at a time. Each timed run is *cold* (``cold=True``,
-  the default): a write over a scratch buffer twice the size of the last-level cache (CPU; L2 on CUDA)
-  comes before it, and its output is allocated afresh, so its arguments and output are read and written
-  from memory as in the training step, where the ops between a tensor's producer and its reader have
-  evicted it. Timed warm (the same tensors again and again, in cache), a small memory-bound op looks up
-  to 8 times faster on CPU than it runs in the step. A second pass runs each call once more
-  under the allocator's eye (CPU: ``torch.profiler`` allocation events in a ``memplan:<n>`` range; CUDA:
-  ``max_memory_allocated``) for its high-water mark, which the profiler turns into workspace as it does
-  for a real step. Results go to an on-disk cache keyed by the call (operator, argument metadata), the
-  device and the torch version: repeated layers and later profiles run nothing.
+  in all). Only one call's working set is allocated at a time. With ``cold=True`` (the default) each
+  call's arguments are as warm as the step has them: :func:`cold_arguments` walks the step's calls in
+  order and marks an argument cold when the step has not touched its storage before (parameters, the
+  batch, optimizer state) or when more bytes than the last-level cache holds went through the cache since
+  (a saved activation read in backward). A call with cold arguments is timed after a write over a
+  buffer twice the size of the last-level cache (CPU; L2 on CUDA) and one untimed run on a spare copy
+  of the cold arguments, which brings the kernel's code, the dispatch path and the hot arguments back
+  into cache and leaves the cold ones in memory; a call with none is timed warm, as before. Timed all
+  warm (the same tensors again and again), a memory-bound op looked up to 8 times faster on CPU than in
+  the step; timed all cold (everything flushed, code included), a tiny op looked 20 times slower.
+  A second pass runs each call once more under the allocator's eye (CPU: ``torch.profiler`` allocation
+  events in a ``memplan:<n>`` range; CUDA: ``max_memory_allocated``) for its high-water mark, which the
+  profiler turns into workspace as it does for a real step. Results go to an on-disk cache keyed by the
+  call (operator, argument metadata), its cold arguments, the timing method (cold or warm), the device
+  and the torch version: repeated layers and later profiles run nothing.
 * **analytic**: the roofline ``op_overhead_s + max(flops / peak FLOP/s of its dtype, bytes moved /
   memory bandwidth)``. FLOPs come from ``torch.utils.flop_counter``'s formulas (0 for ops it does not
   count), bytes moved are the distinct argument bytes read plus the bytes written (0 for views). The
