@@ -7,11 +7,21 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
 * **isolated**: the call runs alone on the target device, on real tensors of its recorded metadata
   (floats uniform in [0, 1), integers zero so that indices are valid; arguments sharing a storage share
   one here too). One warm-up run, then the median of at least 3 timed runs (more for calls under 50 ms
-  in all). Only one call's working set is allocated at a time. A second pass runs each call once more
-  under the allocator's eye (CPU: ``torch.profiler`` allocation events in a ``memplan:<n>`` range; CUDA:
-  ``max_memory_allocated``) for its high-water mark, which the profiler turns into workspace as it does
-  for a real step. Results go to an on-disk cache keyed by the call (operator, argument metadata), the
-  device and the torch version: repeated layers and later profiles run nothing.
+  in all). Only one call's working set is allocated at a time. With ``cold=True`` (the default) each
+  call's arguments are as warm as the step has them: :func:`cold_arguments` walks the step's calls in
+  order and marks an argument cold when the step has not touched its storage before (parameters, the
+  batch, optimizer state) or when more bytes than the last-level cache holds went through the cache since
+  (a saved activation read in backward). A call with cold arguments is timed after a write over a
+  buffer twice the size of the last-level cache (CPU; L2 on CUDA) and one untimed run on a spare copy
+  of the cold arguments, which brings the kernel's code, the dispatch path and the hot arguments back
+  into cache and leaves the cold ones in memory; a call with none is timed warm, as before. Timed all
+  warm (the same tensors again and again), a memory-bound op looked up to 8 times faster on CPU than in
+  the step; timed all cold (everything flushed, code included), a tiny op looked 20 times slower.
+  A second pass runs each call once more under the allocator's eye (CPU: ``torch.profiler`` allocation
+  events in a ``memplan:<n>`` range; CUDA: ``max_memory_allocated``) for its high-water mark, which the
+  profiler turns into workspace as it does for a real step. Results go to an on-disk cache keyed by the
+  call (operator, argument metadata), its cold arguments, the timing method (cold or warm), the device
+  and the torch version: repeated layers and later profiles run nothing.
 * **analytic**: the roofline ``op_overhead_s + max(flops / peak FLOP/s of its dtype, bytes moved /
   memory bandwidth)``. FLOPs come from ``torch.utils.flop_counter``'s formulas (0 for ops it does not
   count), bytes moved are the distinct argument bytes read plus the bytes written (0 for views). The
@@ -50,6 +60,8 @@ from memplan.planner.probe.measure import (
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
 _MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
+_MAX_COLD_RUNS = 9  # each cold run also writes the flush buffer: fewer runs, still a median
+_FALLBACK_CACHE_BYTES = 32 * 2**20  # when the cache size cannot be read
 
 
 def default_cache_dir() -> Path:
@@ -89,6 +101,10 @@ class OpCall:
     device: str
     flops: int = 0
     written_bytes: int = 0
+    # the step-wide identity of each argument storage (index = TensorMeta.storage) and of each storage it
+    # wrote; no part of the key: they say where the call stands in the step, not what it is
+    storage_ids: tuple[int, ...] = ()
+    output_storage_ids: tuple[int, ...] = ()
     _key: str | None = field(default=None, repr=False)
 
     @property
@@ -182,7 +198,9 @@ def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
         s = t.untyped_storage()
         if s._cdata not in read or _mutates(func):  # a new storage, or an in-place write
             written += min(s.nbytes(), t.numel() * t.element_size())
-    return OpCall(func, margs, mkwargs, device, flops, written)
+    ids = tuple(sorted(storages, key=storages.__getitem__))
+    return OpCall(func, margs, mkwargs, device, flops, written, ids,
+                  tuple(dict.fromkeys(t.untyped_storage()._cdata for t in outs)))
 
 
 def _collect_tensors(x: Any, out: list[torch.Tensor]) -> None:
@@ -198,6 +216,24 @@ def _mutates(func: Any) -> bool:
     return bool(schema and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
 
 
+def cold_arguments(calls: list[OpCall], cache_bytes: int) -> list[frozenset[int]]:
+    """For each call of a step (in step order), the argument storages (numbered as in its
+    :class:`TensorMeta`) that the step reads from memory rather than from cache: those not touched
+    since more than ``cache_bytes`` went through the cache (each call moves its distinct argument
+    bytes and the bytes it writes), and those the step has not touched before (parameters, the batch
+    and optimizer state, last touched in the previous step). A reuse-distance model of an LRU cache."""
+    moved = 0
+    last: dict[int, int] = {}  # storage id -> bytes moved when it was last touched
+    out: list[frozenset[int]] = []
+    for c in calls:
+        out.append(frozenset(i for i, sid in enumerate(c.storage_ids)
+                             if sid not in last or moved - last[sid] > cache_bytes))
+        moved += c.read_bytes() + c.written_bytes
+        for sid in (*c.storage_ids, *c.output_storage_ids):
+            last[sid] = moved
+    return out
+
+
 def analytic_time_s(call: OpCall, spec: DeviceSpec) -> float:
     """Roofline time of ``call`` on ``spec``'s device (see the module docstring)."""
     if getattr(call.func, "is_view", False):
@@ -210,23 +246,26 @@ def analytic_time_s(call: OpCall, spec: DeviceSpec) -> float:
 # ---- real tensors for a call ---------------------------------------------------------------------------
 
 
-def materialise(call: OpCall, device: torch.device) -> tuple[tuple, dict]:
+def materialise(call: OpCall, device: torch.device,
+                storages: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
     """Real arguments for ``call`` on ``device``: one filled storage per recorded storage, each tensor
-    argument a view of it with the recorded offset, shape and stride."""
-    storages: dict[int, torch.UntypedStorage] = {}
+    argument a view of it with the recorded offset, shape and stride. ``storages``, when given,
+    receives each storage (by its number in the call) as a flat tensor."""
+    storages = {} if storages is None else storages
 
     def real(x: Any) -> Any:
         if not isinstance(x, TensorMeta):
             return x
-        base = storages.get(x.storage)
-        if base is None:
+        filled = storages.get(x.storage)
+        if filled is None:
             n = -(-x.storage_bytes // x.dtype.itemsize)
             if x.dtype.is_floating_point and x.dtype.itemsize >= 2:
                 filled = torch.rand(n, dtype=x.dtype, device=device)
             else:  # integers (indices stay valid), booleans, 8-bit floats
                 filled = torch.zeros(n, dtype=x.dtype, device=device)
-            base = storages[x.storage] = filled.untyped_storage()
-        return torch.empty(0, dtype=x.dtype, device=device).set_(base, x.offset, x.shape, x.stride)
+            storages[x.storage] = filled
+        view = torch.empty(0, dtype=x.dtype, device=device)
+        return view.set_(filled.untyped_storage(), x.offset, x.shape, x.stride)
 
     return _replace(call.args, real), _replace(call.kwargs, real)
 
@@ -267,6 +306,20 @@ def device_identity(device: torch.device) -> str:
     else:
         name = _cpu_model() + f" threads={torch.get_num_threads()}"
     return f"{device.type}:{name}|torch={torch.__version__}"
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """Bytes of ``device``'s last-level cache: CUDA's L2, or the largest CPU cache ``/sys`` lists for
+    cpu0 (32 MiB when neither can be read)."""
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or _FALLBACK_CACHE_BYTES
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = entry.read_text().strip().upper()
+            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=_FALLBACK_CACHE_BYTES)
 
 
 def _cpu_model() -> str:
@@ -362,16 +415,44 @@ class OpTimer:
     """Times :class:`OpCall` lists. ``spec``: time every call analytically for that device (nothing
     runs); None: run each call alone on ``device``, falling back to this machine's measured spec for
     calls that cannot run. ``cache_dir``: where the cache lives (None: :func:`default_cache_dir`).
-    ``min_runs`` timed runs at least per call, more while they total under ``target_s`` (at most 50)."""
+    ``min_runs`` timed runs at least per call, more while they total under ``target_s`` (at most 50;
+    at most 9 when ``cold``). ``cold``: flush the device's caches before each timed run (see the module
+    docstring); warm and cold times are cached apart."""
 
     def __init__(self, device: torch.device, *, spec: DeviceSpec | None = None,
-                 cache_dir: str | Path | None = None, min_runs: int = _MIN_RUNS, target_s: float = _TARGET_S):
+                 cache_dir: str | Path | None = None, min_runs: int = _MIN_RUNS, target_s: float = _TARGET_S,
+                 cold: bool = True):
         self.device = torch.device(device)
         self.min_runs, self.target_s = max(1, min_runs), target_s
         self.spec = spec
+        self.cold = cold
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.stats = TimerStats()
         self._local: DeviceSpec | None = None
+        self._flush: torch.Tensor | None = None
+
+    @property
+    def identity(self) -> str:
+        """What a cached time depends on besides the call: the device, torch version and timing method."""
+        return f"{device_identity(self.device)}|timing={'cold' if self.cold else 'warm'}"
+
+    def cache_key(self, call: OpCall, cold: frozenset[int] = frozenset()) -> str:
+        """The cache's key for ``call``'s time under this timer with the arguments ``cold`` timed cold:
+        a SHA-256 of the timing key and the timer's identity."""
+        return _hashed(f"{self.timing_key(call, cold)}|{self.identity}")
+
+    @property
+    def flush_bytes(self) -> int:
+        """Bytes written by :meth:`flush_caches`: twice the device's last-level cache."""
+        return 2 * last_level_cache_bytes(self.device)
+
+    def flush_caches(self) -> None:
+        """Evict the device's caches: write a buffer of twice the last-level cache's bytes (allocated
+        once per timer, so no page is touched for the first time here)."""
+        if self._flush is None:
+            self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.float32, device=self.device)
+        self._flush.fill_(1.0)
+        self._sync()
 
     def local_spec(self) -> DeviceSpec:
         if self._local is None:
@@ -379,44 +460,55 @@ class OpTimer:
         return self._local
 
     def time(self, calls: list[OpCall]) -> list[Timing]:
-        """One :class:`Timing` per call, in order."""
+        """One :class:`Timing` per call of a step, given in step order (the order decides which
+        arguments are cold: :func:`cold_arguments`)."""
         self.stats.calls += len(calls)
-        distinct: dict[str, OpCall] = {}
-        for c in calls:
-            distinct.setdefault(c.key, c)
+        if self.cold and self.spec is None:
+            colds = cold_arguments(calls, last_level_cache_bytes(self.device))
+        else:
+            colds = [frozenset()] * len(calls)
+        keys = [self.timing_key(c, cold) for c, cold in zip(calls, colds, strict=True)]
+        distinct: dict[str, tuple[OpCall, frozenset[int]]] = {}
+        for key, c, cold in zip(keys, calls, colds, strict=True):
+            distinct.setdefault(key, (c, cold))
         self.stats.distinct += len(distinct)
         results: dict[str, Timing] = {}
         if self.spec is not None:
-            for key, c in distinct.items():
+            for key, (c, _) in distinct.items():
                 results[key] = Timing(analytic_time_s(c, self.spec), 0, "analytic")
             self.stats.analytic += len(distinct)
         else:
             results = self._isolated(distinct)
-        return [results[c.key] for c in calls]
+        return [results[key] for key in keys]
 
-    def _isolated(self, distinct: dict[str, OpCall]) -> dict[str, Timing]:
-        identity = device_identity(self.device)
+    def timing_key(self, call: OpCall, cold: frozenset[int] = frozenset()) -> str:
+        """``call``'s key with the arguments timed cold (none when the timer is warm)."""
+        if not self.cold:
+            return call.key
+        return f"{call.key}|cold={','.join(map(str, sorted(cold)))}"
+
+    def _isolated(self, distinct: dict[str, tuple[OpCall, frozenset[int]]]) -> dict[str, Timing]:
         cache = OpTimeCache(self.cache_dir)
         results: dict[str, Timing] = {}
-        todo: dict[str, OpCall] = {}
+        todo: dict[str, tuple[OpCall, frozenset[int]]] = {}
         try:
-            for key, c in distinct.items():
-                hit = cache.get(_hashed(f"{key}|{identity}"))
+            for key, (c, cold) in distinct.items():
+                hit = cache.get(self.cache_key(c, cold))
                 if hit is not None:
                     results[key] = Timing(hit[0], hit[1], "isolated", hit[2])
                 else:
-                    todo[key] = c
+                    todo[key] = (c, cold)
             self.stats.cache_hits += len(distinct) - len(todo)
-            highs, outputs, failed = self._high_water(todo)
+            highs, outputs, failed = self._high_water({key: c for key, (c, _) in todo.items()})
             rows = []
-            for key, c in todo.items():
-                seconds = None if key in failed else self._run_timed(c)
+            for key, (c, cold) in todo.items():
+                seconds = None if key in failed else self._run_timed(c, cold)
                 if seconds is None:
                     results[key] = Timing(analytic_time_s(c, self.local_spec()), 0, "analytic")
                     self.stats.analytic += 1
                     continue
                 results[key] = Timing(seconds, highs.get(key, 0), "isolated", outputs.get(key, ()))
-                rows.append((_hashed(f"{key}|{identity}"), seconds, highs.get(key, 0), outputs.get(key, ())))
+                rows.append((self.cache_key(c, cold), seconds, highs.get(key, 0), outputs.get(key, ())))
                 self.stats.isolated_runs += 1
             cache.put(rows)
         finally:
@@ -427,15 +519,29 @@ class OpTimer:
         if self.device.type == "cuda":  # kernels are asynchronous: wait before reading the clock
             torch.cuda.synchronize(self.device)
 
-    def _run_timed(self, call: OpCall) -> float | None:
-        """Median seconds of ``call`` run alone (None if it cannot run)."""
+    def _run_timed(self, call: OpCall, cold: frozenset[int] = frozenset()) -> float | None:
+        """Median seconds of ``call`` run alone (None if it cannot run). With arguments in ``cold``, each
+        run starts with the caches flushed, then one run of the call on a spare set of arguments that
+        shares the others and has its own copies of the cold ones: the kernel's code, the framework's
+        dispatch path and the other arguments are back in cache, as in the step, and the cold ones are
+        not (flushed, then never touched)."""
         try:
-            args, kwargs = materialise(call, self.device)
+            storages: dict[int, torch.Tensor] = {}
+            args, kwargs = materialise(call, self.device, storages)
             out = call.func(*args, **kwargs)
             self._sync()
             del out
+            if cold:
+                spare = {i: flat for i, flat in storages.items() if i not in cold}
+                spare_args, spare_kwargs = materialise(call, self.device, spare)
             times: list[float] = []
-            while len(times) < self.min_runs or (sum(times) < self.target_s and len(times) < _MAX_RUNS):
+            most = _MAX_COLD_RUNS if cold else _MAX_RUNS
+            while len(times) < self.min_runs or (sum(times) < self.target_s and len(times) < most):
+                if cold:
+                    self.flush_caches()
+                    out = call.func(*spare_args, **spare_kwargs)
+                    self._sync()
+                    del out
                 start = time.perf_counter()
                 out = call.func(*args, **kwargs)
                 self._sync()
