@@ -23,6 +23,27 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+class TwoBlocks(torch.nn.Module):
+    """Two linear blocks (FSDP units ``blocks.0``, ``blocks.1``) and a root parameter of the root unit's own:
+    the distributed tests' toy, ``width`` -> ``hidden`` -> ``width``."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)])
+        self.scale = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x * self.scale
+
+
+@pytest.fixture
+def two_blocks():
+    """The :class:`TwoBlocks` class, for tests that build the toy at their own sizes."""
+    return TwoBlocks
+
+
 def free_port() -> int:
     """A loopback port nothing listens on now."""
     with socket.socket() as s:

@@ -305,18 +305,6 @@ def test_fsdp2_refuses_replays_across_units_and_keep_within_units_fixes_them(fsd
         assert results["demoted"] > 0
 
 
-class _Blocks(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)])
-        self.scale = torch.nn.Parameter(torch.ones(4))  # the root unit's own parameter
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return x * self.scale
-
-
 # (module, forward workspace, backward workspace, freed gradients) that for_fsdp adds per op, by hand from
 # docs/model.md: F = 2 x shard (root 16, blocks.0 120, blocks.1 112), S = shard, G = full gradients, and
 # under gloo T = F (its copy inside each collective)
@@ -335,13 +323,13 @@ _TOY_FSDP = {
 }
 
 
-def test_per_rank_graph_adjustments_are_exact_on_a_toy():
+def test_per_rank_graph_adjustments_are_exact_on_a_toy(two_blocks):
     from memplan.planner.core.simulator import simulate
     from memplan.planner.probe.distributed import for_ddp, for_fsdp, fsdp_units
     from memplan.planner.probe.profiler import profile
 
     torch.manual_seed(0)
-    model = _Blocks()
+    model = two_blocks(4, 6)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)  # no optimizer state
     graph = profile(model, torch.randn(8, 4), lambda m, x: m(x).sum(), optimizer=opt, device="cpu",
                     progress=False, measure=False, repeats=1)

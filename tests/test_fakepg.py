@@ -37,26 +37,14 @@ from memplan.planner.workloads import default_optimizer
 PREFIXES = ["blocks.0", "blocks.1"]
 
 
-class _Blocks(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 24), torch.nn.Linear(24, 16)])
-        self.scale = torch.nn.Parameter(torch.ones(16))  # the root unit's own parameter
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return x * self.scale
-
-
 def _loss(m, x):
     return m(x).sum()
 
 
 @pytest.fixture
-def toy():
+def toy(two_blocks):
     torch.manual_seed(0)
-    return _Blocks(), torch.randn(32, 16)
+    return two_blocks(16, 24), torch.randn(32, 16)
 
 
 @pytest.fixture

@@ -68,16 +68,21 @@ def shard_bytes(shape: list[int] | tuple[int, ...], element_bytes: int, world_si
     return math.ceil(shape[0] / world_size) * rest * element_bytes
 
 
+def check_unit_prefixes(model: Any, prefixes: list[str]) -> None:
+    """Refuse, naming it, the first of ``prefixes`` (FSDP units) that is not a module of ``model``."""
+    names = dict(model.named_modules())
+    missing = [p for p in prefixes if p not in names]
+    if missing:
+        raise DistributedPlanError(f"FSDP unit {missing[0]!r} is not a module of {type(model).__name__}")
+
+
 def fsdp_units(model: Any, prefixes: list[str], world_size: int) -> list[FSDPUnit]:
     """The units that ``fully_shard`` on each of ``prefixes`` (then on the root) makes of the bare
     ``model``, with their bytes. A parameter belongs to the innermost unit its module lies in; a tied
     parameter is counted once (where it first appears)."""
     if world_size < 1:
         raise DistributedPlanError(f"world_size must be >= 1, got {world_size}")
-    names = dict(model.named_modules())
-    missing = [p for p in prefixes if p not in names]
-    if missing:
-        raise DistributedPlanError(f"FSDP unit {missing[0]!r} is not a module of {type(model).__name__}")
+    check_unit_prefixes(model, prefixes)
     full = {p: 0 for p in ["", *prefixes]}
     shard = dict(full)
     for name, p in model.named_parameters():  # deduplicated: tied parameters appear once

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.errors import MemplanError
-from memplan.planner.probe.distributed import ENGINES, DistributedPlanError
+from memplan.planner.probe.distributed import ENGINES, DistributedPlanError, check_unit_prefixes
 from memplan.planner.probe.fake import fake_call
 from memplan.planner.probe.optime import OpTimer, record_call
 from memplan.planner.probe.storage import tensors_in
@@ -268,10 +268,7 @@ def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: st
         warmup = 1
     if warmup < 1:
         raise DistributedPlanError(f"warmup must be >= 1 (to create the optimizer state), got {warmup}")
-    names = dict(model.named_modules())
-    missing = [p for p in prefixes if p not in names]
-    if missing:
-        raise DistributedPlanError(f"FSDP unit {missing[0]!r} is not a module of {type(model).__name__}")
+    check_unit_prefixes(model, prefixes)
     started = time.perf_counter()
     batch_bytes = _batch_bytes(batch)
     with fake_process_group(rank, world_size):
