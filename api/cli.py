@@ -40,6 +40,9 @@ SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="KEY=VALUE", help="a workload option, repeatable: --set n_layer=2 --set size=base "
                                        "(built-ins take their config's field names; see planner/workloads.py)")]
 
+# the built-ins of memplan.planner.workloads.BUILTINS (named here: importing it would import torch for --help)
+WORKLOAD_HELP = "built-in (mlp, resnet, gpt2, unet, bert, rnn) or path/to/file.py:function"
+
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Map memplan's errors to one red line and an exit code: the one place this is decided."""
@@ -179,7 +182,7 @@ def _writing(path: Path) -> Any:
 @app.command()
 @_guard
 def profile(
-    workload: Annotated[str, typer.Argument(help="built-in (mlp, resnet, gpt2, unet, bert) or path/to/file.py:function")],
+    workload: Annotated[str, typer.Argument(help=WORKLOAD_HELP)],
     output: Annotated[Path, typer.Option("-o", "--output", help="graph file to write")] = Path("graph.json"),
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     repeats: Annotated[int, typer.Option(min=1, max=100, help="timed repeats (median)")] = 3,
@@ -420,7 +423,7 @@ def list_solvers(json_out: JsonOpt = False) -> None:
 @app.command(name="plan")
 @_guard
 def plan_workload(
-    workload: Annotated[str, typer.Argument(help="built-in (mlp, resnet, gpt2, unet, bert) or path/to/file.py:function")],
+    workload: Annotated[str, typer.Argument(help=WORKLOAD_HELP)],
     budget: Annotated[str, typer.Option("--budget", "-b")] = "50%",
     solver: Annotated[str, typer.Option("--solver", "-s")] = "auto",
     output: Annotated[Path, typer.Option("-o", "--output", help="plan file to write")] = Path("plan.json"),
@@ -562,7 +565,7 @@ def maxbatch(
 @app.command(name="run")
 @_guard
 def run_workload(
-    workload: Annotated[str, typer.Argument(help="built-in (mlp, resnet, gpt2, unet, bert) or path/to/file.py:function")],
+    workload: Annotated[str, typer.Argument(help=WORKLOAD_HELP)],
     budget: Annotated[str, typer.Option("--budget", "-b", help="e.g. 6GiB, 512MB or 50% (ignored with --plan)")] = "50%",
     solver: Annotated[str, typer.Option("--solver", "-s", help="auto, dp, ilp, greedy, ... (memplan solvers)")] = "auto",
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="allow offloading to host memory")] = False,

@@ -154,3 +154,10 @@ def test_user_side_failures_exit_2_with_one_line(args, message, graph_file, tmp_
     assert "Traceback" not in r.stderr and "internal error" not in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 3  # one logical line, maybe wrapped
     assert not (tmp_path / "g.json").exists()
+
+
+def test_the_workload_help_names_every_built_in():
+    from memplan.api.cli import WORKLOAD_HELP
+    from memplan.planner.workloads import BUILTINS
+
+    assert WORKLOAD_HELP.startswith(f"built-in ({', '.join(BUILTINS)}) ")
