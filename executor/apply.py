@@ -267,6 +267,11 @@ class Executor:
         from inside that forward's own pre-hooks (a hook registered there runs from the next call on), or
         whose step does not begin with the module's forward (a Lightning ``training_step``)."""
         self._begin(module, ())
+        if self.watch and self.fused is None and any(m is module for m in self.model.modules()):
+            # its boundary pre-hook did not run this call either: record that boundary as it would have,
+            # or the first step's boundaries are one short of a later step's and the fast path enters
+            # its window one boundary early (HF's Trainer applies the plan from the model's pre-hook)
+            self._boundary()
 
     def _before_module(self, module: nn.Module, _args) -> None:
         with self.internal():

@@ -13,6 +13,23 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True)
+def nothing_left_active():
+    """A test that leaves saved-tensor hooks or a dispatch mode active (an executor not removed after a
+    refused step) fails here, naming what it left, and the state is cleared so that the tests after it run
+    in a clean process instead of failing in its place."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    yield
+    left = []
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        left.append(f"saved-tensor hooks {torch._C._autograd._top_saved_tensors_default_hooks(False)[0]}")
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    while _get_current_dispatch_mode_stack():
+        left.append(f"dispatch mode {type(_pop_mode()).__name__}")
+    assert not left, f"the test left active: {'; '.join(left)}"
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for the module's tests: bitwise comparisons and op timings do not depend on how

@@ -197,13 +197,18 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
         model = sharded()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ex = apply_distributed(model, plans[plan_name], graph=graph, optimizer=opt)
-        losses = _train(model, opt, batches, loss_fn, 1)
+        seen = []
+
+        def first_step_seen(ex=ex, model=model, seen=seen):
+            # FSDP's unsharded parameters (plain tensors during forward): met by the executor's first step
+            # (which watches every op; later ones watch only the plan's window), never as activations
+            if not seen:
+                unsharded = [fp._unsharded_param for m in model.modules() if isinstance(m, FSDPModule)
+                             for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params]
+                seen.extend(ex.executor.step_state.by_key.get(p.untyped_storage()._cdata) for p in unsharded)
+
+        losses = _train(model, opt, batches, loss_fn, 1, before_step=first_step_seen)
         step = ex.last_step
-        # FSDP's unsharded parameters (plain tensors during forward): seen by the executor, never as
-        # activations
-        unsharded = [fp._unsharded_param for m in model.modules() if isinstance(m, FSDPModule)
-                     for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params]
-        seen = [step.by_key.get(p.untyped_storage()._cdata) for p in unsharded]
         ex.remove()
         r = _compare(*ref, losses, full(model))
         r.update(replays=step.replays, offloaded=len(step.host),
