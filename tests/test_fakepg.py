@@ -257,13 +257,17 @@ def _gloo_fsdp_rank(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="flaky in the full suite only: in 2 of 3 clean-clone CI runs rank 0's "
-                   "traced peak was 200,024 B below the real gloo peak (2,798,200 vs 2,998,224 B); it passes "
-                   "alone and passed in the other run. Cause not found (an earlier test's global state?)")
 def test_fsdp_traced_ranks_match_two_real_gloo_processes(tmp_path):
     """The tiny GPT-2 of tests/test_distributed.py under FSDP2: each rank's traced start and peak against
     the allocator's in 2 real gloo processes. gloo itself keeps a few bytes the fake group cannot show (88 B
-    on this model: docs/model.md), so the trace may be below the real figure by at most 0.01%, never above."""
+    on this model: docs/model.md), so the trace may be below the real figure by at most 0.01%, never above.
+
+    The real figure may also hold one unit's all-gather output more, by a race between the ranks' threads
+    (docs/model.md, "Measuring a rank on CPU"): gloo's work object holds the gathered buffer, and when the
+    rank's worker thread drops it after the main thread, late (the rank had waited for its peer; on 2
+    shared cores the worker is then often descheduled), the free is made on a thread the profiler does not
+    follow and its time is unknown: the measurement keeps the buffer until its address is reused. Seen in
+    full-suite runs (2,998,224 B against 2,798,288 B) and made to appear by delaying one rank's backward."""
     import socket
 
     import torch.multiprocessing as mp
@@ -280,7 +284,9 @@ def test_fsdp_traced_ranks_match_two_real_gloo_processes(tmp_path):
     timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path / "cache", min_runs=1, target_s=0.0)
     traced = trace_ranks(wl.model, wl.batch, wl.loss_fn, engine="fsdp", world_size=2,
                          prefixes=block_prefixes(wl.model), timer=timer)
+    late_frees = {0} | {u.unsharded_bytes for u in fsdp_units(wl.model, block_prefixes(wl.model), 2)}
     for t in traced:
         for what in ("peak_bytes", "start_bytes"):
             measured, fake = real[t.rank][what], getattr(t, what)
-            assert 0 <= measured - fake <= 1e-4 * measured, (t.rank, what, measured, fake)
+            assert any(0 <= measured - late - fake <= 1e-4 * measured for late in late_frees), \
+                (t.rank, what, measured, fake, sorted(late_frees))
