@@ -151,3 +151,38 @@ def test_trainer_with_dynamic_padding_runs_every_length_under_one_plan(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(planned.parameters(), plain.parameters(), strict=True))
     assert callback.graph.meta["shape_family"]["limit"] == {"seq": 32} and callback.plan.count("recompute") > 0
     assert callback.measured_peak_bytes <= callback.summary.predicted_peak_bytes
+
+
+class _Stop(Exception):
+    pass
+
+
+def _hook_counts(model: torch.nn.Module) -> list[tuple[int, int]]:
+    return [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["given-at-init", "added-later"])
+def test_an_exception_out_of_train_leaves_the_model_plain(tmp_path, late):
+    # the second step's forward (the first to start under the plan) raises: train() must give the model
+    # and optimizer back without the plan's hooks, as on_train_end does after a normal end
+    model = copy.deepcopy(_base())
+    callback = MemplanCallback(budget="50%")
+
+    def fail_under_the_plan(module, args, kwargs):
+        if callback.planner.executor is not None and module.training and torch.is_grad_enabled():
+            raise _Stop("the user's model fails in step 2")
+
+    model.register_forward_pre_hook(fail_under_the_plan, with_kwargs=True)
+    plain_hooks = _hook_counts(model)
+    targs = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, use_cpu=True,
+                              report_to=[], save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=targs, train_dataset=_Tokens(), callbacks=[] if late else [callback])
+    if late:
+        trainer.add_callback(callback)
+    with pytest.raises(_Stop):
+        trainer.train()
+    assert callback.plan is not None and callback.plan.count("recompute") > 0  # it was planned and applied
+    assert callback.planner.executor is None
+    assert _hook_counts(model) == plain_hooks
+    optimizer = trainer.optimizer.optimizer  # accelerate's wrapper around the torch optimizer
+    assert "step" not in optimizer.__dict__ or "Executor" not in optimizer.step.__qualname__

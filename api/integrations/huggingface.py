@@ -41,7 +41,9 @@ Requires the ``hf`` extra (``pip install memplan[hf]``: transformers, accelerate
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -86,6 +88,9 @@ class MemplanCallback(PlannedCallback, TrainerCallback):
     feasible budget) in the first forward, before any parameter is updated.
 
     After training, ``graph``, ``plan``, ``summary`` and ``measured_peak_bytes`` hold what was used.
+    An exception escaping ``trainer.train()`` removes the plan from the model and optimizer on its way
+    out (the Trainer has no exception event: the callback wraps the ``train`` of the Trainer it was given
+    to; one added later with ``add_callback`` wraps its ``training_step``, or call :meth:`remove`).
     """
 
     def __init__(self, budget: str | int = "50%", solver: str = "auto", fuse: str | None = None, *,
@@ -103,9 +108,26 @@ class MemplanCallback(PlannedCallback, TrainerCallback):
         self._busy = False
         self._pending_logs: dict[str, float] = {}
         self._measure_step: int | None = None
+        self._guarded: Any = None  # the Trainer whose train (or training_step) removes the plan on an error
+
+    def remove(self) -> None:
+        """Give the model and optimizer back as they were: the first-forward hook and the plan's executor
+        removed (pending fused updates applied). Done at the end of training, and when it raises."""
+        self._remove_hook()
+        self.planner.remove()
 
     # ---- the Trainer's events ----------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = _calling_trainer()
+        if trainer is not None:
+            trainer.train = self._removing_on_error(trainer.train)
+            self._guarded = trainer
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        trainer = _calling_trainer()
+        if trainer is not None and trainer is not self._guarded:  # added after the Trainer was made
+            trainer.training_step = self._removing_on_error(trainer.training_step)
+            self._guarded = trainer
         if model is None or optimizer is None:
             raise MemplanError("MemplanCallback needs the Trainer's model and optimizer at on_train_begin")
         if self.planner.fuse == "backward" and args.max_grad_norm:
@@ -143,8 +165,19 @@ class MemplanCallback(PlannedCallback, TrainerCallback):
         if self._pending_logs:
             state.log_history.append({**self._pending_logs, "step": state.global_step})
             self._pending_logs = {}
-        self._remove_hook()
-        self.planner.remove()
+        self.remove()
+
+    def _removing_on_error(self, method: Any) -> Any:
+        """``method`` that calls :meth:`remove` before an exception leaves it."""
+        @functools.wraps(method)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except BaseException:
+                self.remove()
+                raise
+
+        return guarded
 
     # ---- the first forward -------------------------------------------------------------------------------
     def _remove_hook(self) -> None:
@@ -174,6 +207,19 @@ class MemplanCallback(PlannedCallback, TrainerCallback):
                  "(keeping everything: %d B)", s.solver, s.recomputed, s.offloaded, s.predicted_peak_bytes,
                  s.budget_bytes, s.keep_all_peak_bytes)
         self._pending_logs.update(s.logs())
+
+
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` whose callback handler is calling (found on the stack: a Trainer
+    passes its callbacks no reference to itself), or None."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            return frame.f_locals["self"]
+        frame = frame.f_back
+    return None
 
 
 def _call_model(model: nn.Module, batch: tuple[tuple, dict]) -> torch.Tensor:
