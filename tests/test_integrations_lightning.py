@@ -96,3 +96,31 @@ def test_manual_optimization_is_refused():
     data = torch.utils.data.TensorDataset(torch.randn(64, 64), torch.randn(64, 1))
     with pytest.raises(MemplanError, match="automatic_optimization = False"):
         trainer.fit(Manual(), torch.utils.data.DataLoader(data, batch_size=64))
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_an_exception_out_of_fit_leaves_the_module_plain():
+    # the second step's training_step (the first to start under the plan) raises: fit must give the module
+    # and optimizer back without the plan's hooks, as on_fit_end does after a normal end
+    module = copy.deepcopy(_base())
+    callback = MemplanCallback(budget="80%")
+
+    def fail_under_the_plan(mod, args):
+        if callback.planner.executor is not None and mod.training and torch.is_grad_enabled():
+            raise _Stop("the user's model fails in step 2")
+
+    module.net.register_forward_pre_hook(fail_under_the_plan)
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in module.modules()]
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 64), torch.randn(256, 1))
+    with pytest.raises(_Stop):
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=64))
+    assert callback.plan is not None and callback.plan.count("recompute") > 0  # it was planned and applied
+    assert callback.planner.executor is None
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in module.modules()] == hooks
+    assert "training_step" not in module.__dict__ and "log" not in module.__dict__
+    assert "step" not in trainer.optimizers[0].__dict__

@@ -107,7 +107,11 @@ class MemplanCallback(PlannedCallback, pl.Callback):
         self.wrapper = StepModule(pl_module)
         wrapper = self.wrapper
         # Lightning calls ``pl_module.training_step``: route it through the wrapper's forward (and its hooks)
-        pl_module.training_step = lambda batch, batch_idx=0, *a, **kw: wrapper(batch, batch_idx)
+        pl_module.training_step = self._removing_on_error(lambda batch, batch_idx=0, *a, **kw: wrapper(batch, batch_idx))
+        # an error in the step's forward or backward removes the plan where it is raised: Lightning runs both
+        # inside optimizer.step (a closure), whose profiler range would meet the plan's op-matching mode on
+        # the way out and report a plan mismatch instead of the error; on_exception comes after that
+        pl_module.backward = self._removing_on_error(pl_module.backward)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -145,7 +149,19 @@ class MemplanCallback(PlannedCallback, pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.planner.remove()
         pl_module.__dict__.pop("training_step", None)  # the class's own again
+        pl_module.__dict__.pop("backward", None)
         self.wrapper = None
+
+    def _removing_on_error(self, fn: Any) -> Any:
+        """``fn`` that removes the plan before an exception leaves it."""
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                self.planner.remove()
+                raise
+
+        return guarded
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.on_fit_end(trainer, pl_module)
