@@ -121,22 +121,31 @@ def every_k_search(graph: Graph, budget: int | None, depth: int | None = None, *
                    deadline: float | None = None) -> tuple[int, Actions, Report, int]:
     """The every-k plan for ``budget``: the fastest that fits among the k tried (k = len(chain) keeps
     everything), or, with ``budget=None`` or when none fits, the one of least peak. Returns (k, actions,
-    report, stages). ``deadline`` (a ``time.perf_counter()`` value) bounds the search for the least peak:
-    past it, the best k simulated by then."""
+    report, stages). ``deadline`` (a ``time.perf_counter()`` value) bounds the whole search: past it no
+    further k is simulated (the first grid k always is) and the answer is the best among those simulated."""
     chain = _chain_for(graph, depth)
     n = len(chain)
     if n == 0:
         return 0, {}, _simulate(graph, {}), 0
     search = _KSearch(graph, chain)
     grid = _k_grid(n)
+
+    def in_time() -> bool:
+        return deadline is None or time.perf_counter() < deadline
+
     if budget is not None:
-        fitting = [k for k in grid if search(k).peak_bytes <= budget]
+        fitting = []
+        for k in grid:  # from the most recomputed (least peak, mostly) up, while time is left
+            if k != grid[0] and not in_time():
+                break
+            if search(k).peak_bytes <= budget:
+                fitting.append(k)
         if fitting:
             # time falls as k grows (less is recomputed); look between the largest fitting grid k and
             # the next grid point for a larger one that still fits
             lo = max(fitting)
             hi = next((k for k in grid if k > lo), lo)
-            while hi - lo > 1:
+            while hi - lo > 1 and in_time():
                 mid = (lo + hi) // 2
                 if search(mid).peak_bytes <= budget:
                     lo = mid
@@ -160,7 +169,9 @@ def solve_every_k(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0
     """Keep the activations at the boundary of every k-th stage of ``coarsen(graph)`` (``depth`` picks
     the module depth) and everything of the last segment; recompute the rest, as
     ``checkpoint_sequential`` does (Chen et al. 2016 with k = sqrt(n)). With ``k`` given, that plan; by
-    default the k (1..stages) whose plan is fastest within the budget."""
+    default the k (1..stages) whose plan is fastest within the budget, searched for ``time_limit_s`` at
+    most (beyond it by one plan's simulation at most): the fastest that fits among the k tried by then,
+    with status ``timeout`` (``infeasible`` with ``stats["stopped"] = "time limit"`` if none fits)."""
     k, depth = config.k, config.depth
     if k is not None:
         chain = _chain_for(graph, depth)
@@ -169,6 +180,12 @@ def solve_every_k(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0
                                f"({len(chain)} at module depth {chain.depth}), got {k!r}")
         actions = _every_k_actions(graph, chain, k)
         return Proposal(actions, status="feasible", stats={"k": k, "stages": len(chain), "depth": chain.depth})
-    best_k, actions, report, n = every_k_search(graph, budget_bytes, depth)
-    status = "feasible" if report.peak_bytes <= budget_bytes else "infeasible"
-    return Proposal(actions, status=status, stats={"k": best_k, "stages": n})
+    deadline = time.perf_counter() + time_limit_s
+    best_k, actions, report, n = every_k_search(graph, budget_bytes, depth, deadline=deadline)
+    stats: dict = {"k": best_k, "stages": n}
+    cut = time.perf_counter() >= deadline  # the search may have stopped before trying every k
+    if cut:
+        stats["stopped"] = "time limit"
+    if report.peak_bytes > budget_bytes:
+        return Proposal(actions, status="infeasible", stats=stats)
+    return Proposal(actions, status="timeout" if cut else "feasible", stats=stats)
