@@ -143,10 +143,8 @@ def test_op_times_are_cached_repeated_layers_and_later_profiles_run_nothing(tmp_
     assert stats["distinct"] < stats["calls"] / 3 and stats["isolated_runs"] == stats["distinct"]
     assert (tmp_path / "optimes.sqlite").is_file()
     again = _fake(w, tmp_path)
-    # KNOWN BUG (noted for the next session): with one torch thread one of the 29 distinct calls gets
-    # another cold-argument key in the second profile and is timed again; all others must hit the cache
-    assert again.meta["op_timing"]["isolated_runs"] <= 1
-    assert again.meta["op_timing"]["cache_hits"] >= stats["distinct"] - 1
+    assert again.meta["op_timing"]["isolated_runs"] == 0
+    assert again.meta["op_timing"]["cache_hits"] == stats["distinct"]
     assert all(op.time_s > 0 for op in first.ops if op.name == "aten.addmm.default")
 
 

@@ -10,6 +10,7 @@ from memplan.planner.probe.optime import (
     device_identity,
     last_level_cache_bytes,
     record_call,
+    storage_number,
 )
 
 CPU = torch.device("cpu")
@@ -33,7 +34,7 @@ def test_arguments_are_cold_when_new_to_the_step_or_evicted_by_the_bytes_moved_s
              _call(torch.ops.aten.neg.default, big),   # moves 8,000 bytes
              _call(torch.ops.aten.neg.default, b)]     # b: 8,000 bytes ago
     # the first relu wrote a fresh storage, not b's: record b as that call's output for the model
-    calls[0].output_storage_ids = (b.untyped_storage()._cdata,)
+    calls[0].output_storage_ids = (storage_number(b.untyped_storage()),)
     assert cold_arguments(calls, cache_bytes=1000) == [{0}, set(), {0}, {0}]
     assert cold_arguments(calls, cache_bytes=10**6) == [{0}, set(), {0}, set()]
 

@@ -43,6 +43,7 @@ import platform
 import sqlite3
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,12 +168,38 @@ def _replace(x: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(x)
 
 
+class StorageNumbers:
+    """A number per storage that no other storage ever gets: a storage's ``_cdata`` (its address) is
+    handed to a new storage once it dies, and a step's storages die and are born all the time, so that
+    "touched before in the step" by address would depend on where the allocator put things (and a key
+    built from it, on the run)."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, tuple[weakref.ref, int]] = {}  # _cdata -> (the storage, its number)
+        self._next = 0
+
+    def __call__(self, storage: Any) -> int:
+        key = storage._cdata
+        known = self._live.get(key)
+        if known is not None and known[0]() is storage:
+            return known[1]
+        number = self._next
+        self._next += 1
+        self._live[key] = (weakref.ref(storage), number)
+        return number
+
+
+#: ``storage_number(storage)``: its number, unique in this process (what ``OpCall.storage_ids`` hold)
+storage_number = StorageNumbers()
+
+
 def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
     """An :class:`OpCall` of ``func(*args, **kwargs) -> out`` (fake tensors): metadata only, nothing of
     the tensors is kept. FLOPs from ``torch.utils.flop_counter``'s formula for the operator (0 if none)."""
     from torch.utils.flop_counter import flop_registry
 
     storages: dict[int, int] = {}
+    objects: list[Any] = []  # the storages, by their index in the call
     device = "cpu"
 
     def meta(x: Any) -> Any:
@@ -181,6 +208,8 @@ def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
             return x
         s = x.untyped_storage()
         index = storages.setdefault(s._cdata, len(storages))
+        if index == len(objects):
+            objects.append(s)
         device = x.device.type
         return TensorMeta(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, index, s.nbytes())
 
@@ -198,9 +227,10 @@ def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
         s = t.untyped_storage()
         if s._cdata not in read or _mutates(func):  # a new storage, or an in-place write
             written += min(s.nbytes(), t.numel() * t.element_size())
-    ids = tuple(sorted(storages, key=storages.__getitem__))
+    # step-wide identities (for cold_arguments): numbers, not addresses, which a later storage may reuse
+    ids = tuple(storage_number(s) for s in objects)  # in index order
     return OpCall(func, margs, mkwargs, device, flops, written, ids,
-                  tuple(dict.fromkeys(t.untyped_storage()._cdata for t in outs)))
+                  tuple(dict.fromkeys(storage_number(t.untyped_storage()) for t in outs)))
 
 
 def _collect_tensors(x: Any, out: list[torch.Tensor]) -> None:
