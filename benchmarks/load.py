@@ -10,8 +10,8 @@ names one, profiles a built-in workload into a graph (or reads ``--graph``), the
 2. **hit**: the same requests again, in another order: each is answered from the plan cache.
 
 3. **saturated**: for ``--saturate-seconds``, ``--overrun-concurrency`` requests at a time that overrun
-   their time limit (every-k, which has no time limit of its own, at 50% of a 2,000-op chain with
-   ``time_limit_s`` 0.3: its search simulates plans for ~8 s), so every worker is busy until the server
+   their time limit (rotor at 50% of a 2,000-op chain with ``time_limit_s`` 0.3: its DP table, filled in
+   one go, takes ~20 s on the shared 2-core machine), so every worker is busy until the server
    stops the job and replaces its process; meanwhile ``/healthz`` and cache hits are sent one at a time and timed.
 
 Each answer is classed by its ``cache_hit`` flag, not by phase. Both phases are bounded: by
@@ -283,7 +283,7 @@ async def main_async(args: argparse.Namespace, url: str, graph: dict) -> tuple[l
             from memplan.planner.core.synthetic import linear_chain
 
             overrun = json.dumps({"graph": linear_chain(2000).model_dump(mode="json"), "budget": "50%",
-                                  "solver": "every-k", "time_limit_s": 0.3}).encode()
+                                  "solver": "rotor", "time_limit_s": 0.3}).encode()
             sat = await run_saturated(client, shuffled[:20], overrun, args.saturate_seconds,
                                       args.overrun_concurrency)
     return [miss, hit, serial], sat
