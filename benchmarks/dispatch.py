@@ -4,7 +4,9 @@
 On a tiny GPT-2 and BERT (width 8, sequence 8: every op costs microseconds, so the step is the executor's
 dispatch) the step runs plain and under a 70% plan, interleaved, in CPU time of the process (1 torch
 thread). The watched-op cost is (planned forward - plain forward) / watched ops; the replayed-op cost is
-(planned backward - plain backward) / replayed ops (the tiny ops' own time included, so an upper bound).
+(planned backward - plain backward) / replayed ops (the tiny ops' own time included, so an upper bound),
+once with replays reused from earlier steps (runtime.Segment: every step after the first) and once with
+every replay planned and traced afresh (``Executor.reuse_replays = False``: what a first step pays).
 The minimum over rounds is taken: load from other jobs only adds. Prints both per model, and their
 median over models, which planner/probe/profiler.py's constants are set from.
 
@@ -43,8 +45,9 @@ def step_parts(model, optimizer, w) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-def measure(name: str, rounds: int) -> tuple[float, float, int, int]:
-    """(seconds per watched op, seconds per replayed op, watched ops, replayed ops) on tiny ``name``."""
+def measure(name: str, rounds: int) -> tuple[float, float, float, int, int]:
+    """(seconds per watched op, seconds per replayed op with replays reused, the same with every replay
+    planned and traced as on a first step, watched ops, replayed ops) on tiny ``name``."""
     w = load_workload(name, **TINY[name])
     graph = profile(w.model, w.batch, w.loss_fn, name=name, progress=False, measure=False)
     plan = solve(graph, graph.fixed.resident_bytes + activation_bytes(graph) * 7 // 10, "auto", time_limit_s=10).plan
@@ -54,18 +57,26 @@ def measure(name: str, rounds: int) -> tuple[float, float, int, int]:
     planned = copy.deepcopy(w.model)
     planned_opt = default_optimizer(planned)
     ex = apply(planned, plan, graph=graph, optimizer=planned_opt)
-    for _ in range(3):  # the first planned step learns (every op watched); warm both
+    fresh = copy.deepcopy(w.model)
+    fresh_opt = default_optimizer(fresh)
+    ex_fresh = apply(fresh, plan, graph=graph, optimizer=fresh_opt)
+    ex_fresh.reuse_replays = False  # what a first step pays: every replay planned and traced
+    for _ in range(3):  # the first planned step learns (every op watched); warm all three
         step_parts(plain, plain_opt, w)
         step_parts(planned, planned_opt, w)
-    a, b = [], []
+        step_parts(fresh, fresh_opt, w)
+    a, b, c = [], [], []
     for _ in range(rounds):
         a.append(step_parts(plain, plain_opt, w))
         b.append(step_parts(planned, planned_opt, w))
+        c.append(step_parts(fresh, fresh_opt, w))
     ex.remove()
+    ex_fresh.remove()
     fwd = min(x[0] for x in b) - min(x[0] for x in a)
     bwd = min(x[1] for x in b) - min(x[1] for x in a)
-    return fwd / max(report.watched_ops, 1), bwd / max(report.recomputed_ops, 1), report.watched_ops, \
-        report.recomputed_ops
+    bwd_fresh = min(x[1] for x in c) - min(x[1] for x in a)
+    n = max(report.recomputed_ops, 1)
+    return fwd / max(report.watched_ops, 1), bwd / n, bwd_fresh / n, report.watched_ops, report.recomputed_ops
 
 
 def main() -> None:
@@ -73,15 +84,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    watch, rep = [], []
+    watch, rep, first = [], [], []
     for name in TINY:
-        w_s, r_s, n_w, n_r = measure(name, args.rounds)
+        w_s, r_s, f_s, n_w, n_r = measure(name, args.rounds)
         watch.append(w_s)
         rep.append(r_s)
+        first.append(f_s)
         print(f"{name} (tiny): {w_s * 1e6:.1f} us per watched op ({n_w} watched), "
-              f"{r_s * 1e6:.1f} us per replayed op ({n_r} replayed)")
+              f"{r_s * 1e6:.1f} us per replayed op ({n_r} replayed; {f_s * 1e6:.1f} us planned and traced, "
+              f"as on a first step)")
     print(f"median: {statistics.median(watch) * 1e6:.1f} us per watched op, "
-          f"{statistics.median(rep) * 1e6:.1f} us per replayed op")
+          f"{statistics.median(rep) * 1e6:.1f} us per replayed op ({statistics.median(first) * 1e6:.1f} us on a "
+          f"first step)")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,7 @@ class Executor:
         self.segments: dict[int, list[Segment]] = {}
         self.signatures: dict[int, list[tuple[int, tuple]]] = {}
         self.segment_stats: Counter[str] = Counter()
+        self.expected_outputs: dict[int, tuple] = {}  # tensor id -> (dtype, bytes, shape) as a step met the graph's
         self.reuse_replays = True  # False: every replay is planned and run op by op (for comparisons)
         self._signature_ids = itertools.count()
         self._mode = StepMode(self)
