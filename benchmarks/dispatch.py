@@ -23,10 +23,11 @@ import time
 import torch
 
 from memplan.executor import apply
+from memplan.planner.core.errors import Infeasible
 from memplan.planner.core.simulator import simulate
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import compute_loss, default_optimizer, load_workload
-from memplan.solvers import activation_bytes, solve
+from memplan.solvers import activation_bytes, smallest_known_peak, solve
 
 TINY = {"gpt2": {"n_embd": 8, "n_head": 2, "seq_len": 8, "batch_size": 2, "vocab_size": 64},
         "bert": {"hidden_size": 8, "num_attention_heads": 2, "seq_len": 8,
@@ -45,38 +46,49 @@ def step_parts(model, optimizer, w) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-def measure(name: str, rounds: int) -> tuple[float, float, float, int, int]:
-    """(seconds per watched op, seconds per replayed op with replays reused, the same with every replay
-    planned and traced as on a first step, watched ops, replayed ops) on tiny ``name``."""
+def measure(name: str, rounds: int) -> dict[str, float]:
+    """On tiny ``name``, plain training and two plans (at 70% and at a tighter budget), interleaved: seconds
+    per watched op (70% plan), backward seconds per replayed op at 70% with replays reused and with every
+    replay planned and traced (as on a first step), and the slope between the two plans (extra backward
+    seconds per extra replayed op, replays reused), which leaves out what a planned backward pays whatever
+    it replays (the saved-tensor hooks on every saved tensor, node hooks)."""
     w = load_workload(name, **TINY[name])
     graph = profile(w.model, w.batch, w.loss_fn, name=name, progress=False, measure=False)
-    plan = solve(graph, graph.fixed.resident_bytes + activation_bytes(graph) * 7 // 10, "auto", time_limit_s=10).plan
-    report = simulate(graph, plan, timeline=False)
-    plain = copy.deepcopy(w.model)
-    plain_opt = default_optimizer(plain)
-    planned = copy.deepcopy(w.model)
-    planned_opt = default_optimizer(planned)
-    ex = apply(planned, plan, graph=graph, optimizer=planned_opt)
-    fresh = copy.deepcopy(w.model)
-    fresh_opt = default_optimizer(fresh)
-    ex_fresh = apply(fresh, plan, graph=graph, optimizer=fresh_opt)
-    ex_fresh.reuse_replays = False  # what a first step pays: every replay planned and traced
-    for _ in range(3):  # the first planned step learns (every op watched); warm all three
-        step_parts(plain, plain_opt, w)
-        step_parts(planned, planned_opt, w)
-        step_parts(fresh, fresh_opt, w)
-    a, b, c = [], [], []
-    for _ in range(rounds):
-        a.append(step_parts(plain, plain_opt, w))
-        b.append(step_parts(planned, planned_opt, w))
-        c.append(step_parts(fresh, fresh_opt, w))
-    ex.remove()
-    ex_fresh.remove()
-    fwd = min(x[0] for x in b) - min(x[0] for x in a)
-    bwd = min(x[1] for x in b) - min(x[1] for x in a)
-    bwd_fresh = min(x[1] for x in c) - min(x[1] for x in a)
-    n = max(report.recomputed_ops, 1)
-    return fwd / max(report.watched_ops, 1), bwd / n, bwd_fresh / n, report.watched_ops, report.recomputed_ops
+    at70 = graph.fixed.resident_bytes + activation_bytes(graph) * 7 // 10
+    lowest = smallest_known_peak(graph)
+    plans = [solve(graph, at70, "auto", time_limit_s=10).plan]
+    for frac in (0.2, 0.5, 0.8):  # the tight plan: between the smallest known peak and 70%
+        try:
+            plans.append(solve(graph, lowest + int((at70 - lowest) * frac), "auto", time_limit_s=10).plan)
+            break
+        except Infeasible:
+            continue
+    reports = [simulate(graph, p, timeline=False) for p in plans]
+    runs: dict[str, tuple] = {"plain": (copy.deepcopy(w.model),)}
+    for label, plan, reuse in (("70%", plans[0], True), ("70% first", plans[0], False), ("tight", plans[1], True)):
+        model = copy.deepcopy(w.model)
+        opt = default_optimizer(model)
+        ex = apply(model, plan, graph=graph, optimizer=opt)
+        ex.reuse_replays = reuse  # False: what a first step pays (every replay planned and traced)
+        runs[label] = (model, opt, ex)
+    runs["plain"] = (runs["plain"][0], default_optimizer(runs["plain"][0]), None)
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+    for i in range(3 + rounds):  # the first planned step learns (every op watched); warm all
+        for label, (model, opt, _) in runs.items():
+            t = step_parts(model, opt, w)
+            if i >= 3:
+                times[label].append(t)
+    for _, _, ex in runs.values():
+        if ex is not None:
+            ex.remove()
+    fwd = {k: min(x[0] for x in v) for k, v in times.items()}
+    bwd = {k: min(x[1] for x in v) for k, v in times.items()}
+    n70, ntight = reports[0].recomputed_ops, reports[1].recomputed_ops
+    return {"watched": reports[0].watched_ops, "replayed": n70, "replayed tight": ntight,
+            "watch_s": (fwd["70%"] - fwd["plain"]) / max(reports[0].watched_ops, 1),
+            "replay_s": (bwd["70%"] - bwd["plain"]) / max(n70, 1),
+            "first_s": (bwd["70% first"] - bwd["plain"]) / max(n70, 1),
+            "slope_s": (bwd["tight"] - bwd["70%"]) / (ntight - n70) if ntight > n70 else float("nan")}
 
 
 def main() -> None:
@@ -84,18 +96,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    watch, rep, first = [], [], []
+    results = []
     for name in TINY:
-        w_s, r_s, f_s, n_w, n_r = measure(name, args.rounds)
-        watch.append(w_s)
-        rep.append(r_s)
-        first.append(f_s)
-        print(f"{name} (tiny): {w_s * 1e6:.1f} us per watched op ({n_w} watched), "
-              f"{r_s * 1e6:.1f} us per replayed op ({n_r} replayed; {f_s * 1e6:.1f} us planned and traced, "
-              f"as on a first step)")
-    print(f"median: {statistics.median(watch) * 1e6:.1f} us per watched op, "
-          f"{statistics.median(rep) * 1e6:.1f} us per replayed op ({statistics.median(first) * 1e6:.1f} us on a "
-          f"first step)")
+        r = measure(name, args.rounds)
+        results.append(r)
+        print(f"{name} (tiny): {r['watch_s'] * 1e6:.1f} us per watched op ({r['watched']} watched); "
+              f"{r['replay_s'] * 1e6:.1f} us per replayed op ({r['replayed']} replayed; "
+              f"{r['first_s'] * 1e6:.1f} us when planned and traced, as on a first step); "
+              f"slope to {r['replayed tight']} replayed ops: {r['slope_s'] * 1e6:.1f} us per extra replayed op")
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in results) * 1e6
+
+    print(f"median: {med('watch_s'):.1f} us per watched op, {med('replay_s'):.1f} us per replayed op "
+          f"({med('first_s'):.1f} us on a first step), slope {med('slope_s'):.1f} us per extra replayed op")
 
 
 if __name__ == "__main__":
