@@ -283,8 +283,9 @@ class Step:
         self.prefetch_queue = list(ex.prefetch_order)          # (-prefetch_at, tid), ascending
         self.replays = 0
         self.signature_ids: dict[int, int] = {}                # recorded op -> its recipe's signature id
-        # what it performed, in the schedule's terms (``events``): an int k is forward op k computed, a
-        # range forward ops run without the mode, anything else a ScheduleEvent
+        # what it performed, in the schedule's terms (``events``): an int k >= 0 is forward op k computed,
+        # -1 - k autograd's detach k passed undispatched, a range forward ops run without the mode,
+        # anything else a ScheduleEvent
         self.log: list[Any] = []
         # after the first step: ops the plan decides nothing about take the mode's fast path, and only
         # tracked tensors (planner/core/watch.py) are mapped to the graph
@@ -309,7 +310,10 @@ class Step:
         ops = self.g.ops
         out: list[ScheduleEvent] = []
         for e in self.log:
-            if isinstance(e, int):
+            if isinstance(e, int) and e < 0:
+                out.append(ScheduleEvent("compute", "forward", -1 - e, reason=f"{_DETACH} (autograd's, not "
+                                                                              f"dispatched under saved-tensor hooks)"))
+            elif isinstance(e, int):
                 out.append(ScheduleEvent("compute", "forward", e, reason=ops[e].name))
             elif isinstance(e, range):
                 out.extend(ScheduleEvent("compute", "forward", k, reason=f"{ops[k].name} (not watched: outside "
@@ -350,9 +354,6 @@ class Step:
         return ref() if ref is not None else None
 
     # ---- forward -----------------------------------------------------------------------------
-    def _exhausted(self) -> bool:
-        return self.cursor > self.ex.last_real_op
-
     def _match(self, name: str) -> int:
         ops = self.g.ops
         while self.cursor < len(ops) and ops[self.cursor].name != name and ops[self.cursor].name == _DETACH:
@@ -371,18 +372,18 @@ class Step:
     def _passed_detach(self) -> None:
         """Step over a graph detach that autograd no longer dispatches under saved-tensor hooks (it
         creates nothing and saves nothing): the step has reached that position all the same."""
-        k = self.cursor
-        self.log.append(ScheduleEvent("compute", "forward", k, reason=f"{_DETACH} (autograd's, not dispatched "
-                                                                      f"under saved-tensor hooks)"))
+        self.log.append(-1 - self.cursor)  # (``events`` spells it out)
         self.cursor += 1
 
     def forward_op(self, func, args, kwargs):
         """The full handler: a needed op (planner/core/watch.py), or any op of the first watched step,
         which also learns what later steps' fast path uses (the op's overload, its new storages'
         positions)."""
-        self.resolve_pending()
-        self.poll_d2h()
-        if self._exhausted():
+        if self.pending_outs is not None:
+            self.resolve_pending()
+        if self.d2h_pending:
+            self.poll_d2h()
+        if self.cursor > self.ex.last_real_op:
             # every op of the graph has run: what follows (backward's seed ``ones_like``, metrics) is
             # not the model's step
             self.forward_done = True
@@ -511,8 +512,7 @@ class Step:
     def _ref(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        s = storage_of(x)
-        entry = self.by_key.get(s._cdata) if s is not None else None
+        entry = self.by_key.get(_storage_key(x))
         if entry is None or entry[0] < 0:
             return x  # a parameter, buffer, input or constant: alive anyway, held as is
         return _Ref(entry[0], x.dtype, tuple(x.size()), tuple(x.stride()), x.storage_offset())
@@ -543,8 +543,7 @@ class Step:
 
     # ---- saved tensors -----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        s = storage_of(t)
-        entry = self.by_key.get(s._cdata) if s is not None else None
+        entry = self.by_key.get(_storage_key(t))
         if entry is None or entry[0] < 0:
             return t  # not an activation of this step: parameters and their views are never moved
         tid = entry[0]
@@ -552,6 +551,7 @@ class Step:
         if action == Action.KEEP:
             return t
         if action == Action.OFFLOAD:
+            s = t.untyped_storage()
             writer = self.d2h_after.get(tid)
             if writer is not None and writer >= self.cursor:  # written in place later: copied after it
                 self.deferred.setdefault(writer, {})[tid] = s
@@ -946,6 +946,15 @@ class Step:
             if cuda_state is not None:
                 torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
             return rec.func(*args, **kwargs)
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The key ``Step.by_key`` knows ``t``'s storage by, or None if it has none (a tensor whose storage
+    ``storage_of`` does not count is never registered, so looking its key up finds nothing either)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _reached(step_ref: weakref.ref, k: int) -> None:
