@@ -204,12 +204,13 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
 # What the executor pays per replayed op beyond the op itself (its compiled replay's argument views and
 # call, the reuse checks; executor/runtime.py Segment) and per forward op it watches under a plan (its
 # dispatch mode and recipe recording; the saved-tensor and module hooks spread over them). Measured by
-# benchmarks/dispatch.py on the benchmark machine (2-core CPU, Python 3.11, torch 2.13): tiny GPT-2 and
-# BERT steps, planned against plain, in CPU time (docs/model.md, "Time"); the replayed-op figure is the
-# extra backward time per extra replayed op between two plans, in a step after the first (a first step
-# plans and traces every replay, about 1.5x the cost, once).
-REPLAY_OP_DISPATCH_S = 60e-6
-WATCH_OP_DISPATCH_S = 40e-6
+# benchmarks/dispatch.py on the benchmark machine (2-core CPU, Python 3.11, torch 2.13), in CPU time
+# (docs/model.md, "Time"): watched, tiny GPT-2 and BERT steps planned against plain; replayed, the median
+# of the extra backward time per extra replayed op between two plans of those, and of the backward time
+# beyond the replayed ops' own on 16-step GRU and LSTM cells under multi-level plans, in steps after the
+# first (a first step plans and traces every replay: 1.4-1.9x that, once).
+REPLAY_OP_DISPATCH_S = 37e-6
+WATCH_OP_DISPATCH_S = 30e-6
 
 
 def calibrate_times(graph: Graph, forward_s: float, backward_s: float, optimizer_s: float) -> None:
