@@ -26,7 +26,10 @@ How a step runs (see docs/model.md for the model it reproduces):
   (unless the plan says ``recompute_each``: rebuilt again for their own backward); the others die after
   their last use in the replay. A tensor an op reads before its in-place chain ends gets a scratch copy
   re-created up to that op (the replay's ``scratch``), dropped right after it. Only the ops the schedule's replays run are
-  recorded. Random ops replay under the RNG state captured before they ran (inside
+  recorded. A replay is planned once per availability state and compiled on its first run
+  (:class:`Segment`): later steps reuse the plan while they answer ``replay()``'s questions alike, and
+  repeat the traced decisions on their own recipes while those keep their signatures
+  (:func:`recipe_signature`), tracing afresh otherwise (``Executor.segment_stats`` counts which). Random ops replay under the RNG state captured before they ran (inside
   ``torch.random.fork_rng``, which restores the loop's stream), so dropout masks are identical. Arguments an op writes in place (batch norm's running
   statistics) are cloned for the replay, so a replay changes nothing but what it returns.
 * **Pinning**: an activation that cannot be rebuilt (mutated in place later) but that a replay reads
