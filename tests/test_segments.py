@@ -146,3 +146,51 @@ def test_a_signature_names_constants_and_geometry_not_values():
         odd = copy.copy(rec)
         odd.args = (*rec.args, object())
         assert recipe_signature(odd) is None  # nothing it cannot compare: never run compiled
+
+
+def test_a_replay_is_planned_afresh_when_what_it_reads_differs():
+    """A step in which the caller holds some activations (a forward hook keeps every GELU output) answers
+    ``replay()``'s questions otherwise: its replays are planned afresh (those tensors are read, not
+    rebuilt), never taken from the cache, and training stays bitwise equal."""
+    w, plan, g = setup()
+    want_losses, want_params, _ = train(copy.deepcopy(w.model), w, {})
+    model = copy.deepcopy(w.model)
+    held: list[torch.Tensor] = []
+    gelus = [m for m in model.modules() if "Activation" in type(m).__name__ or "GELU" in type(m).__name__]
+    assert gelus
+    executors = []
+
+    def ex_of(opt):
+        executors.append(apply(model, plan, graph=g, optimizer=opt))
+        return executors[-1]
+
+    def hold(_module, _args, out):
+        if hold.on:
+            held.append(out)
+    hold.on = False
+    handles = [m.register_forward_hook(hold) for m in gelus]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    ex = ex_of(opt)
+    losses, per_step = [], []
+    try:
+        for i in range(STEPS):
+            hold.on = i == 2
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + i)
+            loss = w.loss_fn(model, w.batch)
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            held.clear()
+            per_step.append(dict(ex.segment_stats))
+    finally:
+        ex.remove()
+        for h in handles:
+            h.remove()
+    for a, b in zip(losses, want_losses, strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want_params, strict=True))
+    n = per_step[0]["planned"]
+    assert per_step[1]["planned"] == n                 # step 2: all reused
+    assert per_step[2]["planned"] > n                  # step 3: the held tensors change some replays
+    assert per_step[3]["planned"] == per_step[2]["planned"]  # step 4: as steps 1-2 again, from the cache
