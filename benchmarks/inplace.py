@@ -9,20 +9,26 @@ bound, against keep-everything's. Prints markdown tables; ``--update-doc`` repla
 section of docs/benchmarks.md.
 
     python benchmarks/inplace.py [--update-doc] [--solvers capuchin greedy multilevel]
+    python benchmarks/inplace.py --executor [--executor-rounds 5]   # the executor's measured step
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import time
 
 import torch
 from _doc import update_section  # benchmarks/_doc.py (the scripts run from this folder)
 
+from memplan.executor import apply
+from memplan.executor.session import peak_step
 from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.simulator import simulate
 from memplan.planner.core.units import format_bytes
 from memplan.planner.probe.profiler import profile
-from memplan.planner.workloads import load_workload
+from memplan.planner.workloads import default_optimizer, load_workload, training_step
 from memplan.solvers import keep_all_report, memory_lower_bound, smallest_known_peak, solve
 
 SIZE = dict(steps=64, input_size=16, hidden_size=64, batch_size=32)
@@ -87,13 +93,81 @@ def table(rows: list[dict], solvers: list[str]) -> str:
     return "\n".join(lines)
 
 
+def executor_row(cell: str, rounds: int) -> dict:
+    """The executor on ``cell``: a ``multilevel`` plan at 1.15x the lower bound trained beside plain
+    training (and beside the same plan with every replay planned and traced, as a first step runs it),
+    interleaved, one torch thread, CPU time of the process (median of ``rounds``); peaks from the
+    allocator (``peak_step``); predicted = the simulator's step under the plan over its keep-everything
+    step. The graph is profiled with its op times scaled to a plain step's (as ``memplan run`` does)."""
+    w = load_workload("rnn", cell=cell, **SIZE)
+    g = profile(w.model, w.batch, w.loss_fn, name=f"{cell} x{SIZE['steps']}", device="cpu", progress=False)
+    lb = memory_lower_bound(g)
+    plan = solve(g, int(lb * TIME_AT[0]), "multilevel", time_limit_s=60.0).plan
+    rep, keep = simulate(g, plan, timeline=False), keep_all_report(g)
+    base = copy.deepcopy(w.model)
+    runs = {}
+    for label in ("plain", "plan", "plan, first-step cost"):
+        model = copy.deepcopy(base)
+        opt = default_optimizer(model)
+        ex = apply(model, plan, graph=g, optimizer=opt) if label != "plain" else None
+        if label == "plan, first-step cost":
+            ex.reuse_replays = False  # every replay planned and traced, as on a first step
+        training_step(model, w.batch, w.loss_fn, opt)
+        peak = peak_step(model, w.batch, w.loss_fn, opt, ex)[0]
+        runs[label] = (model, opt, ex, peak, [])
+    for _ in range(rounds):
+        for model, opt, _, _, cpu in runs.values():  # one step of each in turn
+            c0 = time.process_time()
+            training_step(model, w.batch, w.loss_fn, opt)
+            cpu.append(time.process_time() - c0)
+    plain_s = statistics.median(runs["plain"][4])
+    out = {"cell": cell, "lb": lb, "predicted peak": rep.peak_bytes, "keep": keep.peak_bytes,
+           "predicted x": rep.time_s / keep.time_s, "replayed": rep.recomputed_ops, "watched": rep.watched_ops,
+           "charged": (rep.recomputed_ops * g.replay_op_dispatch_s + rep.watched_ops * g.watch_op_dispatch_s)
+           / rep.time_s}
+    for label, (_, _, ex, peak, cpu) in runs.items():
+        out[label] = (peak, statistics.median(cpu), min(cpu), max(cpu))
+        if ex is not None:
+            ex.remove()
+    out["plain_s"] = plain_s
+    return out
+
+
+def executor_table(rows: list[dict], rounds: int) -> str:
+    lines = [f"Measured (the executor; `python benchmarks/inplace.py --executor`, {rounds} interleaved rounds, CPU "
+             f"time, median (range)); *x plain* is the step over plain training's:", "",
+             "| cell | plan | predicted peak | measured peak | predicted x keep-all | measured x plain "
+             "| replayed / watched ops | executor charged | measured / predicted | CPU step (range) |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        for label in ("plain", "plan", "plan, first-step cost"):
+            peak, med, lo, hi = r[label]
+            x = med / r["plain_s"]
+            planned = label != "plain"
+            lines.append("| " + " | ".join([
+                r["cell"], label if planned else "plain training",
+                format_bytes(r["predicted peak"]) if planned else format_bytes(r["keep"]), format_bytes(peak),
+                f"{r['predicted x']:.2f}x" if planned else "1.00x", f"{x:.2f}x",
+                f"{r['replayed']} / {r['watched']}" if planned else "", f"{100 * r['charged']:.0f}%" if planned else "",
+                f"{100 * (x / r['predicted x'] - 1):+.0f}%" if planned else "",
+                f"{med * 1e3:.0f} ms ({lo * 1e3:.0f}-{hi * 1e3:.0f})"]) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--solvers", nargs="*", default=["capuchin", "greedy", "multilevel"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--update-doc", action="store_true")
+    ap.add_argument("--executor", action="store_true",
+                    help="only the executor's measured step under a multilevel plan (printed, not written)")
+    ap.add_argument("--executor-rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.executor:
+        print(executor_table([executor_row(cell, args.executor_rounds) for cell in ("gru", "lstm")],
+                             args.executor_rounds))
+        return
     rows = [row(cell, args.solvers, args.rounds) for cell in ("gru", "lstm")]
     text = table(rows, args.solvers)
     print(text)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import itertools
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,7 +39,15 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.executor.optim import FusedOptimizer
-from memplan.executor.runtime import HostPool, Packed, Step, StepMode, prefetch_order
+from memplan.executor.runtime import (
+    SIGNATURES_PER_OP,
+    HostPool,
+    Packed,
+    Segment,
+    Step,
+    StepMode,
+    prefetch_order,
+)
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
@@ -166,6 +176,15 @@ class Executor:
         self.last_step: Step | None = None
         self.busy = False
         self.steps = 0
+        # compiled replays, kept across steps (runtime.Segment): target -> segments, newest first; recorded
+        # op -> the recipe signatures seen for it, as (id, signature); and counts of what each replay did
+        # ("planned" / "plan reused", "compiled" / "recompiled" / "compiled reused")
+        self.segments: dict[int, list[Segment]] = {}
+        self.signatures: dict[int, list[tuple[int, tuple]]] = {}
+        self.segment_stats: Counter[str] = Counter()
+        self.expected_outputs: dict[int, tuple] = {}  # tensor id -> (dtype, bytes, shape) as a step met the graph's
+        self.reuse_replays = True  # False: every replay is planned and run op by op (for comparisons)
+        self._signature_ids = itertools.count()
         self._mode = StepMode(self)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._entered = False
@@ -192,6 +211,19 @@ class Executor:
 
             optimizer.step = step  # type: ignore[method-assign]
             self._step_shadow = step
+
+    def signature_id(self, op: int, signature: tuple) -> int:
+        """A number for recorded op ``op``'s recipe signature (runtime.recipe_signature), the same for
+        equal signatures while it is remembered (the last few per op); a forgotten one gets a new number,
+        so a compiled replay traced from it is never taken for another."""
+        known = self.signatures.setdefault(op, [])
+        for i, sig in known:
+            if sig == signature:
+                return i
+        i = next(self._signature_ids)
+        known.insert(0, (i, signature))
+        del known[SIGNATURES_PER_OP:]
+        return i
 
     # ---- the step's boundaries ---------------------------------------------------------------------
     def _begin(self, module: nn.Module, _args) -> None:

@@ -26,7 +26,10 @@ How a step runs (see docs/model.md for the model it reproduces):
   (unless the plan says ``recompute_each``: rebuilt again for their own backward); the others die after
   their last use in the replay. A tensor an op reads before its in-place chain ends gets a scratch copy
   re-created up to that op (the replay's ``scratch``), dropped right after it. Only the ops the schedule's replays run are
-  recorded. Random ops replay under the RNG state captured before they ran (inside
+  recorded. A replay is planned once per availability state and compiled on its first run
+  (:class:`Segment`): later steps reuse the plan while they answer ``replay()``'s questions alike, and
+  repeat the traced decisions on their own recipes while those keep their signatures
+  (:func:`recipe_signature`), tracing afresh otherwise (``Executor.segment_stats`` counts which). Random ops replay under the RNG state captured before they ran (inside
   ``torch.random.fork_rng``, which restores the loop's stream), so dropout masks are identical. Arguments an op writes in place (batch norm's running
   statistics) are cloned for the replay, so a replay changes nothing but what it returns.
 * **Pinning**: an activation that cannot be rebuilt (mutated in place later) but that a replay reads
@@ -48,7 +51,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -57,7 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
-from memplan.planner.core.replay import kept_by_replays, replay
+from memplan.planner.core.replay import Replay, kept_by_replays, replay
 from memplan.planner.core.schedule import ScheduleEvent
 from memplan.planner.core.shapes import ShapeMatcher
 from memplan.planner.core.simulator import static_facts
@@ -113,6 +116,77 @@ def _leaves(x: Any) -> list[Any]:
     return out
 
 
+# ---- compiled replays -----------------------------------------------------------------------------
+# A replay is planned by ``replay()`` from the step's answers to its questions about tensors (available?
+# fetchable? retained?), and those are the same at the same point of every step: a Segment keeps the
+# plan with the questions it asked and is reused when a later step answers them alike. Its first run is
+# traced into CompiledOps: for each op where each activation argument comes from (the tensor an earlier
+# op of the replay returned, a view of a storage it re-created, a view of a resident one), which written
+# arguments are cloned, and what becomes of each new output; a later run repeats those decisions on that
+# step's recipes as long as their signatures (recipe_signature) are the traced ones.
+SEGMENTS_PER_TARGET = 4       # availability states remembered per target
+COMPILED_PER_SEGMENT = 4      # recipe signatures (batch shapes of a shape family...) per segment
+SIGNATURES_PER_OP = 8         # signatures remembered per recorded op
+_AVAILABLE, _FETCHABLE, _RETAINED = 0, 1, 2   # replay()'s questions
+_DIRECT, _MADE_VIEW, _RESIDENT = 0, 1, 2      # where an activation argument comes from
+_DROP, _SCRATCH, _REBUILT = 0, 1, 2           # what becomes of a new output
+
+
+@dataclass(frozen=True)
+class CompiledOp:
+    """One op of a compiled replay. ``op``: its id; ``signature``: the id of its recipe's signature when it
+    was traced; ``fills``: (argument position or keyword, tensor id, source, view geometry (dtype, size,
+    stride, offset) or None for a direct read) per activation argument, None when one is nested (the op is
+    then run by ``Step._run``, argument leaf by leaf); ``clones``: written arguments cloned; ``roles``: per
+    new output (the recipe's ``new`` order) dropped, kept as a scratch copy, or rebuilt; ``frees``: the
+    re-created tensors freed after it."""
+
+    op: int
+    signature: int
+    fills: tuple[tuple[int | str, int, int, tuple | None], ...] | None
+    clones: tuple[int | str, ...]
+    roles: tuple[int, ...]
+    frees: tuple[int, ...]
+
+
+@dataclass
+class Segment:
+    """A planned replay (``replay``), the questions ``replay()`` asked to plan it with their answers
+    ((question, tensor id, answer)), and its compilations, newest first."""
+
+    replay: Replay
+    questions: tuple[tuple[int, int, bool], ...]
+    compiled: list[tuple[CompiledOp, ...]] = field(default_factory=list)
+
+
+_PLAIN = frozenset((type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
+                    torch.memory_format, _Ref))
+
+
+def recipe_signature(rec: Recipe) -> tuple | None:
+    """What a compiled op depends on in a recipe: the ATen op, its new outputs' positions, and its
+    arguments with every tensor replaced by its geometry (dtype, device, size, stride, offset), lists as
+    tuples, and constants as they are. Two recipes with equal signatures are replayed with the same
+    decisions. None when an argument is of a kind that cannot be compared safely (the op then always runs
+    traced)."""
+    try:
+        return (rec.func, tuple(rec.new), tuple(_leaf_signature(a) for a in rec.args),
+                tuple(sorted((k, _leaf_signature(v)) for k, v in rec.kwargs.items())))
+    except TypeError:
+        return None
+
+
+def _leaf_signature(x: Any) -> Any:
+    if type(x) in _PLAIN:
+        return x
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, x.device, tuple(x.size()), tuple(x.stride()), x.storage_offset())
+    if isinstance(x, (list, tuple)):
+        return tuple(_leaf_signature(y) for y in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _leaf_signature(v)) for k, v in x.items()))
+    raise TypeError(f"{type(x).__name__} in a recipe's arguments")
+
 class Packed:
     """What autograd holds instead of a recomputed or offloaded tensor."""
 
@@ -127,8 +201,11 @@ class Packed:
         self.offset = t.storage_offset()
 
 
-def _view(storage: torch.UntypedStorage, dtype: torch.dtype, size, stride, offset: int) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+def _view(storage: torch.UntypedStorage, dtype: torch.dtype, size, stride, offset: int,
+          device: torch.device | None = None) -> torch.Tensor:
+    """A tensor over ``storage`` with this geometry (``device``: the storage's, when the caller knows it:
+    reading ``storage.device`` costs as much as building the view)."""
+    return torch.empty(0, dtype=dtype, device=device or storage.device).set_(storage, offset, size, stride)
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -208,8 +285,10 @@ class Step:
         self.pinned: dict[int, torch.UntypedStorage] = {}        # held for a replay that reads them
         self.prefetch_queue = list(ex.prefetch_order)          # (-prefetch_at, tid), ascending
         self.replays = 0
-        # what it performed, in the schedule's terms (``events``): an int k is forward op k computed, a
-        # range forward ops run without the mode, anything else a ScheduleEvent
+        self.signature_ids: dict[int, int] = {}                # recorded op -> its recipe's signature id
+        # what it performed, in the schedule's terms (``events``): an int k >= 0 is forward op k computed,
+        # -1 - k autograd's detach k passed undispatched, a range forward ops run without the mode,
+        # anything else a ScheduleEvent
         self.log: list[Any] = []
         # after the first step: ops the plan decides nothing about take the mode's fast path, and only
         # tracked tensors (planner/core/watch.py) are mapped to the graph
@@ -234,7 +313,10 @@ class Step:
         ops = self.g.ops
         out: list[ScheduleEvent] = []
         for e in self.log:
-            if isinstance(e, int):
+            if isinstance(e, int) and e < 0:
+                out.append(ScheduleEvent("compute", "forward", -1 - e, reason=f"{_DETACH} (autograd's, not "
+                                                                              f"dispatched under saved-tensor hooks)"))
+            elif isinstance(e, int):
                 out.append(ScheduleEvent("compute", "forward", e, reason=ops[e].name))
             elif isinstance(e, range):
                 out.extend(ScheduleEvent("compute", "forward", k, reason=f"{ops[k].name} (not watched: outside "
@@ -275,9 +357,6 @@ class Step:
         return ref() if ref is not None else None
 
     # ---- forward -----------------------------------------------------------------------------
-    def _exhausted(self) -> bool:
-        return self.cursor > self.ex.last_real_op
-
     def _match(self, name: str) -> int:
         ops = self.g.ops
         while self.cursor < len(ops) and ops[self.cursor].name != name and ops[self.cursor].name == _DETACH:
@@ -296,18 +375,18 @@ class Step:
     def _passed_detach(self) -> None:
         """Step over a graph detach that autograd no longer dispatches under saved-tensor hooks (it
         creates nothing and saves nothing): the step has reached that position all the same."""
-        k = self.cursor
-        self.log.append(ScheduleEvent("compute", "forward", k, reason=f"{_DETACH} (autograd's, not dispatched "
-                                                                      f"under saved-tensor hooks)"))
+        self.log.append(-1 - self.cursor)  # (``events`` spells it out)
         self.cursor += 1
 
     def forward_op(self, func, args, kwargs):
         """The full handler: a needed op (planner/core/watch.py), or any op of the first watched step,
         which also learns what later steps' fast path uses (the op's overload, its new storages'
         positions)."""
-        self.resolve_pending()
-        self.poll_d2h()
-        if self._exhausted():
+        if self.pending_outs is not None:
+            self.resolve_pending()
+        if self.d2h_pending:
+            self.poll_d2h()
+        if self.cursor > self.ex.last_real_op:
             # every op of the graph has run: what follows (backward's seed ``ones_like``, metrics) is
             # not the model's step
             self.forward_done = True
@@ -327,16 +406,18 @@ class Step:
         op = self.g.ops[k]
         positions = ex.new_positions[k] if self.fast else None
         learn = positions is None
-        inputs = [] if func in _FRESH else tensors_in((args, kwargs))
+        record = k in ex.recorded_ops  # only the ops a replay of the schedule runs
+        fused = ex.fused is not None and ex.fused.pending_keys
+        inputs = [] if func in _FRESH or not (learn or fused or record) else tensors_in((args, kwargs))
         if learn:  # every storage is seen, so that a new one is known as new
             for t in inputs:
                 self._see(t, -1)
-        if ex.fused is not None and ex.fused.pending_keys:
+        if fused:
             ex.fused.check_not_pending(inputs, op)
-        record = k in ex.recorded_ops  # only the ops a replay of the schedule runs
         rng = None
         if record:
-            args_r, kwargs_r = map_leaves(self._ref, (args, kwargs))
+            args_r = self._refs(args)
+            kwargs_r = {key: self._refs(v) for key, v in kwargs.items()} if kwargs else kwargs
             if k in ex.rng_ops:
                 rng = self._capture_rng(inputs)
         out = func(*args, **kwargs)
@@ -390,9 +471,14 @@ class Step:
         """Same op names are not the same step: a different batch or width runs the same ops on other
         shapes, and the plan's bytes (and the host pool's slots) would be wrong. Compare what the graph
         recorded for the storage: its bytes, and the shape and dtype of the tensor that created it."""
+        expected = self.ex.expected_outputs.get(tid)
+        if expected is not None and t.dtype is expected[0] and s.nbytes() == expected[1] and t.shape == expected[2]:
+            return  # as the graph has it (the common case, compared on torch's own types)
         info = self.g.tensors[tid]
         dtype = str(t.dtype).removeprefix("torch.")
-        if s.nbytes() != info.bytes or list(t.shape) != info.shape or dtype != info.dtype:
+        if s.nbytes() == info.bytes and list(t.shape) == info.shape and dtype == info.dtype:
+            self.ex.expected_outputs[tid] = (t.dtype, info.bytes, t.shape)
+        else:
             if self.shapes is not None:  # a graph with a shape family: any shape of it up to the graph's
                 problem = self.shapes.check(tid, dtype, list(t.shape), s.nbytes())
                 if problem is None:
@@ -412,11 +498,24 @@ class Step:
         self.failed = True
         raise PlanMismatch(message)
 
+    def _refs(self, x: Any) -> Any:
+        """``x`` (an op's argument or its argument tuple) with activations as :class:`_Ref`: what
+        ``map_leaves(self._ref, x)`` returns, without walking lists of numbers (sizes, dims) leaf by leaf."""
+        if isinstance(x, torch.Tensor):
+            return self._ref(x)
+        if type(x) is tuple or type(x) is list:
+            if not any(isinstance(y, (torch.Tensor, list, tuple, dict)) for y in x):
+                return x
+            out = [self._refs(y) for y in x]
+            return out if type(x) is list else tuple(out)
+        if isinstance(x, (tuple, list, dict)):  # namedtuples and dicts: the general walk
+            return map_leaves(self._ref, x)
+        return x
+
     def _ref(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        s = storage_of(x)
-        entry = self.by_key.get(s._cdata) if s is not None else None
+        entry = self.by_key.get(_storage_key(x))
         if entry is None or entry[0] < 0:
             return x  # a parameter, buffer, input or constant: alive anyway, held as is
         return _Ref(entry[0], x.dtype, tuple(x.size()), tuple(x.stride()), x.storage_offset())
@@ -447,8 +546,7 @@ class Step:
 
     # ---- saved tensors -----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        s = storage_of(t)
-        entry = self.by_key.get(s._cdata) if s is not None else None
+        entry = self.by_key.get(_storage_key(t))
         if entry is None or entry[0] < 0:
             return t  # not an activation of this step: parameters and their views are never moved
         tid = entry[0]
@@ -456,6 +554,7 @@ class Step:
         if action == Action.KEEP:
             return t
         if action == Action.OFFLOAD:
+            s = t.untyped_storage()
             writer = self.d2h_after.get(tid)
             if writer is not None and writer >= self.cursor:  # written in place later: copied after it
                 self.deferred.setdefault(writer, {})[tid] = s
@@ -609,97 +708,256 @@ class Step:
     def _replay(self, target: int) -> None:
         """Rebuild ``target`` by the replay :func:`memplan.planner.core.replay.replay` defines (the one the
         simulator charges): fetch what it needs from the host, run its ops in forward order, drop what it
-        made after its last use unless a handle still waits for it; leaves the target in ``self.cache``."""
+        made after its last use unless a handle still waits for it; leaves the target in ``self.cache``.
+
+        The replay is planned once per availability state and compiled on its first run
+        (:class:`Segment`, :meth:`_segment`); later replays of the same target in the same state (the same
+        point of a later step) run the compiled ops while this step's recipes have the signatures they
+        were compiled from, and are traced afresh otherwise."""
         g = self.g
-        r = replay(g, target, available=lambda u: self.available(u) is not None, fetchable=self.host.__contains__,
-                   retain=lambda u: self.pending_unpacks[u] > 0
-                   and kept_by_replays(self.ex.actions.get(u, Action.KEEP)))
-        r.check(g)
-        lost = next((p for p in r.ops if p not in self.recipes), None)
+        seg = self._segment(target)
+        r = seg.replay
+        recipes = self.recipes
+        lost = next((p for p in r.ops if p not in recipes), None)
         if lost is not None:
             raise PlanError(f"backward needs tensor {target}, whose recomputation runs op {lost} "
                             f"({g.ops[lost].name}), which forward did not record")
         for u in r.fetches:
             self._prefetch(u, f"needed to recompute tensor {target}")
         self.log.append(ScheduleEvent("replay", "backward", None, target, r.ops))
-        rebuilds = set(r.rebuilds)
         made: dict[int, torch.UntypedStorage] = {}
         made_tensors: dict[int, torch.Tensor] = {}  # the op's own output: a reader with its view takes it as is
         ex = self.ex
+        stats = ex.segment_stats
         busy, ex.busy = ex.busy, True  # the executor's own ops (Executor.internal, without its generator)
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
         try:
-            for p, freed in zip(r.ops, r.frees_after, strict=True):
-                for tid, s, t in self._run(p, made, made_tensors):
-                    if tid in r.scratch:  # a private copy read mid-chain: shadows the resident one, not found
-                        made[tid] = s
-                        made_tensors[tid] = t
-                    elif tid in rebuilds and tid not in made:
-                        made[tid] = s
-                        made_tensors[tid] = t
-                        # Remember the rebuilt storage itself: after its last unpack autograd still holds
-                        # it while the node runs, and a replay for another saved tensor of the same node
-                        # (layer norm's mean after its input) must find it, not rebuild it a second time;
-                        # the simulator keeps it resident through that backward step.
-                        self.storages[tid] = weakref.ref(s)
-                self.replays += 1
-                for u in freed:
-                    del made[u], made_tensors[u]
+            compiled = self._compiled(seg) if ex.reuse_replays else None
+            if compiled is not None:
+                stats["compiled reused"] += 1
+                self._run_compiled(compiled, made, made_tensors)
+            else:
+                stats["recompiled" if seg.compiled else "compiled"] += 1
+                seg.compiled.insert(0, self._run_traced(r, made, made_tensors))
+                del seg.compiled[COMPILED_PER_SEGMENT:]
         finally:
             torch.set_grad_enabled(grad)
             ex.busy = busy
         for u in r.kept:
             self.cache[u] = made[u]
 
-    def _run(self, p: int, made: dict[int, torch.UntypedStorage],
-             made_tensors: dict[int, torch.Tensor]) -> list[tuple[int, torch.UntypedStorage, torch.Tensor]]:
+    def _segment(self, target: int) -> Segment:
+        """The replay of ``target`` from this step's state: a cached :class:`Segment` whose recorded
+        questions this step answers the same (``replay()`` is a function of those answers), else a new
+        one planned by :func:`memplan.planner.core.replay.replay` (refused if blocked) and cached."""
+        ex = self.ex
+        candidates = ex.segments.get(target) if ex.reuse_replays else None
+        if candidates:
+            answer = self._answer
+            for seg in candidates:
+                if all(answer(kind, u) is a for kind, u, a in seg.questions):
+                    ex.segment_stats["plan reused"] += 1
+                    return seg
+        asked: dict[tuple[int, int], bool] = {}
+
+        def recorded(kind: int) -> Any:
+            def predicate(u: int) -> bool:
+                a = asked[kind, u] = self._answer(kind, u)
+                return a
+            return predicate
+
+        r = replay(self.g, target, available=recorded(_AVAILABLE), fetchable=recorded(_FETCHABLE),
+                   retain=recorded(_RETAINED))
+        r.check(self.g)
+        seg = Segment(r, tuple((kind, u, a) for (kind, u), a in asked.items()))
+        if candidates is None:
+            candidates = ex.segments[target] = []
+        candidates.insert(0, seg)
+        del candidates[SEGMENTS_PER_TARGET:]
+        ex.segment_stats["planned"] += 1
+        return seg
+
+    def _answer(self, kind: int, u: int) -> bool:
+        """The step's answer to one of ``replay()``'s questions about tensor ``u``."""
+        if kind == _AVAILABLE:
+            return self.available(u) is not None
+        if kind == _FETCHABLE:
+            return u in self.host
+        return self.pending_unpacks[u] > 0 and kept_by_replays(self.ex.actions.get(u, Action.KEEP))
+
+    def _signature_id(self, p: int) -> int:
+        """The id of recorded op ``p``'s recipe signature (:func:`recipe_signature`) among those the
+        executor has seen for ``p`` (computed once per step); -1 when it has none (the op is never run
+        compiled)."""
+        i = self.signature_ids.get(p)
+        if i is None:
+            sig = recipe_signature(self.recipes[p])
+            i = -1 if sig is None else self.ex.signature_id(p, sig)
+            self.signature_ids[p] = i
+        return i
+
+    def _compiled(self, seg: Segment) -> tuple[CompiledOp, ...] | None:
+        """A compilation of ``seg`` whose ops' recipe signatures equal this step's, if any."""
+        sig = self._signature_id
+        for ops in seg.compiled:
+            if all(op.signature == sig(op.op) and op.signature >= 0 for op in ops):
+                return ops
+        return None
+
+    def _run_traced(self, r: Replay, made: dict[int, torch.UntypedStorage],
+                    made_tensors: dict[int, torch.Tensor]) -> tuple[CompiledOp, ...]:
+        """Run replay ``r`` op by op, deciding every argument and output as it goes, and return those
+        decisions as compiled ops (:meth:`_run_compiled` repeats them)."""
+        rebuilds = set(r.rebuilds)
+        scratch = set(r.scratch)
+        compiled: list[CompiledOp] = []
+        for p, freed in zip(r.ops, r.frees_after, strict=True):
+            fills: list[tuple[int | str, int, int, tuple | None]] = []
+            clones: list[int | str] = []
+            roles: list[int] = []
+            for tid, s, t in self._run(p, made, made_tensors, fills, clones):
+                if tid in scratch:  # a private copy read mid-chain: shadows the resident one, not found
+                    made[tid] = s
+                    made_tensors[tid] = t
+                    roles.append(_SCRATCH)
+                elif tid in rebuilds and tid not in made:
+                    made[tid] = s
+                    made_tensors[tid] = t
+                    # Remember the rebuilt storage itself: after its last unpack autograd still holds
+                    # it while the node runs, and a replay for another saved tensor of the same node
+                    # (layer norm's mean after its input) must find it, not rebuild it a second time;
+                    # the simulator keeps it resident through that backward step.
+                    self.storages[tid] = weakref.ref(s)
+                    roles.append(_REBUILT)
+                else:
+                    roles.append(_DROP)
+            self.replays += 1
+            for u in freed:
+                del made[u], made_tensors[u]
+            nested = self.recipes[p].slots is None
+            compiled.append(CompiledOp(p, self._signature_id(p), None if nested else tuple(fills), tuple(clones),
+                                       tuple(roles), freed))
+        return tuple(compiled)
+
+    def _run_compiled(self, ops: tuple[CompiledOp, ...], made: dict[int, torch.UntypedStorage],
+                      made_tensors: dict[int, torch.Tensor]) -> None:
+        """Run a compiled replay: the traced decisions, on this step's recipes (their constants, tensors
+        and RNG states; their signatures are the traced ones)."""
+        recipes = self.recipes
+        storages = self.storages
+        for op in ops:
+            p = op.op
+            if op.fills is None:  # nested activation arguments: mapped leaf by leaf
+                results = [(tid, t) for tid, _, t in self._run(p, made, made_tensors)]
+            else:
+                rec = recipes[p]
+                args, kwargs = list(rec.args), rec.kwargs
+                for at, tid, source, geometry in op.fills:
+                    if source == _DIRECT:
+                        v = made_tensors[tid]
+                    elif source == _MADE_VIEW:  # same dtype as the tensor its op returned: a strided view
+                        v = torch.as_strided(made_tensors[tid], geometry[1], geometry[2], geometry[3])
+                    else:  # a storage re-created here read with another dtype, or a resident one
+                        s = made.get(tid)
+                        if s is None:
+                            s = self.available(tid)
+                            if s is None:
+                                raise MemplanError(f"executor: replaying op {p} needs tensor {tid}, which is "
+                                                   f"gone (a bug)")
+                            if self.ready:
+                                self._wait_ready(tid)
+                        v = _view(s, *geometry)
+                    if type(at) is int:
+                        args[at] = v
+                    else:
+                        kwargs = {**kwargs, at: v}
+                if op.clones:
+                    args, kwargs = _clone_at(args, kwargs, op.clones)
+                out = self._call(rec, args, kwargs)
+                outs = (out,) if isinstance(out, torch.Tensor) else tensors_in(out)
+                results = [(tid, outs[pos]) for pos, tid in rec.new]
+            for (tid, t), role in zip(results, op.roles, strict=True):
+                if role != _DROP:
+                    s = made[tid] = t.untyped_storage()
+                    made_tensors[tid] = t
+                    if role == _REBUILT:
+                        storages[tid] = weakref.ref(s)
+            self.replays += 1
+            for u in op.frees:
+                del made[u], made_tensors[u]
+
+    def _run(self, p: int, made: dict[int, torch.UntypedStorage], made_tensors: dict[int, torch.Tensor],
+             fills: list | None = None, clones: list | None = None,
+             ) -> list[tuple[int, torch.UntypedStorage, torch.Tensor]]:
         """Run recorded op ``p`` on its arguments' current storages (``made``: re-created by this replay,
         ``made_tensors`` their tensors as their ops returned them). Returns its new storages: (tensor id,
-        storage, the output tensor)."""
+        storage, the output tensor). ``fills`` and ``clones``, when given, receive where each activation
+        argument was taken from (:class:`CompiledOp`) and which written arguments were cloned."""
         rec = self.recipes[p]
 
-        def value(x: Any) -> Any:
+        def value(x: Any, at: int | str | None = None) -> Any:
             if not isinstance(x, _Ref):
                 return x
+            geometry = (x.dtype, x.size, x.stride, x.offset)
             t = made_tensors.get(x.tid)
             if (t is not None and t.dtype == x.dtype and t.storage_offset() == x.offset and t.size() == x.size
                     and t.stride() == x.stride):
+                if fills is not None:
+                    fills.append((at, x.tid, _DIRECT, None))
                 return t  # read with the geometry its op made it with: no view to build
             s = made.get(x.tid)
+            source = _MADE_VIEW if t is not None and t.dtype == x.dtype else _RESIDENT
             if s is None:
                 s = self.available(x.tid)
                 self._wait_ready(x.tid)  # an offloaded input fetched for this replay: its copy must be in
             if s is None:
                 raise MemplanError(f"executor: replaying op {p} needs tensor {x.tid}, which is gone (a bug)")
-            return _view(s, x.dtype, x.size, x.stride, x.offset)
+            if fills is not None:
+                fills.append((at, x.tid, source, (*geometry, s.device)))
+            return _view(s, *geometry)
 
         if rec.slots is not None:
             args, kwargs = list(rec.args), rec.kwargs
             for at, ref in rec.slots:
                 if type(at) is int:
-                    args[at] = value(ref)
+                    args[at] = value(ref, at)
                 else:
-                    kwargs = {**kwargs, at: value(ref)}
+                    kwargs = {**kwargs, at: value(ref, at)}
         else:
             args, kwargs = map_leaves(value, (rec.args, rec.kwargs))
         # an in-place initialiser must write the storage this replay rebuilds; anything else it writes
         # (batch norm's running statistics) is cloned so that the replay changes nothing else
-        args, kwargs = _clone_written(rec, args, kwargs, made)
-        if rec.rng is None:
-            out = rec.func(*args, **kwargs)
-        else:
-            # the op runs from the generator state it ran from in forward; fork_rng restores the training
-            # loop's stream afterwards (as torch.utils.checkpoint does)
-            cpu_state, cuda_state = rec.rng
-            device = self.rng_device
-            with torch.random.fork_rng(devices=[device] if cuda_state is not None else []):
-                torch.set_rng_state(torch.frombuffer(cpu_state, dtype=torch.uint8))
-                if cuda_state is not None:
-                    torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
-                out = rec.func(*args, **kwargs)
+        written = _written(rec, made)
+        if written:
+            args, kwargs = _clone_at(args, kwargs, written)
+            if clones is not None:
+                clones.extend(written)
+        out = self._call(rec, args, kwargs)
         outs = (out,) if isinstance(out, torch.Tensor) else tensors_in(out)
         return [(tid, outs[pos].untyped_storage(), outs[pos]) for pos, tid in rec.new]
+
+    def _call(self, rec: Recipe, args: Any, kwargs: Any) -> Any:
+        """Call a recorded op; a random one from the generator state it ran from in forward."""
+        if rec.rng is None:
+            return rec.func(*args, **kwargs)
+        # fork_rng restores the training loop's stream afterwards (as torch.utils.checkpoint does)
+        cpu_state, cuda_state = rec.rng
+        device = self.rng_device
+        with torch.random.fork_rng(devices=[device] if cuda_state is not None else []):
+            torch.set_rng_state(torch.frombuffer(cpu_state, dtype=torch.uint8))
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(torch.frombuffer(cuda_state, dtype=torch.uint8), device)
+            return rec.func(*args, **kwargs)
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The key ``Step.by_key`` knows ``t``'s storage by, or None if it has none (a tensor whose storage
+    ``storage_of`` does not count is never registered, so looking its key up finds nothing either)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _reached(step_ref: weakref.ref, k: int) -> None:
@@ -712,10 +970,10 @@ _WRITES: dict[Any, list[tuple[int, str]]] = {}
 _NAMES: dict[Any, str] = {}  # ATen op -> its name as the graph spells it (str(op), computed once)
 
 
-def _clone_written(rec: Recipe, args, kwargs, made: dict[int, torch.UntypedStorage]):
-    """Replace the arguments ``rec.func`` writes in place with clones (a replay must not mutate state),
-    except those that are storages the running replay rebuilds (``made``): an in-place initialiser writes
-    the tensor it is replayed for."""
+def _written(rec: Recipe, made: dict[int, torch.UntypedStorage]) -> list[int | str]:
+    """The arguments (positions, or keyword names) ``rec.func`` writes in place that a replay must clone
+    (a replay must not mutate state): all of them except storages the running replay rebuilds
+    (``made``): an in-place initialiser writes the tensor it is replayed for."""
     func = rec.func
     spec = _WRITES.get(func)
     if spec is None:
@@ -723,19 +981,29 @@ def _clone_written(rec: Recipe, args, kwargs, made: dict[int, torch.UntypedStora
                 if a.alias_info is not None and a.alias_info.is_write]
         _WRITES[func] = spec
     if not spec:
-        return args, kwargs
+        return []
     keep = {i for i, a in enumerate(rec.args) if isinstance(a, _Ref) and a.tid in made}
     keep |= {k for k, a in rec.kwargs.items() if isinstance(a, _Ref) and a.tid in made}
-    spec = [(i, name) for i, name in spec if i not in keep and name not in keep]
-    if not spec:
-        return args, kwargs
+    out: list[int | str] = []
+    for i, name in spec:
+        if i in keep or name in keep:
+            continue
+        if i < len(rec.args):
+            out.append(i)
+        elif name in rec.kwargs:
+            out.append(name)
+    return out
+
+
+def _clone_at(args, kwargs, at: list[int | str] | tuple[int | str, ...]):
+    """``args`` and ``kwargs`` with the tensors at positions or keyword names ``at`` cloned."""
     args = list(args)
     kwargs = dict(kwargs)
-    for i, name in spec:
-        if i < len(args):
+    for i in at:
+        if type(i) is int:
             args[i] = map_leaves(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args[i])
-        elif name in kwargs:
-            kwargs[name] = map_leaves(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, kwargs[name])
+        else:
+            kwargs[i] = map_leaves(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, kwargs[i])
     return tuple(args), kwargs
 
 

@@ -201,12 +201,15 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     return graph
 
 
-# What the executor pays per replayed op beyond the op itself (resolving its recipe's tensor references to
-# views, the replay's planning, the unpack that asks for it) and per forward op it watches under a plan
-# (its dispatch mode; the saved-tensor and module hooks spread over them). Measured by
-# benchmarks/dispatch.py on the benchmark machine (2-core CPU, Python 3.11, torch 2.13): tiny GPT-2 and
-# BERT steps, planned against plain, in CPU time (docs/model.md, "Time").
-REPLAY_OP_DISPATCH_S = 150e-6
+# What the executor pays per replayed op beyond the op itself (its compiled replay's argument views and
+# call, the reuse checks; executor/runtime.py Segment) and per forward op it watches under a plan (its
+# dispatch mode and recipe recording; the saved-tensor and module hooks spread over them). Measured by
+# benchmarks/dispatch.py on the benchmark machine (2-core CPU, Python 3.11, torch 2.13), in CPU time
+# (docs/model.md, "Time"): watched, tiny GPT-2 and BERT steps planned against plain; replayed, the median
+# of the extra backward time per extra replayed op between two plans of those, and of the backward time
+# beyond the replayed ops' own on 16-step GRU and LSTM cells under multi-level plans, in steps after the
+# first (a first step plans and traces every replay: 1.4-1.9x that, once).
+REPLAY_OP_DISPATCH_S = 37e-6
 WATCH_OP_DISPATCH_S = 30e-6
 
 
