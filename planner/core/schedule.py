@@ -46,6 +46,7 @@ observably (compute, d2h, h2d, replay), for comparison event for event.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -126,6 +127,12 @@ class Schedule:
 
     def replays(self) -> list[ScheduleEvent]:
         return self.of("replay")
+
+
+#: ``_event((kind, phase, at, ...))``: a :class:`ScheduleEvent` from all twelve fields in order, built as
+#: the tuple it is (a C call: the lowering's hot loops build one per op and per free, and the NamedTuple's
+#: own constructor, a Python function, costs about twice as much)
+_event = functools.partial(tuple.__new__, ScheduleEvent)
 
 
 # ---- per-graph facts ------------------------------------------------------------------------------------
@@ -339,8 +346,8 @@ class _Lowering:
         if self.resident[t]:
             self.resident[t] = False
             if self.emit:
-                self.events.append(ScheduleEvent("free", self.phase, self.at, t, (), reason, 0, 0,  # type: ignore[arg-type]
-                                                 self.g.tensors[t].bytes, 0.0, 0, host_bytes))
+                self.events.append(_event(("free", self.phase, self.at, t, (), reason, 0, 0, self.g.tensors[t].bytes,
+                                           0.0, 0, host_bytes)))
 
     def _release_pending(self) -> None:
         while self.pending and self.pending[0][0] <= self.now:
@@ -379,8 +386,8 @@ class _Lowering:
                 if t not in op.outputs and t not in d2h_after:
                     self._d2h(t, i)
             if emit:
-                events.append(ScheduleEvent("compute", "forward", i, None, (), op.name, alloc,
-                                            op.workspace_bytes, 0, op.time_s))
+                events.append(_event(("compute", "forward", i, None, (), op.name, alloc, op.workspace_bytes, 0,
+                                      op.time_s, 0, 0)))
             self.now += op.time_s
             for t in d2h_after_op[i]:  # written in place after its first saver: after the last writer
                 if st.release_at[t] < i:
@@ -471,8 +478,8 @@ class _Lowering:
                     alloc += tensors[o].bytes
             cost_s = op.time_s + dispatch_s  # the executor's dispatch of a replayed op included
             if emit:
-                events.append(ScheduleEvent("recompute", "backward", step, target, (p,), op.name, alloc,
-                                            op.workspace_bytes, 0, cost_s))
+                events.append(_event(("recompute", "backward", step, target, (p,), op.name, alloc,
+                                      op.workspace_bytes, 0, cost_s, 0, 0)))
             self.now += cost_s
             self.replayed_ops.add(p)
             for u in freed:
@@ -508,9 +515,9 @@ class _Lowering:
                         self._materialize(t, i)
                 self._wait(t, i)
             if self.emit:
-                self.events.append(ScheduleEvent("backward", "backward", i, None, (), op.name,
-                                                 op.backward_grad_alloc_bytes, op.backward_workspace_bytes,
-                                                 op.backward_grad_free_bytes, op.backward_time_s))
+                self.events.append(_event(("backward", "backward", i, None, (), op.name, op.backward_grad_alloc_bytes,
+                                           op.backward_workspace_bytes, op.backward_grad_free_bytes,
+                                           op.backward_time_s, 0, 0)))
             self.now += op.backward_time_s
             for t in st.releases_after_bwd[i]:
                 if self.discover and self._pinnable(t):
