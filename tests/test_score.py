@@ -219,3 +219,15 @@ def test_every_solver_family_scores_its_schedule_as_it_simulated_it(tiny_gpt2, m
     assert report.model_copy(update={"timeline": []}) == result.report.model_copy(update={"timeline": []})
     moved = {a for a in result.plan.actions().values() if a != Action.KEEP}
     assert moved, f"{method} moved nothing at {budget} B"
+
+
+def test_a_gru_s_scratch_copies_are_scored_from_their_events():
+    """A GRU cell's clones read its gates mid-chain: replays re-create scratch copies up to them, allocated
+    by their recompute event and given back by a free of their own (the resident tensor stays)."""
+    g = _profiled("rnn", cell="gru", steps=6, input_size=8, hidden_size=16, batch_size=4)
+    scratch = 0
+    for seed in range(20):
+        plan = random_plan(g, random.Random(seed))
+        check_scores_as_simulate(g, plan)
+        scratch += len([e for e in schedule(g, plan).of("free") if e.reason.startswith("scratch")])
+    assert scratch > 0
