@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memplan.planner.core.errors import PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.schedule import (
@@ -112,7 +113,10 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
     The peak is the largest ``live`` (plus a running step's workspace); each timeline entry of a step
     records ``live`` after the step and the frees that follow it at its position (a ``d2h`` in between
     moves no device memory). Hand-edited events are scored as they are: a free moved later raises the
-    memory in between."""
+    memory in between. Raises :class:`PlanMismatch` for a schedule lowered on another graph."""
+    if sched.graph_fingerprint != graph.fingerprint:
+        raise PlanMismatch(f"schedule was lowered for graph {sched.graph_fingerprint}, but this graph is "
+                           f"{graph.fingerprint} ({graph.name}): lower the plan on this graph")
     ops, tensors = graph.ops, graph.tensors
     live = graph.fixed.resident_bytes
     peak = live
