@@ -24,6 +24,30 @@ MAX_EXACT_SAVED = 10      # smallest_known_peak enumerates every plan of graphs 
 MAX_EXACT_PLANS = 20_000  # ... when there are at most this many
 
 
+class Scores:
+    """The simulated report of each plan one search has scored, by plan, so that no plan is simulated
+    twice: :func:`smallest_known_peak`'s plans are :func:`min_memory_actions`' starts too, and the
+    recompute_each start (replays quadratic in a chain's length) is the costliest simulation of all."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.reports: dict[tuple[frozenset, frozenset], Report] = {}
+
+    @staticmethod
+    def _key(actions: Actions, prefetch_at: dict[int, int] | None) -> tuple[frozenset, frozenset]:
+        return frozenset((t, a) for t, a in actions.items() if a != Action.KEEP), frozenset((prefetch_at or {}).items())
+
+    def __call__(self, actions: Actions, prefetch_at: dict[int, int] | None = None) -> Report:
+        key = self._key(actions, prefetch_at)
+        if key not in self.reports:
+            self.reports[key] = simulate_actions(self.graph, actions, prefetch_at=prefetch_at)
+        return self.reports[key]
+
+    def add(self, actions: Actions, prefetch_at: dict[int, int] | None, report: Report) -> None:
+        """Record a report simulated elsewhere."""
+        self.reports[self._key(actions, prefetch_at)] = report
+
+
 def _finest_chain(graph: Graph):
     """The chain at the deepest module depth: as many boundaries to choose from as the names allow."""
     max_depth = max((len([p for p in op.module.split(".") if p]) for op in graph.ops), default=0)
@@ -55,7 +79,7 @@ def _segment_actions(graph: Graph, chain, limit_bytes: int, count_kept: bool) ->
             if t not in keep and tensors[t].recomputable and tensors[t].bytes > 0}
 
 
-def _segment_search(graph: Graph, deadline: float) -> list[Actions]:
+def _segment_search(graph: Graph, deadline: float, scores: Scores) -> list[Actions]:
     """For both segment rules, the limit of least simulated peak: a doubling grid of limits from the
     largest stage to the whole chain, then a ternary search between the best point's neighbours.
     Returns the best plan of each rule."""
@@ -71,7 +95,7 @@ def _segment_search(graph: Graph, deadline: float) -> list[Actions]:
         def peak(limit: int, seen: dict = seen, count_kept: bool = count_kept) -> tuple[int, float]:
             if limit not in seen:
                 a = _segment_actions(graph, chain, limit, count_kept)
-                r = simulate(graph, a)
+                r = scores(a)
                 seen[limit] = (r.peak_bytes, r.time_s, a)
             return seen[limit][:2]
 
@@ -144,7 +168,7 @@ def _descend(graph: Graph, facts: Facts, actions: Actions, *, offload: bool, dea
 
 
 def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: float = 1.0,
-                       deadline: float | None = None) -> tuple[Actions, dict[int, int]]:
+                       deadline: float | None = None, scores: Scores | None = None) -> tuple[Actions, dict[int, int]]:
     """The plan of least simulated peak that a cheap search finds, as (actions, prefetch_at).
 
     Starting points: segmentations of the finest chain (Chen's budgeted greedy and its REVOLVE-shaped
@@ -156,8 +180,10 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     It is what Infeasible errors quote as the minimum feasible budget (:func:`smallest_known_peak`).
     ``deadline`` (a ``time.perf_counter()`` value; None: none) is the caller's: it cuts ``time_limit_s``
     short, and no start is made or scored after it (keep-everything always is), so the result is the best
-    plan found by then."""
+    plan found by then. ``scores``: the caller's :class:`Scores`, to share the plans both simulate (the
+    plan returned is in it)."""
     t0 = time.perf_counter()
+    scores = scores or Scores(graph)
     stop = deadline  # the caller's deadline, if any: the starts below are made only before it
 
     def in_time() -> bool:
@@ -178,7 +204,7 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     # each start below is made only before the caller's deadline (building the finest chain, every-k's search and
     # a shrink's first simulation take seconds on graphs of thousands of ops)
     if in_time():
-        starts += [(a, {}) for a in _segment_search(graph, t0 + 0.4 * time_limit_s)]
+        starts += [(a, {}) for a in _segment_search(graph, t0 + 0.4 * time_limit_s, scores)]
     if in_time():
         starts.append((every_k_search(graph, None, deadline=stop)[1], {}))
     for pick in ((pick_dtr, pick_capuchin) if offload else (pick_dtr,)):
@@ -186,7 +212,7 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
             out = shrink(graph, 0, facts, pick, offload=offload, host_budget_bytes=None,
                          deadline=t0 + 0.6 * time_limit_s)
             starts.append((out.lowest[1], {}))
-    scored = sorted((simulate(graph, a, p).peak_bytes, len(a), i) for i, (a, p) in enumerate(starts)
+    scored = sorted((scores(a, p).peak_bytes, len(a), i) for i, (a, p) in enumerate(starts)
                     if i == 0 or in_time())  # keep-everything at least
     best_peak, _, i = scored[0]
     best = starts[i]
@@ -197,6 +223,7 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
         if prefetch_at or time.perf_counter() > deadline:
             continue  # just-in-time prefetches are not single-tensor moves
         a, r = _descend(graph, facts, actions, offload=offload, deadline=deadline)
+        scores.add(a, {}, r)
         if r.peak_bytes < best_peak:
             best_peak, best = r.peak_bytes, (a, {})
     return best
@@ -233,21 +260,22 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float 
     saved = graph.saved_activations
     recomputable = {t: Action.RECOMPUTE for t in saved if graph.tensors[t].recomputable}
     plans: list[tuple[dict[int, Action], dict[int, int]]] = [({}, {}), (recomputable, {})]
+    scores = Scores(graph)  # each plan simulated once, here and in min_memory_actions
     per_use = _per_use_in_time(graph, deadline)  # recompute_each: a replay keeps only its target
     if per_use is not None:
-        peak = simulate_actions(graph, per_use).peak_bytes
+        peak = scores(per_use).peak_bytes
         if peak <= memory_lower_bound(graph):
             return peak  # at the lower bound: no plan goes lower
         plans.append((per_use, {}))
     if offload:
         plans.append(({t: Action.OFFLOAD for t in saved}, {}))
-    best = simulate_actions(graph, {}).peak_bytes
+    best = scores({}).peak_bytes
     for actions, prefetch_at in plans[1:]:
         if in_time():
-            best = min(best, simulate_actions(graph, actions, prefetch_at=prefetch_at).peak_bytes)
+            best = min(best, scores(actions, prefetch_at).peak_bytes)
     if in_time():
-        actions, prefetch_at = min_memory_actions(graph, offload=offload, deadline=deadline)
-        best = min(best, simulate_actions(graph, actions, prefetch_at=prefetch_at).peak_bytes)
+        actions, prefetch_at = min_memory_actions(graph, offload=offload, deadline=deadline, scores=scores)
+        best = min(best, scores(actions, prefetch_at).peak_bytes)
     from memplan.solvers.dp import chain_min_budget_bytes  # here: dp imports this module's strategies
 
     # a chain: the DP knows the exact least keep/recompute budget

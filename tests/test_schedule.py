@@ -155,3 +155,29 @@ def test_a_pinned_tensor_is_named_in_the_schedule():
     assert [(e.at, e.tensor, e.ops) for e in sched.replays()] == [(5, 4, (2, 3, 4))]
     frees = [(e.at, e.reason) for e in sched.of("free") if e.tensor == 3]
     assert frees == [(5, "pinned: the last replay that reads it has run")]
+
+
+def test_the_events_carry_what_they_cost():
+    """On the dropout chain with b and the mask recomputed: each step's event carries the bytes it
+    allocates, holds and frees and its time, and a replayed op is a recompute event beside its replay."""
+    g = _chain_with_dropout()
+    g.ops[2].workspace_bytes = 50
+    g.replay_op_dispatch_s = 0.5
+    sched = schedule(g, Plan.for_graph(g, {3: Action.RECOMPUTE, 4: Action.RECOMPUTE}))
+    compute = {e.at: e for e in sched.of("compute")}
+    assert [(compute[k].alloc_bytes, compute[k].duration_s) for k in range(6)] == \
+        [(400, 1.0), (400, 1.0), (400, 0.1), (0, 0.2), (0, 0.1), (400, 1.0)]  # in-place ops allocate nothing
+    assert compute[2].workspace_bytes == 50
+    # the replay of the mask for op 5's backward: gelu (b again), empty_like, bernoulli_, div_
+    recompute = sched.of("recompute")
+    assert [(e.at, e.tensor, e.ops, e.alloc_bytes) for e in recompute] == \
+        [(5, 4, (1,), 400), (5, 4, (2,), 400), (5, 4, (3,), 0), (5, 4, (4,), 0)]
+    assert [e.duration_s for e in recompute] == [1.5, 0.6, 0.7, 0.6]  # time_s + the replay dispatch
+    frees = [(e.phase, e.at, e.tensor, e.free_bytes) for e in sched.of("free")]
+    assert ("forward", 5, 3, 400) in frees and ("forward", 5, 4, 400) in frees
+    backward = {e.at: e for e in sched.of("backward")}
+    assert (backward[0].duration_s, backward[0].alloc_bytes) == (2.0, g.ops[0].backward_grad_alloc_bytes)
+    report = simulate(g, Plan.for_graph(g, {3: Action.RECOMPUTE, 4: Action.RECOMPUTE}))
+    assert report.recompute_time_s == pytest.approx(3.4) and report.recomputed_ops == 4
+    assert sched.events[-1] == ("optimizer", "optimizer", None, None, (), "optimizer step", 0,
+                                g.fixed.optimizer_step_bytes, 0, g.optimizer_time_s, 0, 0)
