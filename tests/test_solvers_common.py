@@ -300,3 +300,29 @@ def test_the_least_peak_search_stops_at_its_deadline():
     with pytest.raises(Infeasible, match=r"minimum feasible budget memplan knows is 400 B \(fixed memory alone is "
                                          r"100 B\)$"):
         solve(g, 0)
+
+
+@pytest.mark.parametrize(("method", "steps", "budget"), [("greedy", 7, 500), ("greedy", 6, 500), ("capuchin", 6, 500)])
+def test_heuristics_rebuild_per_use_where_replays_leave_too_much_behind(method, steps, budget):
+    """On a recurrent-like in-place chain, recomputing states makes each backward replay leave the states
+    it passes behind (checkpointing's rule); greedy and Capuchin then rebuild some per use
+    (``recompute_each``) and reach a lower simulated peak than their recompute-only loop, at or below
+    the least peak of any keep / recompute plan."""
+    import time
+
+    from memplan.planner.core.synthetic import inplace_chain
+    from memplan.solvers.capuchin import pick_capuchin
+    from memplan.solvers.evict import graph_facts, shrink
+    from memplan.solvers.greedy import pick_dtr
+
+    g = inplace_chain(steps)
+    pick = {"greedy": pick_dtr, "capuchin": pick_capuchin}[method]
+    without = shrink(g, budget, graph_facts(g), pick, offload=False, host_budget_bytes=None,
+                     deadline=time.perf_counter() + 10)
+    assert without.report.peak_bytes > budget  # the recompute-only loop gets stuck above the budget
+    r = solve(g, budget, method)
+    assert r.plan.count(Action.RECOMPUTE_EACH) > 0
+    assert simulate(g, r.plan).peak_bytes == r.report.peak_bytes <= budget < without.lowest[0]
+    assert budget <= oracle_min_peak(g)  # (7 steps: below every keep / recompute plan's peak)
+    best = _oracle(g, budget, per_use=True)
+    assert r.report.time_s >= best.report.time_s * (1 - REL)

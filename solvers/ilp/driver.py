@@ -90,8 +90,8 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                                  host_budget_bytes=host_budget_bytes)
             except MemplanError:
                 continue
-            if prop.status == "infeasible":
-                continue
+            if prop.status == "infeasible" or Action.RECOMPUTE_EACH in prop.actions.values():
+                continue  # none, or outside the model's keep / recompute / offload space (its claims' space)
             rep = simulate_actions(graph, prop.actions, prefetch_at=prop.prefetch_at)
             if fits(rep) and (best is None or rep.time_s < best[0]):
                 warm = (prop.actions, prop.prefetch_at)
