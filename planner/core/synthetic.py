@@ -74,22 +74,32 @@ def random_dag(n: int, *, seed: int = 0, max_inputs: int = 2, max_bytes: int = 6
     tensors = [TensorInfo(id=0, kind="input", bytes=rng.randint(1, max_bytes), requires_grad=False)]
     ops: list[Op] = []
     outs: list[int] = []
-    for i in range(n):
-        inputs = [outs[-1] if outs else 0]
-        if outs and rng.random() < skip_prob and max_inputs > 1:
-            inputs.append(rng.choice(outs[:-1] or [0]))
-        inputs = list(dict.fromkeys(inputs))
-        out = len(tensors)
-        tensors.append(TensorInfo(id=out, kind="activation", producer=i, bytes=rng.randint(1, max_bytes),
-                                  requires_grad=True))
-        candidates = inputs + [out]
-        saved = [t for t in candidates if rng.random() < 0.6] or [rng.choice(candidates)]
-        ops.append(Op(id=i, name=f"synthetic.op{i % 3}", module=f"block{i // 3}.op{i % 3}",
-                      time_s=round(rng.uniform(0.1, 2.0), 3), backward_time_s=round(rng.uniform(0.1, 3.0), 3),
-                      inputs=inputs, outputs=[out], saved=saved, has_backward=True))
-        outs.append(out)
+    skip = skip_prob if max_inputs > 1 else 0.0
+    for _ in range(n):
+        _add_random_op(rng, tensors, ops, outs, skip=skip, max_bytes=max_bytes, save_prob=0.6)
     g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=tensors[0].bytes))
     return fill_structural_grads(g)
+
+
+def _add_random_op(rng: random.Random, tensors: list[TensorInfo], ops: list[Op], outs: list[int], *,
+                   skip: float, max_bytes: int, save_prob: float) -> None:
+    """Append op ``len(ops)`` of :func:`random_dag`: it reads the latest activation (the input first) and,
+    with probability ``skip``, an older one; makes one activation; saves each of those with probability
+    ``save_prob`` (at least one)."""
+    i = len(ops)
+    inputs = [outs[-1] if outs else 0]
+    if outs and rng.random() < skip:
+        inputs.append(rng.choice(outs[:-1] or [0]))
+    inputs = list(dict.fromkeys(inputs))
+    out = len(tensors)
+    tensors.append(TensorInfo(id=out, kind="activation", producer=i, bytes=rng.randint(1, max_bytes),
+                              requires_grad=True))
+    candidates = inputs + [out]
+    saved = [t for t in candidates if rng.random() < save_prob] or [rng.choice(candidates)]
+    ops.append(Op(id=i, name=f"synthetic.op{i % 3}", module=f"block{i // 3}.op{i % 3}",
+                  time_s=round(rng.uniform(0.1, 2.0), 3), backward_time_s=round(rng.uniform(0.1, 3.0), 3),
+                  inputs=inputs, outputs=[out], saved=saved, has_backward=True))
+    outs.append(out)
 
 
 def inplace_dag(n: int, *, seed: int = 0, max_bytes: int = 64, chain_prob: float = 0.35, skip_prob: float = 0.3,
@@ -116,19 +126,7 @@ def inplace_dag(n: int, *, seed: int = 0, max_bytes: int = 64, chain_prob: float
                           time_s=round(rng.uniform(0.05, 1.0), 3), backward_time_s=round(rng.uniform(0.1, 2.0), 3),
                           inputs=inputs, outputs=[], saved=saved, has_backward=True))
             continue
-        inputs = [outs[-1] if outs else 0]
-        if outs and rng.random() < skip_prob:
-            inputs.append(rng.choice(outs[:-1] or [0]))
-        inputs = list(dict.fromkeys(inputs))
-        out = len(tensors)
-        tensors.append(TensorInfo(id=out, kind="activation", producer=i, bytes=rng.randint(1, max_bytes),
-                                  requires_grad=True))
-        candidates = inputs + [out]
-        saved = [t for t in candidates if rng.random() < 0.5] or [rng.choice(candidates)]
-        ops.append(Op(id=i, name=f"synthetic.op{i % 3}", module=f"block{i // 3}.op{i % 3}",
-                      time_s=round(rng.uniform(0.1, 2.0), 3), backward_time_s=round(rng.uniform(0.1, 3.0), 3),
-                      inputs=inputs, outputs=[out], saved=saved, has_backward=True))
-        outs.append(out)
+        _add_random_op(rng, tensors, ops, outs, skip=skip_prob, max_bytes=max_bytes, save_prob=0.5)
     g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=tensors[0].bytes))
     return fill_structural_grads(g)
 
