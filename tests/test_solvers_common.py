@@ -402,3 +402,15 @@ def test_claims_hold_on_a_1000_op_gpu_scale_chain():
     e = err.value
     assert e.min_feasible_bytes is not None
     assert e.min_feasible_bytes <= budget or "no plan fits" not in str(e), str(e)
+
+
+def test_an_oracle_cut_short_does_not_call_the_budget_infeasible():
+    """The first plan the oracle tries is keep-everything; stopped right after it, below that peak, it
+    has tried too little to say that no plan fits (it used to return ``infeasible`` as a finding)."""
+    from memplan.solvers.oracle import solve_oracle
+
+    g = linear_chain(8)
+    p = solve_oracle(g, 700, time_limit_s=1e-9)
+    assert p.status == "infeasible" and p.stats["stopped"] == "time limit" and p.stats["plans_tried"] == 1
+    with pytest.raises(Infeasible, match="found no plan within its time limit"):
+        solve(g, 700, "oracle", time_limit_s=1e-9)
