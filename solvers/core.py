@@ -131,6 +131,14 @@ def infeasible(graph: Graph, budget: int, floor: int, method: str | None = None,
     who = f"solver {method!r}: " if method else ""
     cut = (f"; the search for it stopped at the time limit of {cut_at_s:g} s, a longer one may find less"
            if cut_at_s is not None else "")
+    if method and cut_at_s is not None and floor > budget:
+        # the method found nothing and the search for a floor was cut short: neither proves that no plan
+        # fits (on 1,000-op GPU-scale chains the Chen baseline failed where greedy fits, and the cut
+        # search had only reached a higher peak), so blame neither the budget nor claim a minimum
+        return Infeasible(
+            f"{who}found no plan within {_both(budget)}; the least peak memplan found before the time limit "
+            f"of {cut_at_s:g} s is {_both(floor)}, a longer search may find less: try another solver or a "
+            f"longer time limit", budget_bytes=budget, min_feasible_bytes=floor)
     if floor <= budget:  # the method failed, yet a plan exists: say so rather than blame the budget
         return Infeasible(
             f"{who}found no plan within {_both(budget)}, but memplan's minimum-memory "

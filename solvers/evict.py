@@ -232,12 +232,43 @@ class Outcome:
     timed_out: bool
 
 
+def left_behind(graph: Graph, facts: Facts, actions: Actions, site: Site) -> list[int]:
+    """Recomputed activations resident at a backward ``site`` only because a replay for another tensor
+    re-created them there and keeps them until their own backward (checkpointing's rule): their producer
+    was replayed at or above the site's step and their own first backward reader is below it. Planned
+    ``recompute_each`` instead, that replay frees them after its last use and their own backward replays
+    them again (:func:`memplan.planner.core.replay.kept_by_replays`)."""
+    if site.phase != "backward":
+        return []
+    s, tensors = site.op, graph.tensors
+    return [t for t, a in actions.items() if a == Action.RECOMPUTE and facts.first_bwd_use[t] < s
+            and site.replayed_at.get(tensors[t].producer, -1) >= s]
+
+
+def pick_per_use(graph: Graph, facts: Facts, cands: list[int], target_bytes: int) -> Actions:
+    """``recompute_each`` for the left-behind activations (:func:`left_behind`) that free the most bytes
+    per second of extra replay (their producer's time, paid again by their own backward) first, until
+    ``target_bytes`` are freed."""
+    tensors = graph.tensors
+    batch: Actions = {}
+    freed = 0
+    for t in sorted(cands, key=lambda t: (-tensors[t].bytes / (facts.cost_s[t] + EPS), t)):
+        if freed >= target_bytes:
+            break
+        batch[t] = Action.RECOMPUTE_EACH
+        freed += tensors[t].bytes
+    return batch
+
+
 def shrink(graph: Graph, budget: int, facts: Facts, pick: Picker, *, offload: bool,
-            host_budget_bytes: int | None, deadline: float, max_sims: int = 400) -> Outcome:
+            host_budget_bytes: int | None, deadline: float, max_sims: int = 400, per_use: bool = False) -> Outcome:
     """From keep-everything, evict a batch among the activations live at the simulated peak, chosen by
     ``pick`` and sized to the excess, until the peak fits ``budget``. A batch that raises the peak is
-    halved, and a single activation that does is not tried again. Returns the last plan (fitting or not)
-    and the lowest-peak plan seen."""
+    halved, and a single activation that does is not tried again. With ``per_use``, a single activation
+    whose recomputation raises the peak is tried as ``recompute_each`` first, and when nothing is left
+    to evict at a backward peak, recomputed activations that replays leave behind there become
+    ``recompute_each`` (:func:`pick_per_use`: multi-level replays, memory for compute). Returns the last
+    plan (fitting or not) and the lowest-peak plan seen."""
     floor = memory_lower_bound(graph)
     tensors = graph.tensors
 
@@ -261,6 +292,9 @@ def shrink(graph: Graph, budget: int, facts: Facts, pick: Picker, *, offload: bo
         # smaller step lets the next simulation say where the peak went.
         target = max(1, min(report.peak_bytes - budget, (report.peak_bytes - floor) // 2))
         batch = pick(graph, facts, actions, cands, target, offload, host_budget_bytes) if cands else {}
+        if not batch and per_use:
+            behind = [t for t in left_behind(graph, facts, actions, site) if t not in tabu]
+            batch = pick_per_use(graph, facts, behind, target)
         if not batch:
             break
         while True:
@@ -271,6 +305,11 @@ def shrink(graph: Graph, budget: int, facts: Facts, pick: Picker, *, offload: bo
                 actions, report = trial, r
                 break
             if len(batch) == 1:
+                ((t, a),) = batch.items()
+                if per_use and a == Action.RECOMPUTE:
+                    # its replay would leave behind what raised the peak: rebuild it per use instead
+                    batch = {t: Action.RECOMPUTE_EACH}
+                    continue
                 tabu.update(batch)
                 break
             batch = dict(list(batch.items())[: len(batch) // 2])  # the best-scored half
@@ -324,21 +363,45 @@ def give_back(graph: Graph, facts: Facts, actions: Actions, budget: int) -> tupl
     return new, after, back
 
 
+def back_to_recompute(graph: Graph, facts: Facts, actions: Actions, report: Report, budget: int, *,
+                      deadline: float) -> tuple[Actions, Report, int]:
+    """Turn ``recompute_each`` activations back into ``recompute`` one at a time, the dearest replay first,
+    where the simulated plan still fits ``budget`` and is faster (a replay that leaves them behind saves
+    their own replay). Returns the new actions, their report and how many went back."""
+    tensors = graph.tensors
+    back = 0
+    for t in sorted((t for t, a in actions.items() if a == Action.RECOMPUTE_EACH),
+                    key=lambda t: (-facts.cost_s[t] / max(1, tensors[t].bytes), t)):
+        if time.perf_counter() > deadline:
+            break
+        trial = {**actions, t: Action.RECOMPUTE}
+        r = simulate(graph, trial)
+        if r.peak_bytes <= budget and r.time_s < report.time_s:
+            actions, report = trial, r
+            back += 1
+    return actions, report, back
+
+
 def run_eviction(pick: Picker, graph: Graph, budget: int, *, time_limit_s: float, offload: bool,
          host_budget_bytes: int | None) -> Proposal:
-    """:func:`shrink` with ``pick`` until the plan fits ``budget``, then :func:`give_back`: a
-    ``feasible`` proposal, or ``infeasible`` (with the lowest peak reached in ``stats``)."""
+    """:func:`shrink` with ``pick`` (``recompute_each`` moves allowed) until the plan fits ``budget``,
+    then :func:`give_back` and :func:`back_to_recompute`: a ``feasible`` proposal, or ``infeasible`` (with
+    the lowest peak reached in ``stats``)."""
     t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
     facts = graph_facts(graph)
     out = shrink(graph, budget, facts, pick, offload=offload, host_budget_bytes=host_budget_bytes,
-                  deadline=t0 + time_limit_s)
+                  deadline=deadline, per_use=True)
     stats = {"simulations": out.sims, "rounds": out.rounds}
     if out.report.peak_bytes > budget:
         stats["lowest_peak_bytes"] = out.lowest[0]
         stats["stopped"] = "time limit" if out.timed_out else "no eviction lowers the peak"
         return Proposal(status="infeasible", stats=stats)
     actions, report, back = give_back(graph, facts, out.actions, budget)
-    stats.update(given_back=back, recomputed=sum(a == Action.RECOMPUTE for a in actions.values()),
+    actions, report, per_use_back = back_to_recompute(graph, facts, actions, report, budget, deadline=deadline)
+    stats.update(given_back=back, per_use_back=per_use_back,
+                 recomputed=sum(a == Action.RECOMPUTE for a in actions.values()),
+                 recomputed_each=sum(a == Action.RECOMPUTE_EACH for a in actions.values()),
                  offloaded=sum(a == Action.OFFLOAD for a in actions.values()),
                  heuristic_time_s=time.perf_counter() - t0)
     return Proposal(actions, {}, "feasible", None, stats)

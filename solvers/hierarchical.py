@@ -33,6 +33,7 @@ only the ILP covers).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -182,9 +183,10 @@ def _with_boundary(sub: Graph, hold_bytes: int) -> Graph:
     return sub.model_copy(update={"ops": ops, "name": sub.name + ":boundary"}).invalidate()
 
 
-def _inner_plans(sub: Graph, time_limit_s: float, levels: int) -> list[tuple[Actions, str]]:
+def _inner_plans(sub: Graph, time_limit_s: float, levels: int, deadline: float = math.inf) -> list[tuple[Actions, str]]:
     """Exact plans of the block's sub-graph keeping at most ``levels`` amounts of memory into the block's
-    backward, from the least to all (the ILP, or the oracle on small blocks, on :func:`_with_boundary`)."""
+    backward, from the least to all (the ILP, or the oracle on small blocks, on :func:`_with_boundary`);
+    past ``deadline`` (``time.perf_counter()``) only keep-everything and recompute-everything."""
     saved = sub.saved_activations
     if not saved:
         return [({}, "keep")]
@@ -196,6 +198,8 @@ def _inner_plans(sub: Graph, time_limit_s: float, levels: int) -> list[tuple[Act
     lo = simulate_actions(bounded, recompute_all).peak_bytes
     hi = keep_all_report(bounded).peak_bytes
     for i in range(1, levels):
+        if time.perf_counter() > deadline:
+            break
         b = lo + (hi - lo) * i // levels
         try:
             r = solve(bounded, b, method, time_limit_s=time_limit_s)
@@ -223,12 +227,15 @@ def _figures(graph: Graph, sub: Graph, block: Block, recompute: frozenset[int], 
 
 
 def block_menu(graph: Graph, block: Block, *, time_limit_s: float = 2.0, levels: int = LEVELS,
-               extra: list[tuple[Actions, str]] = (), cache: dict | None = None) -> list[Option]:
+               extra: list[tuple[Actions, str]] = (), cache: dict | None = None,
+               deadline: float = math.inf) -> list[Option]:
     """The block's options (module docstring): exact sub-graph plans at ``levels`` memory levels, the
     ``extra`` whole-graph plans restricted to the block, each with the input kept or recomputed (at the
     cost of recomputing it alone in the whole graph); dominated options (no less time, memory and peak)
     dropped. Repeated blocks share, through ``cache``, their plans (by position in the block) and the
-    cost of recomputing their input."""
+    cost of recomputing their input. Past ``deadline`` a new block gets no exact plans and keeps its
+    input (pricing its recomputation simulates the whole graph)."""
+    late = time.perf_counter() > deadline
     sub, tmap = block_subgraph(graph, block)
     saved = sub.saved_activations
     index = {t: i for i, t in enumerate(saved)}
@@ -237,11 +244,12 @@ def block_menu(graph: Graph, block: Block, *, time_limit_s: float = 2.0, levels:
     entry = None if cache is None else cache.get(key)
     if entry is None or entry["saved"] != len(saved):
         plans = [(frozenset(index[t] for t, a in p.items() if a == Action.RECOMPUTE and t in index), src)
-                 for p, src in _inner_plans(sub, time_limit_s, levels)]
-        recomputable_in = {t: Action.RECOMPUTE for t in block.inputs if graph.tensors[t].recomputable}
+                 for p, src in _inner_plans(sub, time_limit_s, levels, deadline)]
+        recomputable_in = {} if late else {t: Action.RECOMPUTE for t in block.inputs
+                                           if graph.tensors[t].recomputable}
         input_s = (simulate_actions(graph, recomputable_in).time_s - keep_all_report(graph).time_s
                    if recomputable_in else 0.0)
-        entry = {"saved": len(saved), "plans": plans, "input_s": input_s}
+        entry = {"saved": len(saved), "plans": plans, "input_s": input_s, "input": not late}
         if cache is not None:
             cache[key] = entry
     plans = list(entry["plans"])
@@ -249,7 +257,7 @@ def block_menu(graph: Graph, block: Block, *, time_limit_s: float = 2.0, levels:
         plans.append((frozenset(index[tmap[t]] for t in block.inner
                                 if actions.get(t) == Action.RECOMPUTE and tmap[t] in index), src))
     options, seen = [], set()
-    inputs = [t for t in block.inputs if graph.tensors[t].recomputable]
+    inputs = [t for t in block.inputs if graph.tensors[t].recomputable] if entry.get("input", True) else []
     for pos, src in plans:
         for rin in (False, True) if inputs else (False,):
             if (pos, rin) in seen:
@@ -375,9 +383,11 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
         return r
 
     heuristics: list[tuple[Actions, str]] = []
+    # the whole time limit is shared: half for the whole-graph plans, the menus until 80% of it (then
+    # the remaining blocks get keep / recompute options only), the DP rounds until the end
     for name in HEURISTICS + BASELINES:
         try:
-            r = solve(graph, budget_bytes, name, time_limit_s=time_limit_s)
+            r = solve(graph, budget_bytes, name, time_limit_s=max(0.5, t0 + 0.5 * time_limit_s - time.perf_counter()))
         except (Infeasible, MemplanError):
             continue
         score(r.plan.actions(), name)
@@ -386,8 +396,8 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
     blks = blocks(graph)
     cache: dict = {}
     per_block_s = max(0.2, min(5.0, time_limit_s / 4 / max(1, len(blks))))
-    menus = [block_menu(graph, b, time_limit_s=per_block_s, levels=levels, extra=heuristics, cache=cache)
-             for b in blks]
+    menus = [block_menu(graph, b, time_limit_s=per_block_s, levels=levels, extra=heuristics, cache=cache,
+                        deadline=t0 + 0.8 * time_limit_s) for b in blks]
     grads = grads_before(graph, blks)
     fixed = graph.fixed.resident_bytes
     top = keep_all_report(graph).peak_bytes

@@ -107,8 +107,9 @@ def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0,
             if best is None or key < best:
                 best, best_plan = key, (actions, points)
         if time.perf_counter() > deadline:
-            status = "timeout" if best else "infeasible"
-            return Proposal(*best_plan, status=status, stats={"plans_tried": tried})
+            if best is None:  # not a proof: the plans not tried may fit
+                return Proposal(status="infeasible", stats={"plans_tried": tried, "stopped": "time limit"})
+            return Proposal(*best_plan, status="timeout", stats={"plans_tried": tried})
     if best is None:
         return Proposal(status="infeasible", stats={"plans_tried": tried})
     return Proposal(*best_plan, status="optimal", lower_bound_s=best[0], stats={"plans_tried": tried})

@@ -13,7 +13,6 @@ bytes_moved / memory_bandwidth_bytes_per_s)`` (:mod:`memplan.planner.probe.optim
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
@@ -21,6 +20,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.files import parse_json_object, read_file_bytes
 
 PositiveRate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize), and
@@ -73,12 +73,7 @@ def shipped_specs() -> dict[str, Path]:
 
 def parse_device_spec(text: str | bytes, *, source: str) -> DeviceSpec:
     """A :class:`DeviceSpec` from JSON text; :class:`DeviceSpecError` names the bad field."""
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DeviceSpecError(f"device spec {source}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise DeviceSpecError(f"device spec {source}: expected a JSON object")
+    data = parse_json_object(text, source=f"device spec {source}", error=DeviceSpecError)
     try:
         return DeviceSpec.model_validate(data)
     except ValidationError as e:
@@ -95,10 +90,7 @@ def load_device_spec(name_or_file: str | Path) -> DeviceSpec:
     text = str(name_or_file)
     path = Path(text)
     if path.suffix == ".json" or path.is_file():
-        try:
-            return parse_device_spec(path.read_bytes(), source=text)
-        except OSError as e:
-            raise DeviceSpecError(f"cannot read device spec {text}: {e.strerror}") from None
+        return parse_device_spec(read_file_bytes(text, what="device spec", error=DeviceSpecError), source=text)
     shipped = shipped_specs()
     key = text.strip().lower()
     if key not in shipped:

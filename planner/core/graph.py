@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from memplan.planner.core.errors import GraphError, first_validation_error
+from memplan.planner.core.files import parse_json_object, read_file_bytes
 from memplan.planner.core.units import MAX_BYTES  # 1 PiB: no device holds more; beyond is a unit mistake
 
 GRAPH_FORMAT = "memplan.graph/1"
@@ -186,11 +187,8 @@ class Graph(_Strict):
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "graph") -> Graph:
         """Parse and validate; raises :class:`GraphError` naming the first problem."""
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise GraphError(f"{source}: not valid JSON ({e})") from None
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(parse_json_object(text, source=source, error=GraphError,
+                                               expected=f"a JSON object with format {GRAPH_FORMAT!r}"), source=source)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "graph") -> Graph:
@@ -203,12 +201,7 @@ class Graph(_Strict):
 
     @classmethod
     def load(cls, path: str) -> Graph:
-        try:
-            with open(path, "rb") as f:
-                text = f.read()
-        except OSError as e:
-            raise GraphError(f"cannot read graph file {path}: {e.strerror}") from None
-        return cls.from_json(text, source=str(path))
+        return cls.from_json(read_file_bytes(path, what="graph file", error=GraphError), source=str(path))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -7,13 +7,13 @@ it is produced and copied back when backward reaches ``prefetch_at`` (see docs/m
 
 from __future__ import annotations
 
-import json
 from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from memplan.planner.core.errors import PlanError, PlanMismatch, first_validation_error
+from memplan.planner.core.files import parse_json_object, read_file_bytes
 from memplan.planner.core.graph import Graph
 
 PLAN_FORMAT = "memplan.plan/1"
@@ -160,12 +160,8 @@ class Plan(BaseModel):
     # ---- files -----------------------------------------------------------------------------------
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "plan") -> Plan:
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PlanError(f"{source}: not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise PlanError(f"{source}: expected a JSON object with format {PLAN_FORMAT!r}")
+        data = parse_json_object(text, source=source, error=PlanError,
+                                 expected=f"a JSON object with format {PLAN_FORMAT!r}")
         try:
             return cls.model_validate(data)
         except ValidationError as e:
@@ -173,12 +169,7 @@ class Plan(BaseModel):
 
     @classmethod
     def load(cls, path: str) -> Plan:
-        try:
-            with open(path, "rb") as f:
-                text = f.read()
-        except OSError as e:
-            raise PlanError(f"cannot read plan file {path}: {e.strerror}") from None
-        return cls.from_json(text, source=str(path))
+        return cls.from_json(read_file_bytes(path, what="plan file", error=PlanError), source=str(path))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -74,19 +74,80 @@ def random_dag(n: int, *, seed: int = 0, max_inputs: int = 2, max_bytes: int = 6
     tensors = [TensorInfo(id=0, kind="input", bytes=rng.randint(1, max_bytes), requires_grad=False)]
     ops: list[Op] = []
     outs: list[int] = []
-    for i in range(n):
-        inputs = [outs[-1] if outs else 0]
-        if outs and rng.random() < skip_prob and max_inputs > 1:
-            inputs.append(rng.choice(outs[:-1] or [0]))
-        inputs = list(dict.fromkeys(inputs))
-        out = len(tensors)
-        tensors.append(TensorInfo(id=out, kind="activation", producer=i, bytes=rng.randint(1, max_bytes),
-                                  requires_grad=True))
-        candidates = inputs + [out]
-        saved = [t for t in candidates if rng.random() < 0.6] or [rng.choice(candidates)]
-        ops.append(Op(id=i, name=f"synthetic.op{i % 3}", module=f"block{i // 3}.op{i % 3}",
-                      time_s=round(rng.uniform(0.1, 2.0), 3), backward_time_s=round(rng.uniform(0.1, 3.0), 3),
-                      inputs=inputs, outputs=[out], saved=saved, has_backward=True))
-        outs.append(out)
+    skip = skip_prob if max_inputs > 1 else 0.0
+    for _ in range(n):
+        _add_random_op(rng, tensors, ops, outs, skip=skip, max_bytes=max_bytes, save_prob=0.6)
     g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=tensors[0].bytes))
+    return fill_structural_grads(g)
+
+
+def _add_random_op(rng: random.Random, tensors: list[TensorInfo], ops: list[Op], outs: list[int], *,
+                   skip: float, max_bytes: int, save_prob: float) -> None:
+    """Append op ``len(ops)`` of :func:`random_dag`: it reads the latest activation (the input first) and,
+    with probability ``skip``, an older one; makes one activation; saves each of those with probability
+    ``save_prob`` (at least one)."""
+    i = len(ops)
+    inputs = [outs[-1] if outs else 0]
+    if outs and rng.random() < skip:
+        inputs.append(rng.choice(outs[:-1] or [0]))
+    inputs = list(dict.fromkeys(inputs))
+    out = len(tensors)
+    tensors.append(TensorInfo(id=out, kind="activation", producer=i, bytes=rng.randint(1, max_bytes),
+                              requires_grad=True))
+    candidates = inputs + [out]
+    saved = [t for t in candidates if rng.random() < save_prob] or [rng.choice(candidates)]
+    ops.append(Op(id=i, name=f"synthetic.op{i % 3}", module=f"block{i // 3}.op{i % 3}",
+                  time_s=round(rng.uniform(0.1, 2.0), 3), backward_time_s=round(rng.uniform(0.1, 3.0), 3),
+                  inputs=inputs, outputs=[out], saved=saved, has_backward=True))
+    outs.append(out)
+
+
+def inplace_dag(n: int, *, seed: int = 0, max_bytes: int = 64, chain_prob: float = 0.35, skip_prob: float = 0.3,
+                name: str = "inplace") -> Graph:
+    """A random DAG of ``n`` ops with in-place chains, like a recurrent cell's gates: with probability
+    ``chain_prob`` an op writes one of the three latest activations in place (it reads that tensor and
+    maybe another one, creates nothing, and joins the tensor's ``rebuilt_by``), otherwise it is an op of
+    :func:`random_dag`. An op that reads a tensor before a later in-place op on it reads it mid-chain
+    (:func:`memplan.planner.core.replay.reads_mid_chain`), so replays need scratch copies."""
+    rng = random.Random(seed)
+    tensors = [TensorInfo(id=0, kind="input", bytes=rng.randint(1, max_bytes), requires_grad=False)]
+    ops: list[Op] = []
+    outs: list[int] = []
+    for i in range(n):
+        in_place = bool(outs) and rng.random() < chain_prob
+        if in_place:
+            h = rng.choice(outs[-3:])
+            inputs = [h]
+            if len(outs) > 1 and rng.random() < 0.4:
+                inputs.append(rng.choice([t for t in outs if t != h]))
+            saved = [t for t in inputs if rng.random() < 0.5]
+            tensors[h].rebuilt_by.append(i)
+            ops.append(Op(id=i, name="synthetic.inplace_", module=f"block{i // 3}.op{i % 3}",
+                          time_s=round(rng.uniform(0.05, 1.0), 3), backward_time_s=round(rng.uniform(0.1, 2.0), 3),
+                          inputs=inputs, outputs=[], saved=saved, has_backward=True))
+            continue
+        _add_random_op(rng, tensors, ops, outs, skip=skip_prob, max_bytes=max_bytes, save_prob=0.5)
+    g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=tensors[0].bytes))
+    return fill_structural_grads(g)
+
+
+def inplace_chain(steps: int, *, state_bytes: int = 100, time_s: float = 1.0, backward_time_s: float = 2.0,
+                  name: str = "inplace_chain") -> Graph:
+    """A recurrent-like chain of ``steps`` steps, each two ops: ``h = layer(h_prev)`` (saves ``h_prev``,
+    like a Linear) then ``h.relu_()`` in place (saves ``h``, joins its ``rebuilt_by``), so every state is
+    an in-place chain a replay rebuilds with both ops. The last step's ``relu_`` is the loss-like op."""
+    tensors = [TensorInfo(id=0, kind="input", bytes=state_bytes, requires_grad=False)]
+    ops: list[Op] = []
+    prev = 0
+    for i in range(steps):
+        h = len(tensors)
+        p = len(ops)
+        tensors.append(TensorInfo(id=h, kind="activation", producer=p, bytes=state_bytes, requires_grad=True,
+                                  rebuilt_by=[p + 1]))
+        ops.append(Op(id=p, name="synthetic.layer", module=f"steps.{i}", time_s=time_s,
+                      backward_time_s=backward_time_s, inputs=[prev], outputs=[h], saved=[prev], has_backward=True))
+        ops.append(Op(id=p + 1, name="synthetic.relu_", module=f"steps.{i}", time_s=time_s / 4,
+                      backward_time_s=backward_time_s / 4, inputs=[h], saved=[h], has_backward=True))
+        prev = h
+    g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=state_bytes))
     return fill_structural_grads(g)

@@ -19,6 +19,10 @@ the simulator's boolean logic exactly, as linear constraints:
   own backward, the rest are freed after their last use in the pass);
 * memory: one row per forward op, per backward step and per replayed op of every pass (the replay's
   live set: pass-start residents, this op's outputs, earlier outputs still read by a later replayed op);
+* scratch copies (:func:`~memplan.planner.core.replay.reads_mid_chain`): a replayed op that reads a
+  tensor before its in-place chain ends does not make the pass rebuild it in full; when the pass does
+  not (``w = 0``), ``scratch`` is 1, the copy's bytes join that op's row, its producer's time the
+  objective, and what its producer reads finished is needed like a replayed op's input;
 * offload: the D2H copies form a FIFO chain of continuous end times in forward; ``z[u, i]`` says the
   copy of u has not ended when op i starts (u still on device); prefetches and exposed waits form a
   second chain over backward (clock ``tau``, copy stream ``cf``), lower bounds only, so at the optimum

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.errors import MemplanError, PlanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import Report, default_prefetch_at, simulate_actions, static_facts
@@ -90,8 +90,8 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                                  host_budget_bytes=host_budget_bytes)
             except MemplanError:
                 continue
-            if prop.status == "infeasible":
-                continue
+            if prop.status == "infeasible" or Action.RECOMPUTE_EACH in prop.actions.values():
+                continue  # none, or outside the model's keep / recompute / offload space (its claims' space)
             rep = simulate_actions(graph, prop.actions, prefetch_at=prop.prefetch_at)
             if fits(rep) and (best is None or rep.time_s < best[0]):
                 warm = (prop.actions, prop.prefetch_at)
@@ -158,9 +158,12 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         if ans.values is None:
             break  # no solution within the time left
         actions, prefetch = decode(built, ans.values, graph)
-        rep = simulate_actions(graph, actions, prefetch_at=prefetch)
+        try:
+            rep = simulate_actions(graph, actions, prefetch_at=prefetch)
+        except PlanError:
+            rep = None  # a replay the model let through needs a tensor that can be neither read nor rebuilt
         model_s = built.time_s(ans.objective or 0.0)
-        if not fits(rep):
+        if rep is None or not fits(rep):
             cuts += 1  # over budget in bytes (the relaxation rounds sizes down): cut it, solve again
             no_good(model, built.decision_vars, ans.values)
             continue

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from memplan.planner.core.graph import Graph
-from memplan.planner.core.replay import replay
+from memplan.planner.core.replay import reads_mid_chain, replay
 from memplan.planner.core.simulator import default_prefetch_at, static_facts
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.linear import ConstantlyViolated, Expr, LinearModel, choose_unit, lin
@@ -463,13 +463,23 @@ class Builder:
         rep_ops = sorted({tensors[u].producer for u in closure if tensors[u].recomputable})
         # Which replay ops read each tensor (the traversal goes from a replayed op to its inputs).
         readers: dict[int, list[int]] = {}
+        # ... of those, the ones that read it finished (a reader mid-chain alone gets a scratch copy, below)
+        full_readers: dict[int, list[int]] = {}
+        # mid-chain reads (replay.reads_mid_chain): tensor -> replayed ops that read it only mid-chain
+        mid: dict[int, list[int]] = {}
         for q in rep_ops:
             # a replayed producer re-runs its output's in-place chain (rebuilt_by): what those ops read is
             # read at q too (the model places the chain with its producer)
-            chain = [v for u in ops[q].outputs for m in tensors[u].rebuilt_by for v in ops[m].inputs]
-            for v in dict.fromkeys([*ops[q].inputs, *chain]):
+            reads = [(q, v) for v in ops[q].inputs]
+            reads += [(c, v) for u in ops[q].outputs for c in tensors[u].rebuilt_by for v in ops[c].inputs]
+            finished = {v for c, v in reads if not reads_mid_chain(g, c, v)}
+            for v in dict.fromkeys(v for _, v in reads):
                 if v in in_c or v in frontier:
                     readers.setdefault(v, []).append(q)
+                    if v in finished:
+                        full_readers.setdefault(v, []).append(q)
+                if v not in finished and tensors[v].kind == "activation":
+                    mid.setdefault(v, []).append(q)
         avail = {u: self.available(u, s, key) for u in in_c | frontier}
         vis: dict[int, Expr] = {}
         w: dict[int, Expr] = {}
@@ -479,15 +489,7 @@ class Builder:
         if self.o:
             self.time_err_ticks += len(rep_ops)  # each replay rounded down by under a tick
         for u in closure:
-            if u == t:
-                vis[u] = miss
-            else:
-                v = m.var(f"vis[{u},{s},{k}]")
-                qs = readers.get(u, [])
-                for q in qs:
-                    m.row(lin(0, (v, 1), (rp[q], -1)), lo=0)
-                m.row(lin(0, (v, 1), *((rp[q], -1) for q in qs)), hi=0)
-                vis[u] = Expr.of(v)
+            vis[u] = miss if u == t else Expr.of(m.var(f"vis[{u},{s},{k}]"))
             a = avail[u]
             if not a.terms and a.const == 0:
                 w[u] = vis[u]
@@ -495,10 +497,63 @@ class Builder:
                 w[u] = Expr()
             else:
                 w[u] = Expr.of(self._and_not(f"w[{u},{s},{k}]", vis[u], a))
+        # scratch copies: a replayed op that reads v mid-chain, when this pass does not rebuild v in full
+        # (w[v] = 0: v resident, fetched, or not needed finished), reads a private copy that v's producer
+        # and the chain's ops before the reader re-create and that lives until the reader has run
+        # (replay.Replay.scratch), whether v is resident or not. sc[v] = 1 exactly when some such reader
+        # runs: v's bytes at each of its rows, the producer's time (and the chain's ops before every
+        # reader); what those ops read finished is needed as a replayed op's input is (``reach``). A
+        # tensor that cannot be rebuilt cannot be copied: its mid-chain reader cannot run.
+        scratch: dict[int, list[tuple[int, int]]] = {}  # replayed op -> (tensor, its sc) read from a copy
+        scratch_time = Expr()
+        reach: dict[int, list[Expr]] = {}  # tensor -> 0/1 expressions: a scratch run reads it finished
+        for v, qs in mid.items():
+            if not tensors[v].recomputable or tensors[v].producer is None:
+                for q in qs:
+                    m.row(lin(0, (rp[q], 1)), hi=0)
+                continue
+            sc = m.var(f"scratch[{v},{s},{k}]")
+            wv = w.get(v, Expr())
+            for q in qs:
+                m.row(Expr({sc: 1, rp[q]: -1}).plus(wv, 1), lo=0)
+                scratch.setdefault(q, []).append((v, sc))
+            m.row(lin(0, (sc, 1), *((rp[q], -1) for q in qs)), hi=0)
+            m.row(Expr({sc: 1}).plus(wv, 1), hi=1)
+            first = min(qs)
+            run = [(tensors[v].producer, Expr.of(sc))]
+            for c in tensors[v].rebuilt_by:
+                if c < first:
+                    run.append((c, Expr.of(sc)))
+                else:
+                    run += [(c, lin(-1, (sc, 1), (rp[q], 1))) for q in qs if q > c]
+            definite = [c for c, e in run if len(e.terms) == 1 and e.const == 0]
+            scratch_time.add(sc, math.floor(sum(ops[c].time_s for c in definite) / self.tick))
+            if self.o:
+                self.time_err_ticks += 1
+            for c, e in run:
+                for x in ops[c].inputs:
+                    if x != v and (x in in_c or x in frontier) and not reads_mid_chain(g, c, x):
+                        reach.setdefault(x, []).append(e)
+        for u in closure:
+            if u == t:
+                continue
+            (var,) = vis[u].terms
+            qs = full_readers.get(u, [])
+            for q in qs:
+                m.row(lin(0, (var, 1), (rp[q], -1)), lo=0)
+            upper = Expr({var: 1})
+            for q in qs:
+                upper.add(rp[q], -1)
+            for e in reach.get(u, ()):
+                m.row(Expr({var: 1}).plus(e, -1), lo=0)
+                upper.add(next(iter(e.terms)), -1)  # its sc
+            m.row(upper, hi=0)
         # frontier tensors: reached only if available
         for u in frontier:
-            for q in readers.get(u, []):
+            for q in full_readers.get(u, []):
                 m.row(Expr({rp[q]: 1}).plus(avail[u], -1), hi=0)
+            for e in reach.get(u, ()):
+                m.row(e.copy().plus(avail[u], -1), hi=0)
         # replay or fetch: an offloaded tensor is fetched (visit slot), the others are replayed
         wr: dict[int, Expr] = {}
         for u in closure:
@@ -559,6 +614,8 @@ class Builder:
         for q in rep_ops:
             e = base.copy()
             e.const += self._units(self.replay_ws[q])
+            for v, sc in scratch.get(q, ()):
+                e.add(sc, self.b[v])
             for u in ops[q].outputs:
                 if u in made and u not in retained:
                     e.plus(made[u], self.b[u])
@@ -582,5 +639,5 @@ class Builder:
                     e.add(al, self.b[u])
             e.add(rp[q], big_mem)
             m.row(e, hi=self.budget + big_mem)
-        return lin(0, *((rp[q], self.op_ticks[q]) for q in rep_ops))
+        return lin(0, *((rp[q], self.op_ticks[q]) for q in rep_ops)).plus(scratch_time)
 
