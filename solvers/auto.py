@@ -7,9 +7,15 @@ heuristics often do better there, in a fraction of a second). When the chosen me
 falls back to the greedy heuristic, then to the least-peak plan memplan finds (``min-memory``), before calling the budget
 infeasible. An ordinary strategy: it delegates through the registry and names the strategy whose plan it
 returns in ``Proposal.method``.
+
+Its time limit bounds the whole of it, not each strategy it runs: the first strategy gets
+``PRIMARY_SHARE`` of it, and every later one (the portfolio, the fallbacks, the least-peak search) gets
+what is left then, or is skipped when nothing is left (a service answers within its request's limit).
 """
 
 from __future__ import annotations
+
+import time
 
 from memplan.planner.core.errors import Infeasible
 from memplan.planner.core.graph import Graph
@@ -22,6 +28,10 @@ ORACLE_MAX_SAVED = 12
 ILP_MAX_OPS = 400
 DP_MAX_OPS = 20_000
 PORTFOLIO = ("capuchin", "greedy")
+#: the part of auto's time limit its first strategy may use; the rest is for the portfolio and fallbacks
+PRIMARY_SHARE = 0.7
+#: a later strategy is not started with less than this left
+MIN_LEFT_S = 0.05
 
 
 def choose_method(graph: Graph, *, offload: bool = False) -> str:
@@ -50,36 +60,50 @@ def solve_auto(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, o
     (``stats['fallback_from']``). The plan's strategy is in ``Proposal.method``; its status and bound are
     that strategy's. ``infeasible`` only when no fallback fits either."""
     method = choose_method(graph, offload=offload)
-    common = dict(time_limit_s=time_limit_s, offload=offload, host_budget_bytes=host_budget_bytes)
+    deadline = time.perf_counter() + time_limit_s
+    common = dict(time_limit_s=time_limit_s * PRIMARY_SHARE, offload=offload, host_budget_bytes=host_budget_bytes)
     try:
         spec = solvers()[method]
         best: Scored = (*propose(graph, spec, budget_bytes, config=spec.default_config(), **common), method)
     except Infeasible:
         # "auto" promises a plan whenever memplan knows one: near the minimum budget the exact methods
         # can miss it (their large-graph models are restricted), so fall back to the heuristics
-        found = _fallback(graph, budget_bytes, method, common)
+        found = _fallback(graph, budget_bytes, method, common, deadline)
         if found is None:
-            return Proposal(status="infeasible", stats={"fallback_from": method})
+            stats = {"fallback_from": method}
+            if time.perf_counter() > deadline - MIN_LEFT_S:
+                stats["stopped"] = "time limit"  # not a proof that nothing fits: solve says so
+            return Proposal(status="infeasible", stats=stats)
         best = found
     else:
         if method not in ("oracle", "ilp"):
-            best = _best_of(graph, best, budget_bytes, common)
+            best = _best_of(graph, best, budget_bytes, common, deadline)
     proposal, _, made_by = best
     proposal.method = made_by
     return proposal
 
 
-def _best_of(graph: Graph, first: Scored, budget: int, common: dict) -> Scored:
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline``."""
+    return deadline - time.perf_counter()
+
+
+def _best_of(graph: Graph, first: Scored, budget: int, common: dict, deadline: float) -> Scored:
     """The fastest simulated plan among ``first`` and the portfolio heuristics' (each under the same
-    budgets); every one's step time goes to ``stats['portfolio_s']``."""
+    budgets, started only while time is left before ``deadline``); every one's step time goes to
+    ``stats['portfolio_s']``."""
     reg = solvers()
     best = first
     times = {first[2]: first[1].time_s}
     for name in PORTFOLIO:
         if name == first[2] or name not in reg or (common["offload"] and not reg[name].offload):
             continue
+        if _left(deadline) < MIN_LEFT_S:
+            best[0].stats.setdefault("portfolio_skipped", []).append(name)
+            continue
         try:
-            proposal, report = propose(graph, reg[name], budget, config=reg[name].default_config(), **common)
+            proposal, report = propose(graph, reg[name], budget, config=reg[name].default_config(),
+                                       **{**common, "time_limit_s": _left(deadline)})
         except Infeasible:
             continue
         times[name] = report.time_s
@@ -89,27 +113,33 @@ def _best_of(graph: Graph, first: Scored, budget: int, common: dict) -> Scored:
     return best
 
 
-def _fallback(graph: Graph, budget: int, failed: str, common: dict) -> Scored | None:
+def _fallback(graph: Graph, budget: int, failed: str, common: dict, deadline: float) -> Scored | None:
     """``auto``'s second try after ``failed`` found no plan: the greedy heuristic, then (without offload)
     the multilevel strategy, then the plan of :func:`~memplan.solvers.min_memory.min_memory_actions`
-    (named ``min-memory``). None when none fits."""
+    (named ``min-memory``), each started only while time is left before ``deadline``. None when none
+    fits."""
     reg = solvers()
     # greedy, then the fastest two-level plan with per-use replays (multilevel, no offload; at most 10 s):
     # both within the budget, before the least-peak plan, which may be far slower
-    tries = [("greedy", common)]
-    if not common["offload"]:
-        tries.append(("multilevel", {**common, "time_limit_s": min(common["time_limit_s"], 10.0)}))
-    for name, args in tries:
+    tries = ["greedy"] + (["multilevel"] if not common["offload"] else [])
+    for name in tries:
         if name == failed or name not in reg:
             continue
+        left = _left(deadline) if name == "greedy" else min(_left(deadline), 10.0)
+        if left < MIN_LEFT_S:
+            return None
         try:
-            proposal, report = propose(graph, reg[name], budget, config=reg[name].default_config(), **args)
+            proposal, report = propose(graph, reg[name], budget, config=reg[name].default_config(),
+                                       **{**common, "time_limit_s": left})
             proposal.stats["fallback_from"] = failed
             return proposal, report, name
         except Infeasible:
             pass
+    if _left(deadline) < MIN_LEFT_S:
+        return None
     offload, host_budget = common["offload"], common["host_budget_bytes"]
-    actions, prefetch_at = min_memory_actions(graph, offload=offload)
+    actions, prefetch_at = min_memory_actions(graph, offload=offload, time_limit_s=_left(deadline),
+                                              deadline=deadline)
     report = simulate_actions(graph, actions, prefetch_at=prefetch_at, timeline=False)
     host_ok = not offload or host_budget is None or report.host_peak_bytes <= host_budget
     if report.peak_bytes <= budget and host_ok:

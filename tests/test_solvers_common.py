@@ -276,6 +276,31 @@ def test_auto_on_a_large_graph_keeps_the_fastest_of_dp_and_the_heuristics(monkey
         assert t == pytest.approx(solve(g, budget, name).report.time_s)
 
 
+def test_auto_is_bounded_by_its_time_limit_as_a_whole(monkeypatch):
+    """auto's limit bounds all it runs: a first strategy that uses its whole share and finds nothing, and
+    fallbacks that each use whatever limit they get, end within the limit (plus one simulation), and
+    the refusal says the search was cut (before, each got the whole limit: 31 s for 10 s on a 1,000-op GPU-scale
+    chain)."""
+    import time
+
+    from memplan.solvers import auto, registry
+
+    def slow(name):
+        def run(graph, budget_bytes, *, time_limit_s, **_):
+            time.sleep(time_limit_s)  # uses all it is given
+            return Proposal(status="infeasible", stats={"stopped": "time limit"})
+        return SolverSpec(name, run, "test: slow, finds nothing", "dag", False, False, None)
+
+    for name in ("slow-first", "greedy", "multilevel"):
+        monkeypatch.setitem(registry._REGISTRY, name, slow(name))
+    monkeypatch.setattr(auto, "choose_method", lambda graph, offload=False: "slow-first")
+    g = linear_chain(30)
+    t0 = time.perf_counter()
+    with pytest.raises(Infeasible, match="within its time limit of 2 s"):
+        solve(g, keep_all_report(g).peak_bytes // 2, "auto", time_limit_s=2.0)
+    assert time.perf_counter() - t0 < 2.0 + 1.0
+
+
 @pytest.mark.parametrize("bad", [2**50 + 1, 2**63])
 def test_budget_beyond_any_device_is_refused(bad):
     with pytest.raises(MemplanError, match=r"budget .* beyond any device"):
