@@ -52,11 +52,12 @@ def dropouts(model: torch.nn.Module) -> list[torch.nn.Dropout]:
     return [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
 
 
-def train(model, w, p_at: dict[int, float], ex_of=None) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+def train(model, w, p_at: dict[int, float], ex_of=None, before=None,
+          after=None) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
     """``STEPS`` steps of the unchanged loop; before step ``i`` in ``p_at`` every dropout's probability is
     set to ``p_at[i]`` (a constant of the replayed ``native_dropout`` ops). ``ex_of(opt)``: the executor
     to train under (applied to the loop's optimizer), whose segment counts and replay events are
-    returned per step."""
+    returned per step. ``before(i)`` / ``after(i)``: called around step ``i``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     ex = ex_of(opt) if ex_of is not None else None
     losses, seen = [], []
@@ -65,12 +66,16 @@ def train(model, w, p_at: dict[int, float], ex_of=None) -> tuple[list[torch.Tens
             if i in p_at:
                 for d in dropouts(model):
                     d.p = p_at[i]
+            if before is not None:
+                before(i)
             opt.zero_grad(set_to_none=True)
             torch.manual_seed(100 + i)
             loss = w.loss_fn(model, w.batch)
             loss.backward()
             losses.append(loss.detach())
             opt.step()
+            if after is not None:
+                after(i)
             if ex is not None:
                 seen.append((dict(ex.segment_stats),
                              [e.key() for e in ex.last_step.events if e.kind == "replay"]))
@@ -169,27 +174,19 @@ def test_a_replay_is_planned_afresh_when_what_it_reads_differs():
             held.append(out)
     hold.on = False
     handles = [m.register_forward_hook(hold) for m in gelus]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    ex = ex_of(opt)
-    losses, per_step = [], []
+
+    def before(i):
+        hold.on = i == 2
+
     try:
-        for i in range(STEPS):
-            hold.on = i == 2
-            opt.zero_grad(set_to_none=True)
-            torch.manual_seed(100 + i)
-            loss = w.loss_fn(model, w.batch)
-            loss.backward()
-            losses.append(loss.detach())
-            opt.step()
-            held.clear()
-            per_step.append(dict(ex.segment_stats))
+        losses, params, seen = train(model, w, {}, ex_of, before, lambda i: held.clear())
     finally:
-        ex.remove()
         for h in handles:
             h.remove()
+    per_step = [stats for stats, _ in seen]
     for a, b in zip(losses, want_losses, strict=True):
         assert torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want_params, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
     n = per_step[0]["planned"]
     assert per_step[1]["planned"] == n                 # step 2: all reused
     assert per_step[2]["planned"] > n                  # step 3: the held tensors change some replays
