@@ -8,6 +8,7 @@ of GPT-2 are compared in docs/benchmarks.md and, for the tiny GPT-2, by the slow
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 
 import pytest
@@ -262,7 +263,8 @@ def test_fsdp_traced_ranks_match_two_real_gloo_processes(tmp_path):
     the allocator's in 2 real gloo processes. gloo itself keeps a few bytes the fake group cannot show (88 B
     on this model: docs/model.md), so the trace may be below the real figure by at most 0.01%, never above.
 
-    The real figure may also hold one unit's all-gather output more, by a race between the ranks' threads
+    The real figure may also hold units' all-gather outputs more (one, or in a clean-clone CI run two:
+    3,198,160 B against 2,798,200 B), by a race between the ranks' threads
     (docs/model.md, "Measuring a rank on CPU"): gloo's work object holds the gathered buffer, and when the
     rank's worker thread drops it after the main thread, late (the rank had waited for its peer; on 2
     shared cores the worker is then often descheduled), the free is made on a thread the profiler does not
@@ -284,7 +286,9 @@ def test_fsdp_traced_ranks_match_two_real_gloo_processes(tmp_path):
     timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path / "cache", min_runs=1, target_s=0.0)
     traced = trace_ranks(wl.model, wl.batch, wl.loss_fn, engine="fsdp", world_size=2,
                          prefixes=block_prefixes(wl.model), timer=timer)
-    late_frees = {0} | {u.unsharded_bytes for u in fsdp_units(wl.model, block_prefixes(wl.model), 2)}
+    units = [u.unsharded_bytes for u in fsdp_units(wl.model, block_prefixes(wl.model), 2)]
+    # the buffers of any set of units may be held late, each at most once
+    late_frees = {sum(c) for k in range(len(units) + 1) for c in itertools.combinations(units, k)}
     for t in traced:
         for what in ("peak_bytes", "start_bytes"):
             measured, fake = real[t.rank][what], getattr(t, what)
