@@ -40,6 +40,30 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+class MidChainReader(torch.nn.Module):
+    """An in-place chain read mid-chain: ``y`` reads ``h`` before ``relu_`` finishes it (a replay of ``y``
+    re-creates ``h`` up to there, on a scratch copy); ``r += y`` finishes ``r`` from another activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h * 3
+        h.relu_()
+        r = self.b(x)
+        r += y
+        return (h * r * y).sum()
+
+
+@pytest.fixture
+def mid_chain_reader():
+    """The :class:`MidChainReader` class (the in-place tests and the profiler's share it)."""
+    return MidChainReader
+
+
 class TwoBlocks(torch.nn.Module):
     """Two linear blocks (FSDP units ``blocks.0``, ``blocks.1``) and a root parameter of the root unit's own:
     the distributed tests' toy, ``width`` -> ``hidden`` -> ``width``."""

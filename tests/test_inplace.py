@@ -130,30 +130,13 @@ def test_residual_add_is_rebuilt_by_its_in_place_add():
         assert _readers_of_other_activations(g, h) == ([op.id] if i else [])
 
 
-class _MidChainReader(nn.Module):
-    """y reads h before relu_ finishes it; r += y reads the finished y."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.a(x)
-        y = h * 3
-        h.relu_()
-        r = self.b(x)
-        r += y
-        return (h * r * y).sum()
-
-
-def test_a_reader_mid_chain_replays_from_a_scratch_copy_and_trains_bitwise():
+def test_a_reader_mid_chain_replays_from_a_scratch_copy_and_trains_bitwise(mid_chain_reader):
     """y reads h before relu_ changes it: a replay of y re-creates h up to y's op (a private copy when
     h is resident), not the finished h; h itself (relu_ reads nothing else) and r (``r += y`` reads the
     finished y) are rebuilt by their chains. Training with y recomputed (h kept: the scratch copy; h
     recomputed too) is bitwise plain training, with the replays the simulator charges."""
     torch.manual_seed(0)
-    model, x = _MidChainReader(), torch.randn(4, 4)
+    model, x = mid_chain_reader(), torch.randn(4, 4)
     g = profile(copy.deepcopy(model), x, lambda m, x: m(x), device="cpu", progress=False, measure=False,
                 repeats=1)
     mul = next(op for op in g.ops if op.name == "aten.mul.Tensor")
