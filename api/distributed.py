@@ -32,6 +32,7 @@ from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.core.units import check_budget, format_bytes
+from memplan.planner.probe.device import default_device_type
 from memplan.planner.probe.distributed import (
     ENGINES,
     for_ddp,
@@ -94,7 +95,7 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
         raise MemplanError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
     if steps < 1:
         raise MemplanError(f"steps must be >= 1, got {steps}")
-    on_cuda = torch.cuda.is_available()
+    on_cuda = default_device_type() == "cuda" and torch.cuda.is_available()  # a real GPU per rank (nccl)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()

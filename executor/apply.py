@@ -29,25 +29,22 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import itertools
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.executor.optim import FusedOptimizer
-from memplan.executor.runtime import (
-    SIGNATURES_PER_OP,
-    HostPool,
-    Packed,
-    Segment,
-    Step,
-    StepMode,
-    prefetch_order,
-)
+from memplan.executor.recipes import SIGNATURES_PER_OP, Segment
+from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order
+from memplan.executor.transfers import HostPool
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
@@ -55,6 +52,7 @@ from memplan.planner.core.schedule import Schedule, schedule
 from memplan.planner.core.shapes import family_of
 from memplan.planner.core.simulator import static_facts
 from memplan.planner.core.watch import Watch, forward_watch
+from memplan.planner.probe.device import device_of
 from memplan.planner.probe.profiler import model_fingerprint
 
 
@@ -168,15 +166,17 @@ class Executor:
         self.learned = False
         self.enter_at: int | None = None  # the boundary at which a fast step enters the mode (None: at once)
         self.last_real_op = max((op.id for op in graph.ops if op.name != "aten.detach.default"), default=-1)
-        on_cuda = graph.device == "cuda" and torch.cuda.is_available()
-        self.pool = HostPool(graph, offloaded, pin=on_cuda)  # allocated once, reused every step
-        self.copy_stream = torch.cuda.Stream() if on_cuda and offloaded else None
+        # the device the graph was profiled on, as this machine has it (a CUDA graph needs a GPU or the
+        # emulation): how it charges bytes, its copy stream, its generators
+        self.device = device_of(graph.device)
+        self.pool = HostPool(graph, offloaded, self.device)  # allocated once, reused every step
+        self.copies = self.device.copy_stream() if offloaded else None
         self.fixed_tensors = list(model.parameters()) + list(model.buffers())
         self.step_state: Step | None = None
         self.last_step: Step | None = None
         self.busy = False
         self.steps = 0
-        # compiled replays, kept across steps (runtime.Segment): target -> segments, newest first; recorded
+        # compiled replays, kept across steps (recipes.Segment): target -> segments, newest first; recorded
         # op -> the recipe signatures seen for it, as (id, signature); and counts of what each replay did
         # ("planned" / "plan reused", "compiled" / "recompiled" / "compiled reused")
         self.segments: dict[int, list[Segment]] = {}
@@ -192,6 +192,9 @@ class Executor:
         self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
                                      max_grad_norm=max_grad_norm) if fuse is not None else None)
         self._handles = [model.register_forward_pre_hook(self._begin)]
+        # an exception that leaves the model's forward (a bad batch, a hook, KeyboardInterrupt) ends the step
+        # there: the mode and the hooks must not outlive it into the loop's recovery code
+        self._forward_shadow = _forward_guard(model, self)
         if self.watch and fuse is None:
             for module in model.modules():
                 self._handles.append(module.register_forward_pre_hook(self._boundary))
@@ -209,11 +212,19 @@ class Executor:
                     return self.fused.user_step(closure)
                 return real_step(closure) if closure is not None else real_step()
 
+            real_zero_grad = optimizer.zero_grad
+
+            def zero_grad(set_to_none: bool = True):
+                self.end_step()  # a step whose backward never came (a skipped batch) ends here
+                return real_zero_grad(set_to_none=set_to_none)
+
             optimizer.step = step  # type: ignore[method-assign]
+            optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
             self._step_shadow = step
+            self._zero_grad_shadow = zero_grad
 
     def signature_id(self, op: int, signature: tuple) -> int:
-        """A number for recorded op ``op``'s recipe signature (runtime.recipe_signature), the same for
+        """A number for recorded op ``op``'s recipe signature (recipes.recipe_signature), the same for
         equal signatures while it is remembered (the last few per op); a forgotten one gets a new number,
         so a compiled replay traced from it is never taken for another."""
         known = self.signatures.setdefault(op, [])
@@ -228,16 +239,18 @@ class Executor:
     # ---- the step's boundaries ---------------------------------------------------------------------
     def _begin(self, module: nn.Module, _args) -> None:
         if not (module.training and torch.is_grad_enabled()):
+            # an evaluation forward (or one without grad) is not a step: the one still open (its forward
+            # raised, or its backward never came) ends here, so that these ops are not matched against it
+            self.end_step()
             if self.fused is not None:
                 # an evaluation forward reads the parameters too: apply the root's pending updates, as
                 # the pre-hooks of the other modules do for theirs
                 with self.internal():
                     self.fused.before_module(module)
             return
-        prev = self.step_state
+        # a step still open ends here: the loop's next step begins (a forward that raised, or whose backward
+        # never came, is abandoned; a loss_fn that calls the model twice is refused by the op matching)
         self.end_step()
-        if prev is not None and not prev.forward_done:
-            prev.end_forward()  # the model called twice in one step: the counts cannot match
         if self.fused is not None:
             self.fused.begin_forward()
             with self.internal():
@@ -262,7 +275,12 @@ class Executor:
         as the profiled graph's lifetimes have them (leaving the hooks too measured 12% below the predicted
         peak on GPT-2 under a DP plan)."""
         step = self.step_state
-        if step is None or step.forward_done or self.busy:
+        if step is None or self.busy:
+            return
+        if step.d2h_pending and not step.backward_started:
+            step.poll_d2h()  # copies to host known complete release their device bytes, inside the
+                             # mode's window or after it
+        if step.forward_done:
             return
         if not step.fast:
             if self._mode_entered:
@@ -310,7 +328,13 @@ class Executor:
             self.fused.before_module(module)
 
     def end_step(self) -> None:
-        """Leave the op-counting mode and the saved-tensor hooks (the step's backward keeps working)."""
+        """Leave the op-counting mode and the saved-tensor hooks, and release what the step (or the one before
+        it) holds for a backward. Called at ``optimizer.step()``, ``optimizer.zero_grad()``, the next
+        forward and ``remove()``: whatever ended the step, the next one starts clean. A step whose backward
+        is still to come keeps working until the next of those (gradient accumulation runs each
+        micro-batch's backward before the next forward)."""
+        if self.last_step is not None:
+            self.last_step.release()
         if not self._entered:
             if self.step_state is not None:  # an unwatched step (a plan that moves nothing)
                 self.last_step, self.step_state = self.step_state, None
@@ -339,13 +363,17 @@ class Executor:
         step = self.step_state
         # past the mode's window too: a tracked tensor is found by its storage, whichever op saves it
         if step is None or step.failed or step.backward_started or self.busy:
-            return t
+            return held(t, self)
         return step.pack(t)
 
     @staticmethod
     def _unpack(p):
         if isinstance(p, Packed):
-            return p.step.unpack(p)
+            step = p.step()
+            if step is None:
+                raise MemplanError(f"executor: backward reads tensor {p.tid} of a step that no longer exists "
+                                   f"(the executor was removed or replaced before its backward ran)")
+            return step.unpack(p)
         return p
 
     # ---- public -----------------------------------------------------------------------------------------
@@ -363,8 +391,22 @@ class Executor:
         self._handles = []
         if self.fused is not None:
             self.fused.remove()
-        if self.optimizer is not None and self.optimizer.__dict__.get("step") is getattr(self, "_step_shadow", None):
-            del self.optimizer.step
+        if self.optimizer is not None:
+            for name, shadow in (("step", "_step_shadow"), ("zero_grad", "_zero_grad_shadow")):
+                if self.optimizer.__dict__.get(name) is getattr(self, shadow, None):
+                    delattr(self.optimizer, name)
+        if self.model.__dict__.get("forward") is self._forward_shadow:
+            del self.model.forward
+        if self.last_step is not None:
+            self.last_step.release()
+
+    def abandon(self) -> None:
+        """The step's forward raised: leave the mode and the hooks now, and drop what the step holds."""
+        if self.step_state is not None:
+            self.step_state.failed = True
+        self.end_step()
+        if self.last_step is not None:
+            self.last_step.release()
 
     def __enter__(self) -> Executor:
         return self
@@ -375,6 +417,31 @@ class Executor:
     @property
     def host_pool_bytes(self) -> int:
         return self.pool.bytes
+
+
+def _forward_guard(model: nn.Module, ex: Executor) -> Any:
+    """Shadow ``model.forward`` (an instance attribute, removed by ``remove()``) with a wrapper that calls
+    ``ex.abandon()`` when an exception leaves it; ``functools.wraps`` keeps its signature for callers that
+    inspect it (the Hugging Face Trainer)."""
+    inner = model.forward
+    executor = weakref.ref(ex)  # the model must not keep the executor alive after remove()
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(*args, **kwargs)
+        except BaseException:
+            _abandon(executor)  # (in a frame of its own: the traceback must not hold the executor)
+            raise
+
+    model.forward = forward  # type: ignore[method-assign]
+    return forward
+
+
+def _abandon(executor: weakref.ref) -> None:
+    live = executor()
+    if live is not None:
+        live.abandon()
 
 
 def apply(model: nn.Module, plan: Plan | str | Path, *, graph: Graph | str | Path | None = None,

@@ -8,7 +8,7 @@
   them); each bucket's update is applied just before its module's next forward (a forward pre-hook), and
   its gradients are freed then. Global information (the gradient norm) is available at ``step()``, so
   ``max_grad_norm`` clipping works. ``flush()`` applies what is still pending (before evaluation, saving,
-  or comparing parameters).
+  or comparing parameters). A deferred update that fails stays pending and is applied by the retry.
 
 A bucket is stepped by the user's optimizer itself, its parameter groups narrowed to the bucket for the
 call: the same hyper-parameters, state, foreach/fused kernels per group, and per-parameter arithmetic, so
@@ -116,10 +116,22 @@ class FusedOptimizer:
                 self._apply_pending(params)
 
     def _apply_pending(self, params: list[nn.Parameter]) -> None:
-        for p in params:
-            p.grad = self.pending.pop(p)
+        """Apply the pending updates of ``params``. An update that fails (the optimizer raised) is not lost:
+        its gradients go back to the pending list, out of ``zero_grad``'s reach, and the next forward of
+        their module (a retry) or ``flush()`` applies it, so every bucket gets every update, as plain training
+        whose step succeeded and whose next forward failed."""
+        grads = {p: self.pending.pop(p) for p in params}
+        for p, g in grads.items():
+            p.grad = g
             self.pending_keys.discard(p.untyped_storage()._cdata)
-        self.step_params(params)
+        try:
+            self.step_params(params)
+        except BaseException:
+            for p, g in grads.items():
+                p.grad = None
+                self.pending[p] = g
+                self.pending_keys.add(p.untyped_storage()._cdata)
+            raise
 
     def flush(self) -> None:
         """Apply every pending update now (forward fusion)."""

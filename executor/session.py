@@ -27,6 +27,7 @@ from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.core.simulator import simulate
+from memplan.planner.probe.device import cuda_available, device_of
 from memplan.planner.probe.measure import measure_step, step_peak
 from memplan.planner.probe.storage import move_batch
 from memplan.planner.workloads import LossFn, default_optimizer, training_step
@@ -138,8 +139,8 @@ def peak_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.op
     """
     reading, loss = step_peak(model, batch, loss_fn, optimizer, cpu_setup=lambda: _reallocate_held(executor))
     start_ns = reading.reports[0][0] if reading.reports else 0
-    on_cpu = next(model.parameters()).device.type != "cuda"  # CUDA reads no reports: no timeline
-    timeline = [(0.0, reading.baseline_bytes)] if on_cpu else []
+    reports = not device_of(model).has_allocator_counters  # CUDA's counters give no timeline
+    timeline = [(0.0, reading.baseline_bytes)] if reports else []
     running = 0
     for t_ns, size in reading.reports:
         running += size
@@ -179,21 +180,18 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
     """
     if steps < 1 or warmup < 0:
         raise MemplanError(f"run_plan needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    device = torch.device(graph.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if graph.device == "cuda" and not cuda_available():
         raise MemplanError(f"graph {graph.name} was profiled on CUDA and no GPU is available here; "
                            f"profile on this machine")
+    layer = device_of(graph.device)
+    device = layer.torch_device  # where the tensors live (an emulated GPU's on the CPU)
     predicted = simulate(graph, plan, timeline=False)  # checks the plan against the graph first
     keep_all_predicted = simulate(graph, None, timeline=False)
     model.to(device)
     model.train()
     batch = move_batch(batch, device)
     optimizer = optimizer or default_optimizer(model)
-    on_cuda = device.type == "cuda"
-
-    def sync() -> None:
-        if on_cuda:  # kernels are asynchronous: wait for them before reading the clock or the allocator
-            torch.cuda.synchronize(device)
+    sync = layer.synchronize  # CUDA kernels are asynchronous: wait before reading the clock
 
     def step() -> torch.Tensor:
         return training_step(model, batch, loss_fn, optimizer)
@@ -223,7 +221,8 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
     counts = Counter(a.value for a in plan.actions().values())
     moved = counts.get("recompute", 0) + counts.get("offload", 0)
     return RunReport(
-        workload=name or graph.name, graph_fingerprint=graph.fingerprint, device=str(device),
+        workload=name or graph.name, graph_fingerprint=graph.fingerprint,
+        device=f"{graph.device} (emulated)" if layer.emulated else str(device),
         solver=plan.solver.name, status=plan.solver.status,
         fuse=fuse, steps=steps, warmup=warmup, budget_bytes=plan.budget_bytes,
         predicted_peak_bytes=predicted.peak_bytes, measured_peak_bytes=peak,

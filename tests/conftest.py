@@ -12,6 +12,11 @@ import httpx
 import pytest
 import torch
 
+# Pin the default device: a test not marked ``gpu`` runs on the CPU whether or not the machine has a GPU
+# (subprocesses, the CLI's included, inherit it); gpu-marked tests ask for ``cuda`` by name.
+os.environ["MEMPLAN_DEVICE"] = "cpu"
+os.environ.pop("MEMPLAN_EMULATE_CUDA", None)
+
 
 @pytest.fixture(autouse=True)
 def nothing_left_active():

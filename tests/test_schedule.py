@@ -54,7 +54,7 @@ def test_executor_performs_the_schedule_event_for_event(name, method, offload):
     try:
         w = workload(name)
         torch.manual_seed(1000)
-        for _ in range(2):  # the first step watches every op; the second takes the fast path (runtime.py)
+        for _ in range(2):  # the first step watches every op; the second takes the fast path (step.py)
             opt.zero_grad(set_to_none=True)
             w.loss_fn(model, w.batch).backward()
             opt.step()

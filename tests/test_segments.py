@@ -1,4 +1,4 @@
-"""Replays planned once and compiled (``executor/runtime.py``: ``Segment``, ``CompiledOp``): the first step
+"""Replays planned once and compiled (``executor/recipes.py``: ``Segment``, ``CompiledOp``): the first step
 plans every replay with ``replay()`` and traces it; later steps reuse both while the step answers
 ``replay()``'s questions alike and the recipes keep their signatures (op, constants, tensor geometry), and
 trace afresh when a constant changes. Throughout, training stays bitwise equal to plain training (dropout
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from memplan.executor import apply
-from memplan.executor.runtime import recipe_signature
+from memplan.executor.recipes import recipe_signature
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import Workload, load_workload

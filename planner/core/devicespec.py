@@ -47,6 +47,10 @@ class DeviceSpec(BaseModel):
     host_bandwidth_bytes_per_s: PositiveRate = Field(description="device <-> pinned host copies (offload)")
     op_overhead_s: float = Field(default=5e-6, ge=0, allow_inf_nan=False,
                                  description="fixed cost of launching one op")
+    workspace_bytes: int = Field(
+        default=0, ge=0, le=2**50,
+        description="device memory a training step's libraries hold that no tensor owns (cuBLAS workspaces: "
+                    "one per handle and stream, for forward's thread and autograd's device thread)")
 
     def flops_per_s(self, dtype: str) -> float:
         """The peak for ``dtype`` ("float32", ...); float32's when the spec has none for it (integer ops)."""

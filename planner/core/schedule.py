@@ -333,9 +333,14 @@ class _Lowering:
         # the executor's dispatch mode over the forward ops it watches, known once the replays are
         watch = forward_watch(g, self.actions, self.replayed_ops, self.pins, self.prefetch_ops, self.st.d2h_after)
         if watch.ops:
+            window = range(watch.first, watch.last + 1)
+            if g.device == "cuda":  # each op's host work hides under the device's run of the op before it
+                watch_s = sum(max(0.0, g.watch_op_dispatch_s - g.ops[k].time_s) for k in window)
+            else:
+                watch_s = watch.ops * g.watch_op_dispatch_s
             self.events.append(ScheduleEvent(
-                "watch", "forward", None, None, tuple(range(watch.first, watch.last + 1)),
-                "the executor's dispatch over the forward ops it watches", duration_s=watch.ops * g.watch_op_dispatch_s))
+                "watch", "forward", None, None, tuple(window),
+                "the executor's dispatch over the forward ops it watches", duration_s=watch_s))
         self.phase, self.at = "optimizer", None
         self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason="optimizer step",
                                          workspace_bytes=g.fixed.optimizer_step_bytes,
@@ -467,6 +472,7 @@ class _Lowering:
             events.append(ScheduleEvent("replay", "backward", step, target, r.ops, f"op {step}'s backward reads it"))
         scratch = set(r.scratch)  # private copies of tensors read mid-chain: counted, never resident
         dispatch_s = g.replay_op_dispatch_s
+        overlap = g.device == "cuda"  # the executor's host work per op against the device's: see replay_cost
         for p, freed in zip(r.ops, r.frees_after, strict=True):
             op = g.ops[p]
             alloc = 0
@@ -476,7 +482,10 @@ class _Lowering:
                 elif not resident[o]:
                     resident[o] = True
                     alloc += tensors[o].bytes
-            cost_s = op.time_s + dispatch_s  # the executor's dispatch of a replayed op included
+            # the executor's dispatch of a replayed op included: on a CPU the op runs on the thread that
+            # dispatches it (the sum); on CUDA the host issues the next op while the device runs this one,
+            # so the larger of the two paces the replay
+            cost_s = max(op.time_s, dispatch_s) if overlap else op.time_s + dispatch_s
             if emit:
                 events.append(_event(("recompute", "backward", step, target, (p,), op.name, alloc,
                                       op.workspace_bytes, 0, cost_s, 0, 0)))

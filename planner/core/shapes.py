@@ -40,6 +40,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.errors import GraphError
 from memplan.planner.core.graph import Graph
 
@@ -302,8 +303,10 @@ def fit_family(graphs: Sequence[tuple[Mapping[str, int], Graph]]) -> Graph:
                                  f"at most {MAX_TERMS} terms in {', '.join(dims)}; profile at other shapes")
             entries.append(poly)
         size = _itemsize(info.dtype)
+        # a CUDA graph charges every storage as the caching allocator does (rounded up to 512 bytes): the
+        # family keeps the elements' bytes, exact, and charges them where it is evaluated
         exact = size is not None and all(
-            g.tensors[t_i].bytes == size * prod(g.tensors[t_i].shape) for g in gs)
+            g.tensors[t_i].bytes == round_allocation(size * prod(g.tensors[t_i].shape), g.device) for g in gs)
         if exact:
             nbytes = Poly([(Fraction(size), (0,) * len(dims))])
             for e in entries:
@@ -378,7 +381,8 @@ def at_shape(graph: Graph, point: Mapping[str, int], *, extrapolate: bool = Fals
     for t, info in enumerate(out.tensors):
         info.shape = [_int(Poly.from_json(e, n), values, f"tensor {t} dimension {j}", label)
                       for j, e in enumerate(fam.tensor_shape[t])]
-        info.bytes = _int(Poly.from_json(fam.tensor_bytes[t], n), values, f"tensor {t}'s bytes", label)
+        info.bytes = round_allocation(_int(Poly.from_json(fam.tensor_bytes[t], n), values, f"tensor {t}'s bytes",
+                                           label), graph.device)
         new_bytes.append(info.bytes)
     old_bytes = [t.bytes for t in graph.tensors]
     for k, op in enumerate(out.ops):
@@ -444,7 +448,10 @@ class ShapeMatcher:
         return ", ".join(f"{self.fam.dims[i]}={v}" for i, v in sorted(values.items()))
 
     def check(self, tid: int, dtype: str, shape: list[int], nbytes: int) -> str | None:
+        """``nbytes``: the storage's own ``nbytes()``; compared as the graph's device charges it (a family
+        of a CUDA graph holds the elements' bytes, the graph the allocator's rounded ones)."""
         info = self.graph.tensors[tid]
+        device = self.graph.device
         polys, nbytes_poly = self.fam.polys(tid)
         if dtype != info.dtype or len(shape) != len(polys):
             return (f"tensor {tid} is {dtype}{shape}; the profiled family has {info.dtype}{info.shape} "
@@ -456,18 +463,22 @@ class ShapeMatcher:
                     f"{info.dtype}{info.shape}, its largest shape ({self.fam.show(self.fam.limit)})")
         if set().union(*(p.free() for p in polys), nbytes_poly.free()) - set(self.bound):
             # dimensions not yet revealed: the tensor must at least be no larger than the graph's
-            if nbytes > info.bytes or any(s > g for s, g in zip(shape, info.shape, strict=True)):
+            if round_allocation(nbytes, device) > info.bytes or any(
+                    s > g for s, g in zip(shape, info.shape, strict=True)):
                 return (f"tensor {tid} is {dtype}{shape} ({nbytes} B); the plan's graph has at most "
                         f"{info.dtype}{info.shape} ({info.bytes} B)")
             return None
         values = tuple(self.bound.get(i, 0) for i in range(self.n))
         expect = [p(values) for p in polys]
-        if [Fraction(s) for s in shape] != expect or Fraction(nbytes) != nbytes_poly(values):
+        want = nbytes_poly(values)
+        charged = round_allocation(nbytes, device)
+        if [Fraction(s) for s in shape] != expect or (
+                Fraction(nbytes) != want and (want.denominator != 1 or charged != round_allocation(int(want), device))):
             shown = [int(e) if e.denominator == 1 else float(e) for e in expect]
             return (f"tensor {tid} is {dtype}{shape} ({nbytes} B); at {self._describe(self.bound)} the "
                     f"profiled family has {info.dtype}{shown} ({nbytes_poly(values)} B): this shape is "
                     f"outside the family")
-        if nbytes > info.bytes:  # a size that is not monotone in the dimensions: the plan's bytes would not hold
+        if charged > info.bytes:  # a size that is not monotone in the dimensions: the plan's bytes would not hold
             return (f"tensor {tid} is {dtype}{shape} ({nbytes} B) at {self._describe(self.bound)}, more than the "
                     f"{info.bytes} B it has at the plan's graph's shape ({self.fam.show(self.fam.limit)})")
         return None

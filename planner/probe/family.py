@@ -24,6 +24,7 @@ from torch import nn
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.shapes import fit_family
+from memplan.planner.probe.device import generator_devices
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import LossFn, default_optimizer
 
@@ -35,7 +36,7 @@ def restored(model: nn.Module) -> Iterator[None]:
     tensors = list(itertools.chain(model.parameters(), model.buffers()))
     saved = [t.detach().clone() for t in tensors]
     grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    devices = generator_devices(tensors)
     with torch.random.fork_rng(devices=devices):
         try:
             yield

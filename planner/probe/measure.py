@@ -6,7 +6,9 @@ marks (:func:`allocation_highs`). The executor's runs and the framework callback
 It shares nothing with the profiler's bookkeeping (no dispatch mode, no graph): the peak comes from the
 allocator's own accounting.
 
-* **CUDA**: ``torch.cuda.reset_peak_memory_stats`` then ``max_memory_allocated`` over the step.
+* **CUDA**: ``torch.cuda.reset_peak_memory_stats`` then ``max_memory_allocated`` over the step (through
+  the device layer, :mod:`memplan.planner.probe.device`; under its CUDA emulation, the CPU's reports below,
+  each allocation charged as CUDA's caching allocator charges it).
 * **CPU**: the step runs under ``torch.profiler.profile(profile_memory=True)``; the CPU allocator reports
   every allocation and free made during the step; the peak is the bytes live at the start (the storages
   of the parameters, buffers, batch and optimizer state, gradients if any) plus the highest running sum of
@@ -32,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.planner.core.build import NOMINAL_HOST_BANDWIDTH_BYTES_PER_S
 from memplan.planner.core.errors import MemplanError
+from memplan.planner.probe.device import Device, device_of
 from memplan.planner.probe.storage import tensors_in, unique_bytes
 from memplan.planner.workloads import STEP_PHASES, LossFn, default_optimizer, training_step
 
@@ -54,15 +56,29 @@ class StepMeasurement:
         return asdict(self)
 
 
-def live_storage_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> int:
+def live_storage_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer,
+                       device: Device | None = None) -> int:
     """Bytes of the distinct storages a step starts with: parameters (and any gradients), buffers, the
-    batch's tensors and the optimizer's state."""
+    batch's tensors and the optimizer's state; each charged as ``device``'s allocator charges it (None: the
+    tensor's own device type)."""
     tensors: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += tensors_in(batch)
     for state in optimizer.state.values():
         tensors += tensors_in(state)
-    return unique_bytes(tensors, set())
+    return unique_bytes(tensors, set(), device.type if device is not None else None)
+
+
+def untracked_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> int:
+    """Memory the device of ``model`` holds beyond the storages a step starts with (cuBLAS workspaces, one
+    per handle and stream, that the first matrix products of forward's thread and of autograd's device
+    thread created): with allocator counters, ``memory_allocated`` less :func:`live_storage_bytes`, read
+    between steps; elsewhere the device layer's own figure (0 on a CPU)."""
+    layer = device_of(model)
+    if not layer.has_allocator_counters:
+        return layer.untracked_bytes()
+    layer.synchronize()
+    return max(0, layer.memory_allocated() - live_storage_bytes(model, batch, optimizer, layer))
 
 
 # ---- the CPU allocator's reports, through torch.profiler -----------------------------------------------------
@@ -159,24 +175,33 @@ def allocator_walk(prof: Any) -> AllocatorWalk:
     return walk
 
 
-def cpu_allocations(prof: Any) -> list[tuple[int, int]]:
+def _charged(size: int, charge: Callable[[int], int] | None) -> int:
+    """A signed report's bytes as ``charge`` (an allocator's rounding) counts them."""
+    if charge is None or size == 0:
+        return size
+    return charge(size) if size > 0 else -charge(-size)
+
+
+def cpu_allocations(prof: Any, charge: Callable[[int], int] | None = None) -> list[tuple[int, int]]:
     """``(time_ns, bytes)`` of every report the CPU allocator made inside an :func:`allocator_events`
     block, in time order: positive for an allocation, negative for a free. Their running sum on top of
     the bytes live before the block is the memory in use over time (other devices' reports are left out:
-    a CPU step may still touch their allocators)."""
-    out = [(r.time_ns, r.bytes) for r in allocator_walk(prof).reports if r.device_type == "cpu"]
+    a CPU step may still touch their allocators). ``charge``: each report's bytes as an allocator counts
+    them (the emulated CUDA device's rounding; None: as reported)."""
+    out = [(r.time_ns, _charged(r.bytes, charge)) for r in allocator_walk(prof).reports if r.device_type == "cpu"]
     out.sort(key=lambda a: a[0])
     return out
 
 
-def allocation_highs(prof: Any) -> dict[str, int]:
+def allocation_highs(prof: Any, charge: Callable[[int], int] | None = None) -> dict[str, int]:
     """``memplan:*`` range name -> the highest running sum of the allocation events inside it, from a
-    :func:`allocator_events` block whose calls ran inside ``_RecordFunctionFast("memplan:<n>")`` ranges."""
+    :func:`allocator_events` block whose calls ran inside ``_RecordFunctionFast("memplan:<n>")`` ranges;
+    ``charge`` as for :func:`cpu_allocations`."""
     walk = allocator_walk(prof)
     inside: dict[str, list[tuple[int, int]]] = {name: [] for name in walk.ranges}
     for r in walk.reports:
         if r.scope is not None:
-            inside[r.scope].append((r.time_ns, r.bytes))
+            inside[r.scope].append((r.time_ns, _charged(r.bytes, charge)))
     return {name: max_prefix([size for _, size in sorted(found)]) for name, found in inside.items()}
 
 
@@ -206,22 +231,24 @@ class PeakReading:
 @contextlib.contextmanager
 def peak_window(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> Iterator[PeakReading]:
     """The allocator's peak over the block, on the device of ``model``'s parameters: CUDA's
-    ``max_memory_allocated`` after a reset (baseline: ``memory_allocated``); on CPU the allocator's reports
-    on top of :func:`live_storage_bytes` of ``model``, ``batch`` and ``optimizer``. The CPU allocator
-    reports no free of a block allocated before the window: what the block frees must be allocated in it."""
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # earlier kernels' memory is settled before the reset
-        reading = PeakReading(baseline_bytes=torch.cuda.memory_allocated(device))
-        torch.cuda.reset_peak_memory_stats(device)
+    ``max_memory_allocated`` after a reset (baseline: ``memory_allocated``); on CPU (and emulated CUDA) the
+    allocator's reports, charged as the device charges them, on top of :func:`live_storage_bytes` of
+    ``model``, ``batch`` and ``optimizer`` and the device's untracked bytes. The CPU allocator reports no
+    free of a block allocated before the window: what the block frees must be allocated in it."""
+    layer = device_of(model)
+    if layer.has_allocator_counters:
+        layer.synchronize()  # earlier kernels' memory is settled before the reset
+        reading = PeakReading(baseline_bytes=layer.memory_allocated())
+        layer.reset_peak()
         yield reading
-        torch.cuda.synchronize(device)  # the block's kernels are asynchronous
-        reading.peak_bytes = torch.cuda.max_memory_allocated(device)
+        layer.synchronize()  # the block's kernels are asynchronous
+        reading.peak_bytes = layer.max_memory_allocated()
         return
-    reading = PeakReading(baseline_bytes=live_storage_bytes(model, batch, optimizer))
+    reading = PeakReading(baseline_bytes=live_storage_bytes(model, batch, optimizer, layer)
+                          + layer.untracked_bytes())
     with allocator_events() as prof:
         yield reading
-    reading.reports = cpu_allocations(prof)
+    reading.reports = cpu_allocations(prof, layer.charged_bytes if layer.emulated else None)
     reading.peak_bytes = reading.baseline_bytes + max_prefix([size for _, size in reading.reports])
 
 
@@ -232,9 +259,9 @@ def step_peak(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.op
     first inside a CPU window; what it returns is held until the window has closed (the executor's
     re-allocation of held gradients, so that their frees are reported)."""
     optimizer.zero_grad(set_to_none=True)
-    on_cuda = next(model.parameters()).device.type == "cuda"
+    reads_reports = not device_of(model).has_allocator_counters
     with peak_window(model, batch, optimizer) as reading:
-        held = cpu_setup() if cpu_setup is not None and not on_cuda else None
+        held = cpu_setup() if cpu_setup is not None and reads_reports else None
         loss = training_step(model, batch, loss_fn, optimizer)
     del held  # freed outside the window: neither in the baseline nor in the reports
     return reading, loss
@@ -276,17 +303,18 @@ def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn:
     """
     if warmup < 1:
         raise ValueError(f"measure_rank_step needs warmup >= 1 (to create the optimizer state), got {warmup}")
-    if device is not None and device.type == "cuda":
+    layer = device_of(device if device is not None else "cpu")
+    if layer.has_allocator_counters:
         train_model, optimizer = build()
         for _ in range(warmup):
             training_step(train_model, batch, loss_fn, optimizer)
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        layer.synchronize()
+        start = layer.memory_allocated()
+        layer.reset_peak()
         training_step(train_model, batch, loss_fn, optimizer)
-        torch.cuda.synchronize(device)  # wait for the step's kernels before reading the allocator
-        return RankMeasurement(rank=rank, peak_bytes=torch.cuda.max_memory_allocated(device), start_bytes=start)
+        layer.synchronize()  # wait for the step's kernels before reading the allocator
+        return RankMeasurement(rank=rank, peak_bytes=layer.max_memory_allocated(), start_bytes=start)
     baseline = unique_bytes(tensors_in(batch), set())
     with allocator_events() as prof:
         train_model, optimizer = build()
@@ -349,13 +377,12 @@ def restore_missed_frees(events: list[tuple[int, int, int, int | None]]) -> list
 # ---- times ------------------------------------------------------------------------------------------------------
 
 
-def op_clock() -> Callable[[], float]:
-    """The clock ops and plain steps are timed with: with one torch thread on a machine without CUDA, the
-    thread's CPU time (the op runs on the calling thread; other jobs' time slices on a shared machine would
-    otherwise land on the longest ops and skew the op times against each other); else wall time."""
-    if torch.get_num_threads() == 1 and not torch.cuda.is_available():
-        return time.thread_time
-    return time.perf_counter
+def op_clock(device: torch.device | str | None = None) -> Callable[[], float]:
+    """The clock ops and plain steps are timed with on ``device`` (None: the default device): with one
+    torch thread on a CPU, the thread's CPU time (the op runs on the calling thread; other jobs' time slices
+    on a shared machine would otherwise land on the longest ops and skew the op times against each other);
+    on CUDA wall time (:meth:`memplan.planner.probe.device.Device.clock`)."""
+    return device_of(device).clock()
 
 
 class PhaseClock:
@@ -397,9 +424,8 @@ def time_steps(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.o
     parameters) is CUDA."""
     if steps < 1:
         raise ValueError(f"time_steps needs steps >= 1, got {steps}")
-    device = device or next(model.parameters()).device
-    phases = PhaseClock((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None),
-                        clock)
+    layer = device_of(device if device is not None else model)
+    phases = PhaseClock(layer.synchronize, clock)
     for _ in range(steps):
         training_step(model, batch, loss_fn, optimizer, run_phase=phases)
     fwd, bwd, opt = (phases.seconds[p] for p in STEP_PHASES)
@@ -430,19 +456,3 @@ def measure_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch
     return StepMeasurement(peak_bytes=reading.peak_bytes, step_time_s=times.step_s,
                            forward_time_s=times.forward_s, backward_time_s=times.backward_s,
                            baseline_bytes=reading.baseline_bytes, device=str(device))
-
-
-def host_bandwidth_bytes_per_s(device: torch.device) -> float:
-    """Pinned host -> device copy bandwidth (CUDA, measured over four 64 MiB copies); a nominal figure
-    elsewhere (on CPU offload is a logical move)."""
-    if device.type != "cuda":
-        return NOMINAL_HOST_BANDWIDTH_BYTES_PER_S
-    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=device)
-    dev.copy_(host, non_blocking=True)  # warm-up
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(4):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)  # wait for the async copies before reading the clock
-    return 4 * host.numel() / (time.perf_counter() - start)

@@ -52,17 +52,12 @@ from typing import Any
 import torch
 
 from memplan.planner.core.devicespec import DeviceSpec, parse_device_spec
-from memplan.planner.probe.measure import (
-    allocation_highs,
-    allocator_events,
-    cpu_allocations,
-    host_bandwidth_bytes_per_s,
-)
+from memplan.planner.probe.device import Device, cuda_available, device_of
+from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
 _MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
 _MAX_COLD_RUNS = 9  # each cold run also writes the flush buffer: fewer runs, still a median
-_FALLBACK_CACHE_BYTES = 32 * 2**20  # when the cache size cannot be read
 
 
 def default_cache_dir() -> Path:
@@ -331,8 +326,9 @@ class OpTimeCache:
 
 def device_identity(device: torch.device) -> str:
     """What a timing depends on besides the call: the device model, thread count, torch version."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+    layer = device_of(device)
+    if layer.type == "cuda" and not layer.emulated:
+        name = layer.name()
     else:
         name = _cpu_model() + f" threads={torch.get_num_threads()}"
     return f"{device.type}:{name}|torch={torch.__version__}"
@@ -341,15 +337,7 @@ def device_identity(device: torch.device) -> str:
 def last_level_cache_bytes(device: torch.device) -> int:
     """Bytes of ``device``'s last-level cache: CUDA's L2, or the largest CPU cache ``/sys`` lists for
     cpu0 (32 MiB when neither can be read)."""
-    if device.type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or _FALLBACK_CACHE_BYTES
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        with contextlib.suppress(OSError, ValueError):
-            text = entry.read_text().strip().upper()
-            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=_FALLBACK_CACHE_BYTES)
+    return device_of(device).cache_bytes()
 
 
 def _cpu_model() -> str:
@@ -376,7 +364,9 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
     if path.is_file():
         with contextlib.suppress(Exception):  # a damaged cache file is measured again
             return parse_device_spec(path.read_bytes(), source=str(path))
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    layer = device_of(device)
+    device = layer.torch_device
+    sync = layer.synchronize
 
     def median_s(fn: Callable[[], Any], runs: int = 5) -> float:
         fn()
@@ -389,7 +379,7 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    n = 4096 if device.type == "cuda" else 256
+    n = 4096 if device.type == "cuda" else 256  # (an emulated GPU computes on the CPU)
     flops: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a = torch.rand(n, n, dtype=dtype, device=device)
@@ -400,12 +390,8 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
     bandwidth = 2 * x.nbytes / median_s(lambda: y.copy_(x))
     tiny = torch.rand(1, device=device)
     overhead = median_s(lambda: torch.add(tiny, tiny), runs=50)
-    if device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory
-        host = host_bandwidth_bytes_per_s(device)
-    else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        host = 12e9  # a nominal figure: on CPU offload is a logical move
+    memory = layer.total_memory() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = layer.host_bandwidth_bytes_per_s()  # nominal on a CPU: offload there is a logical move
     spec = DeviceSpec(name="local", description=f"measured on {identity}", device=device.type,
                       memory_bytes=memory, peak_flops_per_s=flops, memory_bandwidth_bytes_per_s=bandwidth,
                       host_bandwidth_bytes_per_s=host, op_overhead_s=overhead)
@@ -452,7 +438,10 @@ class OpTimer:
     def __init__(self, device: torch.device, *, spec: DeviceSpec | None = None,
                  cache_dir: str | Path | None = None, min_runs: int = _MIN_RUNS, target_s: float = _TARGET_S,
                  cold: bool = True):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        # an analytic timer for a GPU that is not here runs nothing: no device layer is needed for it
+        self.layer = device_of(device) if spec is None or device.type != "cuda" or cuda_available() else Device()
+        self.device = self.layer.torch_device  # where calls run (an emulated GPU's tensors live on the CPU)
         self.min_runs, self.target_s = max(1, min_runs), target_s
         self.spec = spec
         self.cold = cold
@@ -546,8 +535,7 @@ class OpTimer:
         return results
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":  # kernels are asynchronous: wait before reading the clock
-            torch.cuda.synchronize(self.device)
+        self.layer.synchronize()  # CUDA kernels are asynchronous: wait before reading the clock
 
     def _run_timed(self, call: OpCall, cold: frozenset[int] = frozenset()) -> float | None:
         """Median seconds of ``call`` run alone (None if it cannot run). With arguments in ``cold``, each
@@ -589,19 +577,20 @@ class OpTimer:
         failed: set[str] = set()
         if not todo:
             return highs, outputs, failed
-        if self.device.type == "cuda":
-            base = torch.cuda.memory_allocated(self.device)
+        layer = self.layer
+        if layer.has_allocator_counters:
+            base = layer.memory_allocated()
             peak = 0
             for key, c in todo.items():
                 with _running(key, failed):
                     args, kwargs = materialise(c, self.device)
                     self._sync()
-                    before = torch.cuda.memory_allocated(self.device)
-                    torch.cuda.reset_peak_memory_stats(self.device)
+                    before = layer.memory_allocated()
+                    layer.reset_peak()
                     out = c.func(*args, **kwargs)
                     self._sync()
                     outputs[key] = _storage_bytes(out)
-                    high = torch.cuda.max_memory_allocated(self.device)
+                    high = layer.max_memory_allocated()
                     highs[key] = high - before
                     peak = max(peak, high - base)
                     del out, args, kwargs
@@ -617,11 +606,11 @@ class OpTimer:
                         out = c.func(*args, **kwargs)
                     outputs[key] = _storage_bytes(out)
                     del out, args, kwargs
-        for name, high in allocation_highs(prof).items():
+        for name, high in allocation_highs(prof, layer.charged_bytes).items():
             if name in names:
                 highs[names[name]] = high
         running = 0
-        for _, size in cpu_allocations(prof):
+        for _, size in cpu_allocations(prof, layer.charged_bytes):
             running += size
             self.stats.peak_bytes = max(self.stats.peak_bytes, running)
         return highs, outputs, failed

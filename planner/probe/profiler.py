@@ -70,14 +70,9 @@ from memplan.planner.core.build import build_graph
 from memplan.planner.core.devicespec import DeviceSpec, round_allocation
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import FixedMemory, Graph, Measured
+from memplan.planner.probe.device import Device, cuda_available, default_device_type, device_of
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
-from memplan.planner.probe.measure import (
-    host_bandwidth_bytes_per_s,
-    max_prefix,
-    measure_step,
-    op_clock,
-    time_steps,
-)
+from memplan.planner.probe.measure import max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
 from memplan.planner.probe.tracing import forward_lifetimes, module_stack, traced_step
@@ -124,15 +119,14 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     if warmup < 1 or repeats < 1:
         raise ValueError(f"profile needs warmup >= 1 (to create the optimizer state) and repeats >= 1, "
                          f"got warmup={warmup}, repeats={repeats}")
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    layer = device_of(device)
+    device = layer.torch_device  # where the tensors live (an emulated GPU's on the CPU)
     model.to(device)
     batch = move_batch(example_batch, device)
     model.train()
     optimizer = optimizer or default_optimizer(model)
-    on_cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
+    sync = layer.synchronize
+    charge = layer.type  # storages are charged as this device's allocator charges them
 
     with _progress(progress, name, warmup + 1 + repeats + (1 if measure else 0)) as advance:
         for _ in range(warmup):
@@ -143,19 +137,25 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         inputs = tensors_in(batch)
         state = [t for s in optimizer.state.values() for t in tensors_in(s)]
         seen: set[int] = set()
-        fixed = FixedMemory(params_bytes=unique_bytes(params, seen), buffers_bytes=unique_bytes(buffers, seen),
-                            inputs_bytes=unique_bytes(inputs, seen),
-                            optimizer_state_bytes=unique_bytes(state, seen))
+        fixed = FixedMemory(params_bytes=unique_bytes(params, seen, charge),
+                            buffers_bytes=unique_bytes(buffers, seen, charge),
+                            inputs_bytes=unique_bytes(inputs, seen, charge),
+                            optimizer_state_bytes=unique_bytes(state, seen, charge))
+        # what the device holds beyond those storages (cuBLAS workspaces), after the warm-up created it: a
+        # later step's peak includes it
+        untracked = untracked_bytes(model, batch, optimizer)
         fixed_tensors = {"param": params, "buffer": buffers, "input": inputs}
         # The structure and the memory figures come from one step; its clock is perturbed by the scratch
         # measurement, so the times come from the `repeats` steps after it.
         first = traced_step(model, batch, loss_fn, optimizer, fixed_tensors, sync, structure=True,
-                            memory="cuda" if on_cuda else "cpu").trace
+                            memory="cuda" if layer.has_allocator_counters else "cpu", charge_as=charge,
+                            device=layer).trace
         lifetimes = forward_lifetimes(model, batch, loss_fn, [op.name for op in first.ops])
         advance()
         traces = []
         for _ in range(repeats):
-            traces.append(traced_step(model, batch, loss_fn, optimizer, fixed_tensors, sync, structure=False).trace)
+            traces.append(traced_step(model, batch, loss_fn, optimizer, fixed_tensors, sync, structure=False,
+                                      charge_as=charge, device=layer).trace)
             advance()
         measured = Measured()
         if measure:
@@ -173,21 +173,29 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     meta = {
         "profiler": "memplan.planner.probe.profiler", "torch": torch.__version__, "warmup": warmup,
         "repeats": repeats, "optimizer": type(optimizer).__name__,
-        "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+        "device_name": layer.name(),
         "threads": torch.get_num_threads(),
         "lifetimes_aligned": lifetimes is not None,
     }
-    graph = build_graph(first, name=name, device=device.type, fixed=fixed,
+    if layer.emulated:
+        meta["emulated"] = True
+    graph = build_graph(first, name=name, device=layer.type, fixed=fixed,
                         times=[[op.time_s for op in tr.ops] for tr in traces],
                         backward_times=[tr.backward_time_s for tr in traces],
                         optimizer_time_s=statistics.median(tr.optimizer_time_s for tr in traces),
                         fingerprint=model_fingerprint(model),
-                        host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s(device), meta=meta,
+                        host_bandwidth_bytes_per_s=layer.host_bandwidth_bytes_per_s(), meta=meta,
                         lifetimes=lifetimes)
+    # Memory no plan changes beyond the parameters, buffers, batch and optimizer state: module attributes the
+    # step read (the trace's ``other_bytes``) and what the device holds that no tensor owns. With allocator
+    # counters the measured figure already covers the attributes (it is everything beyond those storages).
+    attributes = graph.fixed.other_bytes
+    graph.fixed.other_bytes = (max(attributes, untracked) if layer.has_allocator_counters
+                               else attributes + untracked)
     # the allocator's view includes kernel scratch; the storages' view is the floor
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
     graph.measured = measured
-    clock = op_clock()
+    clock = layer.clock()
     if (measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s
             and clock is time.perf_counter):  # else the ops' clock: op times and the plain step in one unit
         plain = (measured.forward_time_s, measured.backward_time_s,
@@ -202,7 +210,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
 
 
 # What the executor pays per replayed op beyond the op itself (its compiled replay's argument views and
-# call, the reuse checks; executor/runtime.py Segment) and per forward op it watches under a plan (its
+# call, the reuse checks; executor/recipes.py Segment) and per forward op it watches under a plan (its
 # dispatch mode and recipe recording; the saved-tensor and module hooks spread over them). Measured by
 # benchmarks/dispatch.py on the benchmark machine (2-core CPU, Python 3.11, torch 2.13), in CPU time
 # (docs/model.md, "Time"): watched, tiny GPT-2 and BERT steps planned against plain; replayed, the median
@@ -265,21 +273,27 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     profiling (the real tensors the caller already had on the device, plus one op's working set).
     """
     if device is None:
-        device = device_spec.device if device_spec else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device_spec.device if device_spec else default_device_type()
     device = torch.device(device)
     if device_spec is not None and device_spec.device != device.type:
         raise MemplanError(f"device spec {device_spec.name} is a {device_spec.device} device; "
                            f"profiling for --device {device.type} contradicts it")
-    if device_spec is None and device.type == "cuda" and not torch.cuda.is_available():
+    if device_spec is None and device.type == "cuda" and not cuda_available():
         raise MemplanError("a fake profile for CUDA without a GPU here cannot time its ops: give --device-spec "
                            "(for example h100-80gb)")
-    on_cuda = device.type == "cuda" and torch.cuda.is_available()
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    resident = _resident_bytes(model, example_batch, optimizer, device)
+    # the device the profile runs on: None for a spec's GPU that is not here (nothing runs on it)
+    layer = device_of(device) if device.type != "cuda" or cuda_available() else None
+    counters = layer is not None and layer.has_allocator_counters
+    if counters:
+        layer.reset_peak()
+    resident = _resident_bytes(model, example_batch, optimizer, layer)
     # Autograd cannot wire fake CUDA tensors in a torch built without CUDA: such a build traces the step as
-    # on CPU (the CPU kernels' op choices) and charges its storages as CUDA's allocator would.
+    # on CPU (the CPU kernels' op choices) and charges its storages as CUDA's allocator would; an emulated
+    # GPU's tensors live on the CPU.
     traced_on = device if device.type != "cuda" or torch.backends.cuda.is_built() else torch.device("cpu")
+    if layer is not None and layer.emulated:
+        traced_on = layer.torch_device
+    kind = layer.type if layer is not None else device.type  # the graph's device (emulated: cuda)
     with _progress(progress, name, 4) as advance, \
             fake_step_state(model, example_batch, optimizer, traced_on) as st:
         model.train()
@@ -290,7 +304,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         advance()
         state = [t for s in st.optimizer.state.values() for t in tensors_in(s)]
         seen: set[int] = set()
-        charge = device.type
+        charge = kind
         fixed = FixedMemory(params_bytes=unique_bytes(st.params, seen, charge),
                             buffers_bytes=unique_bytes(st.buffers, seen, charge),
                             inputs_bytes=unique_bytes(st.inputs, seen, charge),
@@ -303,7 +317,8 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         lifetimes = forward_lifetimes(model, st.batch, loss_fn, [op.name for op in first.ops], fake=True)
         optimizer_name = type(st.optimizer).__name__
         advance()
-    timer = timer or OpTimer(device, spec=device_spec, cache_dir=cache_dir)
+    timer = timer or OpTimer(layer.torch_device if layer is not None else device, spec=device_spec,
+                             cache_dir=cache_dir)
     timings = timer.time([call for *_, call in tracer.calls])
     forward = {rec.scope: k for k, rec in enumerate(first.ops)}
     analytic: set[int] = set()
@@ -318,7 +333,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                 # what the allocator holds is the real storage, seen when the call ran alone
                 if position < len(timing.output_bytes):
                     st = first.storages[tid]
-                    st.nbytes = max(st.nbytes, round_allocation(timing.output_bytes[position], device.type))
+                    st.nbytes = max(st.nbytes, round_allocation(timing.output_bytes[position], kind))
         elif phase == "backward":
             first.backward_time_s[clock] = first.backward_time_s.get(clock, 0.0) + timing.time_s
         elif phase == "optimizer":
@@ -331,25 +346,28 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     meta = {
         "profiler": "memplan.planner.probe.profiler", "fake": True, "torch": torch.__version__,
         "optimizer": optimizer_name, "threads": torch.get_num_threads(),
-        "device_name": device_spec.name if device_spec else (
-            torch.cuda.get_device_name(device) if on_cuda else "cpu"),
+        "device_name": device_spec.name if device_spec else layer.name(),
         "device_spec": device_spec.name if device_spec else None,
         "traced_on": traced_on.type,
         "lifetimes_aligned": lifetimes is not None,
         "op_timing": {"calls": stats.calls, "distinct": stats.distinct, "cache_hits": stats.cache_hits,
                       "isolated_runs": stats.isolated_runs, "analytic": stats.analytic,
                       "cache_dir": str(timer.cache_dir)},
-        "profile_peak_bytes": (torch.cuda.max_memory_allocated(device) if on_cuda
-                               else resident + stats.peak_bytes),
+        "profile_peak_bytes": layer.max_memory_allocated() if counters else resident + stats.peak_bytes,
     }
-    bandwidth = device_spec.host_bandwidth_bytes_per_s if device_spec else host_bandwidth_bytes_per_s(device)
-    graph = build_graph(first, name=name, device=device.type, fixed=fixed, optimizer_time_s=optimizer_time_s,
+    if layer is not None and layer.emulated:
+        meta["emulated"] = True
+    bandwidth = device_spec.host_bandwidth_bytes_per_s if device_spec else layer.host_bandwidth_bytes_per_s()
+    graph = build_graph(first, name=name, device=kind, fixed=fixed, optimizer_time_s=optimizer_time_s,
                         fingerprint=model_fingerprint(model), host_bandwidth_bytes_per_s=bandwidth, meta=meta,
                         lifetimes=lifetimes)
     for op in graph.ops:
         op.time_source = "analytic" if op.id in analytic else "isolated"
     # the storages' view (the allocator's is not there to read)
     graph.fixed.optimizer_step_bytes = max_prefix(first.optimizer_events)
+    # what the device's libraries hold that no tensor owns (cuBLAS workspaces): the spec's figure, or what
+    # this device creates for the step's two threads (forward's and autograd's)
+    graph.fixed.other_bytes += device_spec.workspace_bytes if device_spec else layer.step_workspace_bytes()
     # the plan runs on the same executor whichever way the graph was profiled (isolated op times need no
     # calibration: no tracing instrumentation was on while they ran)
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
@@ -358,13 +376,17 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
 
 
 def _resident_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None,
-                    device: torch.device) -> int:
-    """Bytes of the real tensors on ``device`` a fake profile's caller already holds (model, batch,
-    optimizer state): what the allocator has in use before the profile allocates anything."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) if torch.cuda.is_available() else 0
+                    layer: Device | None) -> int:
+    """Bytes of the real tensors on ``layer``'s device a fake profile's caller already holds (model, batch,
+    optimizer state): what the allocator has in use before the profile allocates anything (0 for a device
+    that is not here)."""
+    if layer is None:
+        return 0
+    if layer.has_allocator_counters:
+        return layer.memory_allocated()
+    device = layer.torch_device
     tensors = [t for t in itertools.chain(model.parameters(), model.buffers(), tensors_in(batch))
                if t.device == device]
     if optimizer is not None:
         tensors += [t for s in optimizer.state.values() for t in tensors_in(s) if t.device == device]
-    return unique_bytes(tensors, set())
+    return unique_bytes(tensors, set(), layer.type) + layer.untracked_bytes()

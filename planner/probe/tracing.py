@@ -23,8 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.planner.core.build import Trace, TraceOp, TraceStorage
 from memplan.planner.core.devicespec import round_allocation
+from memplan.planner.probe.device import Device
 from memplan.planner.probe.fake import fake_call
-from memplan.planner.probe.measure import allocation_highs, allocator_events, op_clock
+from memplan.planner.probe.measure import allocation_highs, allocator_events
 from memplan.planner.probe.optime import OpCall, record_call
 from memplan.planner.probe.storage import dtype_name, storage_keys, storage_of, tensors_in
 from memplan.planner.workloads import LossFn, compute_loss, training_step
@@ -42,14 +43,16 @@ class Tracer(TorchDispatchMode):
     nothing); ``clock`` is the forward op or backward step the next events belong to."""
 
     def __init__(self, trace: Trace, modules: list[str], sync: Callable[[], None], memory: str,
-                 charge_as: str | None = None):
+                 charge_as: str | None = None, device: Device | None = None):
         super().__init__()
         self.charge_as = charge_as       # device type whose allocator rounding applies (None: the tensor's)
+        self.device = device or Device()  # whose allocator counters ("cuda") and clock are read
         self.trace = trace
         self.modules = modules           # the module stack, kept by forward hooks
         self.model_called = False
         self.sync = sync
-        self.memory = memory             # how to read kernel scratch: "off", "cuda" (allocator), "cpu" (scopes),
+        self.memory = memory             # how to read kernel scratch: "off", "cuda" (the allocator's counters),
+                                         # "cpu" (the allocator's reports in scopes),
                                          # "fake" (nothing runs: each call is recorded, timed later)
         self.scope = 0                   # calls so far; a call's number keys its high-water mark
         self.high: dict[int, int] = {}    # call number -> allocator high-water mark above its start
@@ -124,15 +127,15 @@ class Tracer(TorchDispatchMode):
                 return out, time.perf_counter() - start, number
         self.sync()  # CUDA: let queued kernels finish so that the clock times this op alone
         if self.memory == "cuda":
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        clock = op_clock()
+            before = self.device.memory_allocated()
+            self.device.reset_peak()
+        clock = self.device.clock()
         start = clock()
         out = func(*args, **kwargs)
         self.sync()
         seconds = clock() - start
         if self.memory == "cuda":
-            self.high[number] = torch.cuda.max_memory_allocated() - before
+            self.high[number] = self.device.max_memory_allocated() - before
         return out, seconds, number
 
     def _fake_call(self, func, args, kwargs):
@@ -323,17 +326,19 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
 
 def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                 fixed_tensors: dict[str, list[torch.Tensor]], sync: Callable[[], None], *,
-                structure: bool, memory: str = "off", charge_as: str | None = None) -> Tracer:
+                structure: bool, memory: str = "off", charge_as: str | None = None,
+                device: Device | None = None) -> Tracer:
     """One :func:`memplan.planner.workloads.training_step` under a :class:`Tracer`; returns the tracer, whose
     ``trace`` is what the step did. ``fixed_tensors``: the ``"param"``, ``"buffer"`` and ``"input"``
     tensors, registered before the step. ``structure``: also record saved tensors (the graph walk) and
     trace the optimizer step; otherwise the optimizer step is only timed, outside the mode. ``memory``: how
     kernel scratch is read ("off", "cuda", "cpu", "fake"; see ``Tracer.run_call``); a fake step's marks
     are applied (``Tracer.apply_scratch``) by the caller once its calls are timed. ``charge_as``: the
-    device type whose allocator rounding storage sizes get (None: their own)."""
+    device type whose allocator rounding storage sizes get (None: their own); ``device``: the device layer
+    whose counters and clock are read (None: a CPU's)."""
     trace = Trace()
     stack: list[str] = []
-    tracer = Tracer(trace, stack, sync, memory, charge_as)
+    tracer = Tracer(trace, stack, sync, memory, charge_as, device)
     tracer_ref: list[Tracer | None] = [tracer]
     for kind in ("param", "buffer", "input"):
         for t in fixed_tensors[kind]:
@@ -378,7 +383,8 @@ def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.
         training_step(model, batch, loss_fn, optimizer, run_phase=run_phase)
     tracer_ref[0] = None
     if memory == "cpu":
-        for name, high in allocation_highs(prof).items():
+        charge = tracer.device.charged_bytes if tracer.device.emulated else None
+        for name, high in allocation_highs(prof, charge).items():
             tracer.high[int(name.removeprefix("memplan:"))] = high
     if memory in ("cpu", "cuda"):  # a fake step's marks come from op timing (see the profiler's fake path)
         tracer.apply_scratch()

@@ -1,0 +1,488 @@
+"""The device layer: everything that differs between a CPU and a CUDA GPU, in one place.
+
+The probe (profiling, op timing, measurement) and the executor (offload copies, RNG, the output checks)
+ask a :class:`Device` what they need and never test ``is_cuda`` or call ``torch.cuda`` themselves:
+
+* **bytes**: what the allocator charges for a storage (:meth:`Device.charged_bytes`): CUDA's caching
+  allocator rounds every block up to a multiple of 512 bytes, and ``memory_allocated`` counts the rounded
+  size, so a graph profiled on CUDA records rounded bytes and every comparison with a live storage's
+  ``nbytes()`` must charge it first;
+* **memory readings**: CUDA has the allocator's counters (``memory_allocated``, ``max_memory_allocated``);
+  a CPU has none, and is read from the allocator's reports under ``torch.profiler`` instead
+  (:mod:`memplan.planner.probe.measure`); memory the device keeps that no tensor owns (cuBLAS workspaces,
+  one per handle and stream, created at the first matrix product of each thread) is
+  :meth:`Device.untracked_bytes`;
+* **streams and events**: offload copies run on a copy stream (:class:`CopyStream`); a copy's
+  :class:`Transfer` says whether it is known complete (``done()``, an event query) and makes compute wait
+  for it (``wait()``); on a CPU a copy is synchronous and complete at once;
+* **pinned host memory**, **synchronisation**, **random generator states**, the device's name, cache and
+  memory sizes, and its host-link bandwidth.
+
+**CUDA emulated on a CPU** (:func:`emulate_cuda`, or ``MEMPLAN_EMULATE_CUDA=1``): tensors live on the CPU
+but the device is ``cuda`` with CUDA's rules, so that what would fail on a GPU fails in CI:
+
+* every storage is charged and every allocator report counted as the caching allocator counts it
+  (rounded up to 512 bytes), and the graph records ``cuda``;
+* the copy stream is asynchronous: a copy is performed only when its work becomes *known* complete, at
+  the first ``done()`` that asks, a ``wait()`` or a synchronisation; until then its destination holds a
+  poison pattern (every byte 0xFF: NaN in floating point), so reading a prefetched buffer before waiting
+  for it gives wrong numbers;
+* memory a copy still uses must stay allocated until the copy is known complete: a copy whose source or
+  destination storage was freed before that is a :class:`StreamUseError` (on a GPU the allocator would
+  hand the block to another tensor while the copy reads or writes it);
+* a cuBLAS-like workspace: ``workspace_bytes`` held by the device from its first use, counted in its
+  memory readings and not owned by any tensor, as a real GPU's workspaces are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memplan.planner.core.build import NOMINAL_HOST_BANDWIDTH_BYTES_PER_S
+from memplan.planner.core.devicespec import round_allocation
+from memplan.planner.core.errors import MemplanError
+
+EMULATE_ENV = "MEMPLAN_EMULATE_CUDA"
+DEVICE_ENV = "MEMPLAN_DEVICE"
+FALLBACK_CACHE_BYTES = 32 * 2**20  # last-level cache assumed where the device does not say
+
+
+class StreamUseError(MemplanError):
+    """Emulated CUDA: memory a copy stream still used was freed before its work was known complete."""
+
+
+class Transfer:
+    """One copy on the copy stream. ``complete``: done when it was issued (a synchronous CPU copy)."""
+
+    complete = True
+
+    def done(self) -> bool:
+        """Whether the copy is known to have finished (CUDA: its event's query)."""
+        return True
+
+    def wait(self) -> None:
+        """Make compute wait for the copy (CUDA: the compute stream waits on its event; no host sync)."""
+
+
+class CopyStream:
+    """Copies between device memory and the pinned host pool, off the compute stream where the device has
+    streams. ``to_host`` starts after the compute work issued so far (the producer); ``to_device`` writes a
+    buffer allocated on the compute stream. CPU: synchronous ``copy_``."""
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        dst.copy_(src)
+        return Transfer()
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        dst.copy_(src)
+        return Transfer()
+
+    def drain(self) -> None:
+        """Wait until every copy issued has finished (the host blocks)."""
+
+
+class Device:
+    """A CPU: exact bytes, no allocator counters (read the reports), synchronous copies."""
+
+    type = "cpu"              # what a graph profiled here records as its device
+    emulated = False
+    has_allocator_counters = False  # memory_allocated / max_memory_allocated exist
+
+    def __init__(self, torch_device: torch.device | None = None):
+        self.torch_device = torch_device or torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.torch_device})"
+
+    # ---- bytes --------------------------------------------------------------------------------------
+    def charged_bytes(self, nbytes: int) -> int:
+        """What the allocator charges for a storage of ``nbytes``."""
+        return round_allocation(nbytes, self.type)
+
+    def untracked_bytes(self) -> int:
+        """Memory the device holds that no tensor owns (emulated workspaces; on CUDA it is measured)."""
+        return 0
+
+    def step_workspace_bytes(self) -> int:
+        """What a training step's libraries will hold on this device that no tensor owns, for a profile that
+        runs no step here (a fake one): cuBLAS's workspaces on CUDA, one per handle and stream, for the two
+        threads a step runs matrix products on (forward's and autograd's device thread)."""
+        return self.untracked_bytes()
+
+    # ---- allocator counters (CUDA) ---------------------------------------------------------------------
+    def memory_allocated(self) -> int:
+        raise MemplanError(f"{self}: no allocator counters; read the allocator's reports")
+
+    def max_memory_allocated(self) -> int:
+        raise MemplanError(f"{self}: no allocator counters; read the allocator's reports")
+
+    def reset_peak(self) -> None:
+        raise MemplanError(f"{self}: no allocator counters; read the allocator's reports")
+
+    # ---- execution -------------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (CUDA kernels are asynchronous)."""
+
+    def copy_stream(self) -> CopyStream:
+        return CopyStream()
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer the device copies from and to asynchronously (pinned on CUDA)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def clock(self) -> Callable[[], float]:
+        """The clock ops and plain steps are timed with: with one torch thread on a CPU, the thread's CPU
+        time (other jobs' time slices on a shared machine would land on the longest ops); else wall time."""
+        return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+    # ---- random generators -------------------------------------------------------------------------------
+    def rng_state(self) -> bytearray | None:
+        """The device generator's state as host bytes (None: ops here draw from the CPU generator)."""
+        return None
+
+    @contextlib.contextmanager
+    def forked_rng(self, cpu_state: bytearray, device_state: bytearray | None) -> Iterator[None]:
+        """Run the block from these generator states and give the caller's streams back afterwards (as
+        ``torch.utils.checkpoint`` does, with ``torch.random.fork_rng``)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(torch.frombuffer(cpu_state, dtype=torch.uint8))
+            yield
+
+    # ---- facts ---------------------------------------------------------------------------------------------
+    def name(self) -> str:
+        return "cpu"
+
+    def cache_bytes(self) -> int:
+        """The last-level cache (for timing ops with cold arguments)."""
+        return _cpu_cache_bytes()
+
+    def total_memory(self) -> int | None:
+        """Device memory, where the device says (None on a CPU)."""
+        return None
+
+    def host_bandwidth_bytes_per_s(self) -> float:
+        """Pinned host <-> device copy bandwidth; nominal on a CPU (offload there is a logical move)."""
+        return NOMINAL_HOST_BANDWIDTH_BYTES_PER_S
+
+
+class CudaDevice(Device):
+    """A real CUDA GPU."""
+
+    type = "cuda"
+    has_allocator_counters = True
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.torch_device)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.torch_device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def step_workspace_bytes(self) -> int:
+        """Measured: the cuBLAS workspaces are dropped (they are made again on demand), then one small matrix
+        product runs on this thread and one on a new thread (autograd's backward runs on a device thread
+        with a handle of its own); the allocator's growth is what they created."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        self.synchronize()
+        before = self.memory_allocated()
+        device = self.torch_device
+
+        def product() -> None:
+            x = torch.ones(64, 64, device=device)
+            (x @ x).sum().item()  # .item(): the product has run before the thread ends
+
+        product()
+        worker = threading.Thread(target=product)
+        worker.start()
+        worker.join()
+        self.synchronize()
+        return max(0, self.memory_allocated() - before)
+
+    def copy_stream(self) -> CopyStream:
+        return _CudaCopyStream(self.torch_device)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def clock(self) -> Callable[[], float]:
+        return time.perf_counter
+
+    def rng_state(self) -> bytearray | None:
+        return bytearray(torch.cuda.get_rng_state(self.torch_device).numpy().tobytes())
+
+    @contextlib.contextmanager
+    def forked_rng(self, cpu_state: bytearray, device_state: bytearray | None) -> Iterator[None]:
+        with torch.random.fork_rng(devices=[self.torch_device]):
+            torch.set_rng_state(torch.frombuffer(cpu_state, dtype=torch.uint8))
+            if device_state is not None:
+                torch.cuda.set_rng_state(torch.frombuffer(device_state, dtype=torch.uint8), self.torch_device)
+            yield
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.torch_device)
+
+    def cache_bytes(self) -> int:
+        props = torch.cuda.get_device_properties(self.torch_device)
+        return int(getattr(props, "L2_cache_size", 0)) or FALLBACK_CACHE_BYTES
+
+    def total_memory(self) -> int | None:
+        return torch.cuda.get_device_properties(self.torch_device).total_memory
+
+    def host_bandwidth_bytes_per_s(self) -> float:
+        """The slower direction of pinned host <-> device copies, each measured over four 64 MiB copies: an
+        offload plan copies both ways, and a device -> host copy that runs longer than planned holds its
+        device bytes longer (the first GPU run's offload plan measured 776 MB over its prediction)."""
+        host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty_like(host, device=self.torch_device)
+        rates = []
+        for dst, src in ((dev, host), (host, dev)):
+            dst.copy_(src, non_blocking=True)  # warm-up
+            self.synchronize()
+            start = time.perf_counter()
+            for _ in range(4):
+                dst.copy_(src, non_blocking=True)
+            self.synchronize()  # wait for the async copies before reading the clock
+            rates.append(4 * host.numel() / (time.perf_counter() - start))
+        return min(rates)
+
+
+class _CudaTransfer(Transfer):
+    complete = False
+
+    def __init__(self, event: Any, device: torch.device):
+        self.event = event
+        self.device = device
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+class _CudaCopyStream(CopyStream):
+    """One dedicated copy stream; an event per transfer; no ``record_stream`` (the executor holds what a copy
+    uses until its event says it is done, so the allocator never hands it out early)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        issued = torch.cuda.Event()
+        issued.record(torch.cuda.current_stream(self.device))  # the producer / the buffer's allocation
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(issued)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _CudaTransfer(done, self.device)
+
+    to_host = _copy
+    to_device = _copy
+
+    def drain(self) -> None:
+        self.stream.synchronize()
+
+
+# ---- CUDA's rules on a CPU ---------------------------------------------------------------------------------
+
+POISON = 0xFF  # an emulated copy's destination until the copy is known complete (NaN in floating point)
+
+
+class _EmulatedTransfer(Transfer):
+    """A copy queued on an emulated stream: performed when it becomes known complete. Holds only weak
+    references to its storages, as a GPU copy holds nothing: the caller must keep them."""
+
+    complete = False
+
+    def __init__(self, stream: _EmulatedCopyStream, dst: torch.Tensor, src: torch.Tensor, what: str):
+        self.stream = stream
+        self.what = what
+        self.performed = False
+        self._dst = (weakref.ref(dst.untyped_storage()), dst.storage_offset(), dst.numel())
+        self._src = (weakref.ref(src.untyped_storage()), src.storage_offset(), src.numel())
+        with torch.no_grad():
+            dst.fill_(POISON)
+
+    @staticmethod
+    def _bytes(ref: tuple[weakref.ref, int, int]) -> torch.Tensor | None:
+        s = ref[0]()
+        if s is None:
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(s, ref[1], (ref[2],), (1,))
+
+    def perform(self) -> None:
+        if self.performed:
+            return
+        self.performed = True
+        src, dst = self._bytes(self._src), self._bytes(self._dst)
+        if src is None or dst is None:
+            which = "source" if src is None else "destination"
+            raise StreamUseError(f"emulated CUDA: the {which} of a {self.what} copy was freed before the copy "
+                                 f"was known complete; on a GPU the allocator could hand its block to another "
+                                 f"tensor while the copy stream still uses it")
+        with torch.no_grad():
+            dst.copy_(src)
+
+    def done(self) -> bool:
+        self.stream.perform_through(self)
+        return True
+
+    def wait(self) -> None:
+        self.stream.perform_through(self)
+
+
+class _EmulatedCopyStream(CopyStream):
+    """An in-order copy stream whose work completes only when someone asks (see the module's docstring)."""
+
+    def __init__(self, device: EmulatedCudaDevice):
+        self.device = device
+        self.queue: list[_EmulatedTransfer] = []
+        device.streams.add(self)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        t = _EmulatedTransfer(self, dst, src, "device-to-host")
+        self.queue.append(t)
+        return t
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        t = _EmulatedTransfer(self, dst, src, "host-to-device")
+        self.queue.append(t)
+        return t
+
+    def perform_through(self, transfer: _EmulatedTransfer) -> None:
+        """The stream is in order: everything queued up to ``transfer`` completes with it."""
+        if transfer.performed:
+            return
+        while self.queue:
+            t = self.queue.pop(0)
+            t.perform()
+            if t is transfer:
+                return
+
+    def drain(self) -> None:
+        while self.queue:
+            self.queue.pop(0).perform()
+
+
+class EmulatedCudaDevice(Device):
+    """CUDA's rules on CPU tensors (see the module's docstring). ``workspace_bytes``: memory the emulated
+    device holds from its first use that no tensor owns, as cuBLAS's workspaces on a GPU."""
+
+    type = "cuda"
+    emulated = True
+
+    def __init__(self, workspace_bytes: int = 0):
+        super().__init__(torch.device("cpu"))
+        self.workspace_bytes = workspace_bytes
+        self.streams: weakref.WeakSet[_EmulatedCopyStream] = weakref.WeakSet()
+
+    def untracked_bytes(self) -> int:
+        return self.charged_bytes(self.workspace_bytes) if self.workspace_bytes else 0
+
+    def synchronize(self) -> None:
+        for s in list(self.streams):
+            s.drain()
+
+    def copy_stream(self) -> CopyStream:
+        return _EmulatedCopyStream(self)
+
+    def name(self) -> str:
+        return "emulated cuda (cpu)"
+
+
+_emulation: list[EmulatedCudaDevice] = []  # the active emulation, innermost last
+
+
+@contextlib.contextmanager
+def emulate_cuda(workspace_bytes: int = 0) -> Iterator[EmulatedCudaDevice]:
+    """Inside the block, ``cuda`` (and the CPU tensors that stand for it) is :class:`EmulatedCudaDevice`."""
+    dev = EmulatedCudaDevice(workspace_bytes)
+    _emulation.append(dev)
+    try:
+        yield dev
+    finally:
+        _emulation.remove(dev)
+
+
+def emulation() -> EmulatedCudaDevice | None:
+    """The active emulated GPU: :func:`emulate_cuda`'s, else one for ``MEMPLAN_EMULATE_CUDA=1``."""
+    if _emulation:
+        return _emulation[-1]
+    if os.environ.get(EMULATE_ENV, "") not in ("", "0"):
+        _emulation.append(EmulatedCudaDevice(int(os.environ.get("MEMPLAN_EMULATE_WORKSPACE_BYTES", "0"))))
+        return _emulation[-1]
+    return None
+
+
+def cuda_available() -> bool:
+    """A CUDA device to run on: a real GPU, or the emulation."""
+    return emulation() is not None or torch.cuda.is_available()
+
+
+def default_device_type() -> str:
+    """``$MEMPLAN_DEVICE`` (``cpu`` or ``cuda``) when set; else ``cuda`` where :func:`cuda_available`, else
+    ``cpu``. (The test suite pins ``cpu``, so that a test not marked ``gpu`` runs the same with a GPU.)"""
+    pinned = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if pinned in ("cpu", "cuda"):
+        return pinned
+    return "cuda" if cuda_available() else "cpu"
+
+
+def device_of(where: str | torch.device | torch.Tensor | torch.nn.Module | None = None) -> Device:
+    """The :class:`Device` for a device name, a torch device, a tensor's or a module's (its first parameter's
+    or buffer's) device; None: :func:`default_device_type`.
+
+    Under the emulation, ``cuda`` and the CPU are both the emulated GPU (its tensors live on the CPU).
+    Raises :class:`MemplanError` for ``cuda`` with neither a GPU nor the emulation."""
+    if isinstance(where, torch.nn.Module):
+        t = next(iter([*where.parameters(), *where.buffers()]), None)
+        where = t.device if t is not None else None
+    elif isinstance(where, torch.Tensor):
+        where = where.device
+    dev = torch.device(where if where is not None else default_device_type())
+    emu = emulation()
+    if emu is not None and dev.type in ("cuda", "cpu"):
+        return emu
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MemplanError("a CUDA device was asked for and none is available here (no GPU, or a torch "
+                               "built without CUDA); set MEMPLAN_EMULATE_CUDA=1 to emulate CUDA's rules on "
+                               "the CPU")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return CudaDevice(dev)
+    return Device(dev)
+
+
+def generator_devices(tensors: list[torch.Tensor]) -> list[torch.device]:
+    """The CUDA devices among ``tensors``: those whose generators ``torch.random.fork_rng`` must save."""
+    return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=lambda d: d.index or 0)
+
+
+def _cpu_cache_bytes() -> int:
+    """The largest CPU cache ``/sys`` lists for cpu0 (Linux), else a typical size."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = entry.read_text().strip().upper()
+            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=FALLBACK_CACHE_BYTES)
