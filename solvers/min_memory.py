@@ -14,6 +14,7 @@ from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.bounds import memory_lower_bound
 from memplan.solvers.capuchin import pick_capuchin
+from memplan.solvers.chain.solve import chain_min_budget_bytes
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.evict import Actions, Facts, Site, candidates, graph_facts, peak_site, shrink, simulate
 from memplan.solvers.greedy import pick_dtr
@@ -276,8 +277,6 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float 
     if in_time():
         actions, prefetch_at = min_memory_actions(graph, offload=offload, deadline=deadline, scores=scores)
         best = min(best, scores(actions, prefetch_at).peak_bytes)
-    from memplan.solvers.dp import chain_min_budget_bytes  # here: dp imports this module's strategies
-
     # a chain: the DP knows the exact least keep/recompute budget
     exact = chain_min_budget_bytes(graph, deadline=deadline) if in_time() else None
     if exact is not None:
