@@ -1,4 +1,4 @@
-"""The chain DP and the chain baselines (solvers/dp.py), proved against the exhaustive oracle.
+"""The chain DP and the chain baselines (solvers/chain/, solvers/dp.py, solvers/baselines.py), proved against the exhaustive oracle.
 
 On linear chains the DP is exact under the simulator: its step time equals the oracle's on every small
 chain, and it is infeasible exactly when the oracle is. Offload is a DP plus a simulator-checked
@@ -18,12 +18,13 @@ from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import simulate_actions
 from memplan.planner.core.synthetic import linear_chain, random_dag
 from memplan.solvers import keep_all_report, memory_lower_bound, solve, solve_frontier
+from memplan.solvers.baselines import revolve_checkpoints
 from memplan.solvers.chain import solve as chain_solve
 from memplan.solvers.chain.grid import Grid
 from memplan.solvers.chain.model import op_chain
 from memplan.solvers.chain.pareto import Pareto
 from memplan.solvers.chain.table import full_spare
-from memplan.solvers.dp import dp_frontier, revolve_checkpoints
+from memplan.solvers.dp import dp_frontier
 from memplan.solvers.multilevel import per_use_everything
 from memplan.solvers.oracle import oracle_min_peak
 
