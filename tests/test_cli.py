@@ -116,6 +116,10 @@ def bad_loss():
     def loss_fn(model, batch):
         raise RuntimeError("shapes do not match in my loss")
     return nn.Linear(4, 4), torch.randn(2, 4), loss_fn
+
+
+def no_parameters(width=4):
+    return nn.ReLU(), torch.randn(2, width), lambda model, batch: model(batch).sum()
 '''
 
 
@@ -125,6 +129,16 @@ def bad_loss():
     (("profile", "{workloads}:bad_loss", "-o", "{tmp}/g.json"), "loss_fn(model, batch) raised RuntimeError: shapes"),
     (("profile", "mlp", "--set", "depth=abc", "-o", "{tmp}/g.json"), "option depth='abc' does not fit int"),
     (("profile", "resnet", "--set", "hidden_sizes=8", "-o", "{tmp}/g.json"), "option hidden_sizes=8 does not fit"),
+    # a workload that cannot be built from the options given (issue #22): once an optimizer's "empty parameter
+    # list" at profiling time, an internal error
+    (("profile", "mlp", "--set", "depth=-1", "-o", "{tmp}/g.json"), "workload 'mlp': option depth=-1 does not "
+                                                                    "fit int: Input should be greater than 0"),
+    (("run", "mlp", "--set", "depth=-1"), "workload 'mlp': option depth=-1 does not fit int"),
+    (("plan", "mlp", "--set", "width=0"), "workload 'mlp': option width=0 does not fit int"),
+    (("profile", "gpt2", "--set", "n_head=5", "-o", "{tmp}/g.json"),
+     "workload 'gpt2' with n_head=5 raised ValueError: `embed_dim` must be divisible by num_heads"),
+    (("profile", "{workloads}:no_parameters", "--set", "width=3", "-o", "{tmp}/g.json"),
+     "workloads.py:no_parameters' with width=3 has no parameter that requires grad: nothing to train"),
     (("profile", "mlp", "-o", "/proc/nope/graph.json"), "cannot write /proc/nope/graph.json: cannot create folder"),
     (("solve", "{graph}", "--budget", "50%", "-o", "{tmp}"), "it is a folder"),
     (("show", "{plan}", "--graph", "{graph}", "--run", "{garbage}", "-o", "{tmp}/t.png"), "not valid JSON"),
