@@ -170,6 +170,30 @@ def test_user_side_failures_exit_2_with_one_line(args, message, graph_file, tmp_
     assert not (tmp_path / "g.json").exists()
 
 
+@pytest.mark.parametrize("budget", ["0", "1"])
+def test_solve_refuses_a_budget_below_every_plan_of_a_long_chain_fast(budget, tmp_path):
+    """Issue #22: ``memplan solve --budget 0`` on a 2,000-op chain searched for the least peak to quote for
+    its whole time limit (60 s); it now answers within about a second, exit 2, one line naming the least
+    peak it found and why the search stopped."""
+    import time
+
+    from memplan.solvers.core import QUOTE_SEARCH_S
+
+    path = tmp_path / "chain.json"
+    linear_chain(2000).save(str(path))
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(cli.app, ["solve", str(path), "--budget", budget, "-o", str(tmp_path / "plan.json")],
+                           env={"MEMPLAN_DEBUG": ""})
+    assert time.perf_counter() - t0 < QUOTE_SEARCH_S + 3.0  # loading the graph, one simulation past the search
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    line = " ".join(r.stderr.split())
+    assert line.startswith(f"error: no plan fits budget {budget} B for graph 'chain'; the minimum feasible budget "
+                           f"memplan knows is ")
+    assert line.endswith(f"stopped after {QUOTE_SEARCH_S:g} s, as budgets below the lower bound 400 B are refused "
+                         f"at once: a budget near it gets the whole time limit")
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_the_workload_help_names_every_built_in():
     from memplan.api.cli import WORKLOAD_HELP
     from memplan.planner.workloads import BUILTINS
