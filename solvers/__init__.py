@@ -4,13 +4,15 @@ Layout: :mod:`~memplan.solvers.registry` (the strategy contract and the registry
 :mod:`~memplan.solvers.core` (``solve``: validation, scoring, the plan), :mod:`~memplan.solvers.bounds`,
 :mod:`~memplan.solvers.frontier`, and one module per strategy, each registering itself on import:
 ``oracle``, ``greedy``, ``capuchin`` (sharing :mod:`~memplan.solvers.evict`), ``every_k``, ``manual``,
-``min_memory``, ``multilevel``, ``auto``, ``dp`` (with its chain baselines) and the ``ilp`` package. This package imports
+``min_memory``, ``multilevel``, ``auto``, ``dp`` (over the exact chain DP of the ``chain`` package), ``baselines``
+(``chen``, ``revolve``, ``rotor``) and the ``ilp`` package. This package imports
 every strategy module once, below, so that :func:`solvers` lists them all.
 """
 
 # the strategy modules register themselves when imported; the import is the registration
 from memplan.solvers import (  # noqa: F401
     auto,
+    baselines,
     capuchin,
     dp,
     every_k,

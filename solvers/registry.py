@@ -9,7 +9,7 @@ checks in ``__post_init__``). It registers itself with :func:`register` when its
 (:func:`memplan.solvers.core.solve`), so a strategy receives a checked, typed object.
 
 Strategies registered without a ``Config`` receive the caller's options as keyword arguments instead
-(the chain DP family in ``dp.py`` still does its own checking).
+(the chain DP family in ``dp.py`` and ``baselines.py`` still does its own checking).
 """
 
 from __future__ import annotations

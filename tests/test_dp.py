@@ -1,4 +1,4 @@
-"""The chain DP and the chain baselines (solvers/dp.py), proved against the exhaustive oracle.
+"""The chain DP and the chain baselines (solvers/chain/, solvers/dp.py, solvers/baselines.py), proved against the exhaustive oracle.
 
 On linear chains the DP is exact under the simulator: its step time equals the oracle's on every small
 chain, and it is infeasible exactly when the oracle is. Offload is a DP plus a simulator-checked
@@ -17,9 +17,14 @@ from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import simulate_actions
 from memplan.planner.core.synthetic import linear_chain, random_dag
-from memplan.solvers import dp as dp_mod
 from memplan.solvers import keep_all_report, memory_lower_bound, solve, solve_frontier
-from memplan.solvers.dp import dp_frontier, revolve_checkpoints
+from memplan.solvers.baselines import revolve_checkpoints
+from memplan.solvers.chain import solve as chain_solve
+from memplan.solvers.chain.grid import Grid
+from memplan.solvers.chain.model import op_chain
+from memplan.solvers.chain.pareto import Pareto
+from memplan.solvers.chain.table import full_spare
+from memplan.solvers.dp import dp_frontier
 from memplan.solvers.multilevel import per_use_everything
 from memplan.solvers.oracle import oracle_min_peak
 
@@ -127,9 +132,9 @@ def test_a_thousand_op_chain_solves_within_budget(frac):
 def test_rounded_memory_stays_sound(monkeypatch):
     """With both exact engines disabled the DP rounds sizes up: the plan still fits, and the rounded-down
     pass is a lower bound on the optimum (the oracle's time)."""
-    monkeypatch.setattr(dp_mod, "_GRID_CELLS", 0)
-    monkeypatch.setattr(dp_mod, "_PARETO_POINTS", 0)
-    monkeypatch.setattr(dp_mod, "_ROUNDED_UNITS", 4)
+    monkeypatch.setattr(chain_solve, "_GRID_CELLS", 0)
+    monkeypatch.setattr(chain_solve, "_PARETO_POINTS", 0)
+    monkeypatch.setattr(chain_solve, "_ROUNDED_UNITS", 4)
     for seed in range(12):
         g = _chain(seed, 8, workspace=True)
         lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
@@ -196,7 +201,7 @@ def test_dp_is_exact_at_and_one_byte_below_every_trade_off_point(seed, n, scale)
         assert got.report.time_s == pytest.approx(best.report.time_s, rel=REL)
         assert frontier[b] == pytest.approx(got.report.time_s / base - 1, rel=1e-9, abs=1e-12)
     # the least feasible budget the DP names is the oracle's minimum, to the byte
-    assert dp_mod.chain_min_budget_bytes(g) == points[0]
+    assert chain_solve.chain_min_budget_bytes(g) == points[0]
 
 
 def test_refusals_name_the_exact_least_budget_of_a_long_chain():
@@ -210,7 +215,7 @@ def test_refusals_name_the_exact_least_budget_of_a_long_chain():
     for op in g.ops:
         op.workspace_bytes = rng.randint(0, 120)
     g.invalidate()
-    exact = dp_mod.chain_min_budget_bytes(g)
+    exact = chain_solve.chain_min_budget_bytes(g)
     assert solve(g, exact, "dp").report.peak_bytes <= exact
     floor = min(exact, simulate_actions(g, per_use_everything(g)).peak_bytes)
     for budget in (exact - 1, memory_lower_bound(g) - 1):
@@ -239,10 +244,10 @@ def test_the_exact_engines_agree():
     same optimum at every spare memory, and plans that reach it."""
     for seed in range(6):
         g = _chain(seed, 30, workspace=True, fixed_share=0.1)
-        ch = dp_mod._op_chain(g)
-        top = dp_mod._full_spare(ch)
-        grid = dp_mod._Grid(ch, ch.unit_gcd, top // ch.unit_gcd)
-        pareto = dp_mod._Pareto(ch, top, 10**7)
+        ch = op_chain(g)
+        top = full_spare(ch)
+        grid = Grid(ch, ch.unit_gcd, top // ch.unit_gcd)
+        pareto = Pareto(ch, top, 10**7)
         assert grid.breakpoints() == pareto.breakpoints()
         for spare in range(0, top + 1, max(1, top // 40)):
             a, b = grid.saved_time_s(spare), pareto.saved_time_s(spare)
@@ -354,8 +359,8 @@ def test_a_chain_with_a_skip_is_not_treated_as_a_chain():
     g = linear_chain(5)
     g.ops[3].inputs.append(g.ops[0].outputs[0])  # op 3 also reads a_0: a long skip
     g.invalidate()
-    assert dp_mod._op_chain(g) is None
-    assert dp_mod._op_chain(linear_chain(5)) is not None
+    assert op_chain(g) is None
+    assert op_chain(linear_chain(5)) is not None
 
 
 def test_unknown_options_are_refused():
