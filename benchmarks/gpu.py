@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,8 +42,14 @@ from typing import Any
 
 import torch
 
+# benchmarks/executor.py's side-by-side machinery, loaded by path (its name is the executor package's)
+_spec = importlib.util.spec_from_file_location("executor_bench", Path(__file__).resolve().parent / "executor.py")
+_bench = importlib.util.module_from_spec(_spec)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from executor import Variant, blocks, make, settle, timed_rounds, with_plan, wrap_blocks  # noqa: E402
+sys.modules["executor_bench"] = _bench  # (its dataclasses look their module up)
+_spec.loader.exec_module(_bench)
+Variant, blocks, make, settle = _bench.Variant, _bench.blocks, _bench.make, _bench.settle
+timed_rounds, with_plan, wrap_blocks = _bench.timed_rounds, _bench.with_plan, _bench.wrap_blocks
 from memplan.planner.core.errors import Infeasible  # noqa: E402
 from memplan.planner.core.plan import Action  # noqa: E402
 from memplan.planner.probe.device import default_device_type, device_of, emulate_cuda  # noqa: E402

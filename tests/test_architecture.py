@@ -126,9 +126,6 @@ def test_the_private_import_check_sees_both_forms(tmp_path, monkeypatch):
 
 
 # ---- import cycles -------------------------------------------------------------------------------------
-# The one cycle left, by name: executor/apply.py and executor/runtime.py import each other. The lead removes
-# this allowance when the executor is rebuilt; every other module graph must stay acyclic.
-KNOWN_EXECUTOR_CYCLE: set[frozenset[str]] = {frozenset({"memplan.executor.apply", "memplan.executor.runtime"})}
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -208,11 +205,9 @@ def import_cycles(root: Path) -> list[list[str]]:
 def test_no_import_cycles():
     """Each folder reads from its entry point down: no module imports one that imports it back, directly or
     through others, at module or function level (once broken by solvers/core -> min_memory -> dp ->
-    hierarchical -> core). The assertion lists every cycle found."""
-    found = import_cycles(ROOT)
-    assert [c for c in found if frozenset(c) not in KNOWN_EXECUTOR_CYCLE] == []
-    stale = KNOWN_EXECUTOR_CYCLE - {frozenset(c) for c in found}
-    assert not stale, f"cycle(s) {stale} are gone: remove them from KNOWN_EXECUTOR_CYCLE"
+    hierarchical -> core, and executor/apply <-> runtime before the executor was taken apart). The assertion
+    lists every cycle found."""
+    assert import_cycles(ROOT) == []
 
 
 def test_the_cycle_check_sees_function_level_and_relative_imports(tmp_path):

@@ -35,12 +35,7 @@ from memplan.solvers import keep_all_report, smallest_known_peak, solve
 WORKSPACE = 3 * 2**20 + 100  # an emulated cuBLAS workspace (charged: rounded up to 512 B)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_executor.one_thread
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see test_executor.one_thread
 
 
 @pytest.fixture
@@ -226,26 +221,14 @@ def test_a_shape_family_of_a_cuda_graph_runs_dynamic_padding_bitwise(gpu):
     where it is evaluated and where the executor compares them, so every padded length of the family runs."""
     import copy
 
-    from test_shapes import SEQ, _gpt2, _loss, _padded
+    from test_shapes import SEQ, _loss, _padded, plan_family
 
     from memplan.executor.session import peak_step
     from memplan.planner.core.shapes import at_shape
-    from memplan.planner.core.units import parse_budget
-    from memplan.planner.probe.family import profile_family
-    from memplan.solvers.bounds import activation_bytes
 
-    pytest.importorskip("transformers", reason="the models extra (transformers) is not installed")
-    model = _gpt2()
-    gen = torch.Generator().manual_seed(1)
-    graph = profile_family(model, [({"seq": SEQ}, _padded([SEQ, 30, SEQ, 7], gen)),
-                                   ({"seq": 36}, _padded([36, 2, 20, 36], gen)),
-                                   ({"seq": 24}, _padded([24, 24, 5, 24], gen))], _loss, progress=False)
+    model, graph, plan = plan_family()
     assert graph.device == "cuda"
-    small = at_shape(graph, {"seq": 5})
-    assert all(t.bytes % 512 == 0 for t in small.tensors)
-    budget = parse_budget("50%", activation_bytes=activation_bytes(graph), fixed_bytes=graph.fixed.resident_bytes)
-    plan = solve(graph, budget).plan
-    assert plan.count(Action.RECOMPUTE) > 0
+    assert all(t.bytes % 512 == 0 for t in at_shape(graph, {"seq": 5}).tensors)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True)

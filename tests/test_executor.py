@@ -539,7 +539,9 @@ def test_parameters_and_their_views_are_never_offloaded(monkeypatch):
 def test_cuda_offload_and_recompute_train_like_plain_training():
     """On CUDA the device -> host copies run on the copy stream and prefetches wait on events: the losses
     and parameters stay those of plain training (within 1e-6 relative: CUDA kernels such as the embedding
-    backward accumulate atomically), the pool is pinned, and the measured peak is the predicted one."""
+    backward accumulate atomically), the pool is pinned, and the measured peak is the predicted one (within
+    0.5%: the workspaces cuBLAS holds are in the graph's fixed memory; tests/test_cuda_emulation.py runs the
+    same rules on a CPU)."""
     w = load_workload("gpt2", **TINY["gpt2"])
     g = profile(w.model, w.batch, w.loss_fn, name="gpt2", device="cuda", progress=False, measure=False,
                 repeats=1)
@@ -550,7 +552,7 @@ def test_cuda_offload_and_recompute_train_like_plain_training():
     plain, planned = fresh_model("gpt2").cuda(), fresh_model("gpt2").cuda()
     opt_plain, opt_planned = adamw(plain), adamw(planned)
     ex = apply(planned, plan, graph=g, optimizer=opt_planned)
-    assert ex.pool.buffer.is_pinned() and ex.copy_stream is not None
+    assert ex.pool.buffer.is_pinned() and ex.copies is not None
     losses: dict[str, list[torch.Tensor]] = {"plain": [], "planned": []}
     try:
         for step in range(STEPS):
@@ -572,7 +574,7 @@ def test_cuda_offload_and_recompute_train_like_plain_training():
     finally:
         ex.remove()
     predicted = simulate(g, plan).peak_bytes
-    assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
+    assert abs(measured / predicted - 1) <= 0.005, (measured, predicted)
 
 
 # ---- 4. what the executor pays: nothing where the plan moves nothing, recipes only for replays ----------

@@ -131,8 +131,8 @@ def _loss(model, batch):
     return model(**batch).loss
 
 
-@functools.cache
-def _planned():
+def plan_family():
+    """GPT-2 profiled as a family at three sequence lengths on the default device, planned at 50%."""
     pytest.importorskip("transformers", reason="the models extra (transformers) is not installed")
     model = _gpt2()
     gen = torch.Generator().manual_seed(1)
@@ -143,6 +143,9 @@ def _planned():
     plan = solve(graph, budget).plan
     assert plan.count("recompute") > 0
     return model, graph, plan
+
+
+_planned = functools.cache(plan_family)
 
 
 @pytest.mark.slow
