@@ -228,3 +228,25 @@ def test_the_cycle_check_sees_function_level_and_relative_imports(tmp_path):
     assert import_cycles(tmp_path) == [["memplan.solvers.core", "memplan.solvers.low", "memplan.solvers.mid"]]
     (tmp_path / "solvers" / "mid.py").write_text("def x():\n    from memplan.solvers import registry\n")
     assert import_cycles(tmp_path) == []
+
+
+def test_cuda_lives_behind_the_device_layer():
+    """Everything that differs between a CPU and a GPU is planner/probe/device.py's: the executor and the
+    probe ask it, so that CUDA's rules emulated on a CPU (tests/test_cuda_emulation.py) reach every path.
+    No ``torch.cuda`` call, ``is_cuda`` test or ``device.type == "cuda"`` branch elsewhere there (code only:
+    docstrings and comments may name them)."""
+    bad = []
+    for folder in ("executor", "planner/probe"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "device.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and (
+                        node.attr == "is_cuda" or (node.attr == "cuda" and isinstance(node.value, ast.Name)
+                                                   and node.value.id == "torch")):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {ast.unparse(node)}")
+                if isinstance(node, ast.Compare) and any(
+                        isinstance(c, ast.Constant) and c.value == "cuda" for c in node.comparators) and \
+                        "type" in ast.unparse(node.left):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} branches on {ast.unparse(node)}")
+    assert bad == []

@@ -106,7 +106,21 @@ def _state(opt: torch.optim.Optimizer) -> list[int]:
     return [int(s["step"]) for s in opt.state.values() if "step" in s]
 
 
+def _warm(name: str, fuse: str | None, fault: str, recovery: str, plan: object) -> None:
+    """Both sequences once, unmeasured: what a process allocates once and keeps (kernels' and the autograd
+    engine's first-use buffers) must not count as a leak of whichever sequence ran first."""
+    for planned in (False, True):
+        model = fresh_model(name)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+        make = (lambda m=model, o=opt: apply(m, plan, graph=graph_of(name), optimizer=o, fuse=fuse)) if planned \
+            else None
+        _loop(name, model, opt, fault, recovery, make)
+    gc.collect()
+
+
 def run_case(name: str, fuse: str | None, fault: str, recovery: str, plan_kind: str = "dp") -> None:
+    plan = plan_of(name, plan_kind, offload=plan_kind != "dp")
+    _warm(name, fuse, fault, recovery, plan)
     # plain PyTorch under the same faults
     plain = fresh_model(name)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
@@ -118,7 +132,6 @@ def run_case(name: str, fuse: str | None, fault: str, recovery: str, plan_kind: 
     # the same under the plan, inside the allocator's reports
     model = fresh_model(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-    plan = plan_of(name, plan_kind, offload=plan_kind != "dp")
     refs: list[weakref.ref] = []
 
     def make():

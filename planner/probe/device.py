@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import threading
 import time
 import weakref
@@ -158,8 +159,14 @@ class Device:
             yield
 
     # ---- facts ---------------------------------------------------------------------------------------------
+    matmul_probe_size = 256  # the square matmul that measures a local spec's FLOP/s
+
     def name(self) -> str:
         return "cpu"
+
+    def timing_identity(self) -> str:
+        """What an op's measured time depends on here, for the op-time cache: the processor and threads."""
+        return f"{_cpu_model()} threads={torch.get_num_threads()}"
 
     def cache_bytes(self) -> int:
         """The last-level cache (for timing ops with cold arguments)."""
@@ -234,8 +241,13 @@ class CudaDevice(Device):
                 torch.cuda.set_rng_state(torch.frombuffer(device_state, dtype=torch.uint8), self.torch_device)
             yield
 
+    matmul_probe_size = 4096
+
     def name(self) -> str:
         return torch.cuda.get_device_name(self.torch_device)
+
+    def timing_identity(self) -> str:
+        return self.name()
 
     def cache_bytes(self) -> int:
         props = torch.cuda.get_device_properties(self.torch_device)
@@ -446,6 +458,25 @@ def default_device_type() -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
+def device_here(device: str | torch.device) -> Device | None:
+    """:func:`device_of` ``device``, or None for a CUDA device this machine has neither as a GPU nor emulated
+    (a device spec's GPU: a fake profile for it runs nothing there)."""
+    if torch.device(device).type == "cuda" and not cuda_available():
+        return None
+    return device_of(device)
+
+
+def fake_trace_device(device: torch.device, layer: Device | None) -> torch.device:
+    """Where a fake step for ``device`` is traced: the device itself, but the CPU for an emulated GPU (its
+    tensors live there) and for CUDA in a torch built without it (autograd cannot wire fake CUDA tensors
+    there: the step is traced with the CPU kernels' op choices and charged as CUDA's allocator would)."""
+    if layer is not None and layer.emulated:
+        return layer.torch_device
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        return torch.device("cpu")
+    return device
+
+
 def device_of(where: str | torch.device | torch.Tensor | torch.nn.Module | None = None) -> Device:
     """The :class:`Device` for a device name, a torch device, a tensor's or a module's (its first parameter's
     or buffer's) device; None: :func:`default_device_type`.
@@ -470,6 +501,14 @@ def device_of(where: str | torch.device | torch.Tensor | torch.nn.Module | None 
             dev = torch.device("cuda", torch.cuda.current_device())
         return CudaDevice(dev)
     return Device(dev)
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def generator_devices(tensors: list[torch.Tensor]) -> list[torch.device]:

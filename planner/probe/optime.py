@@ -39,7 +39,6 @@ import contextlib
 import hashlib
 import math
 import os
-import platform
 import sqlite3
 import statistics
 import time
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 
 from memplan.planner.core.devicespec import DeviceSpec, parse_device_spec
-from memplan.planner.probe.device import Device, cuda_available, device_of
+from memplan.planner.probe.device import Device, device_here, device_of
 from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
@@ -326,26 +325,13 @@ class OpTimeCache:
 
 def device_identity(device: torch.device) -> str:
     """What a timing depends on besides the call: the device model, thread count, torch version."""
-    layer = device_of(device)
-    if layer.type == "cuda" and not layer.emulated:
-        name = layer.name()
-    else:
-        name = _cpu_model() + f" threads={torch.get_num_threads()}"
-    return f"{device.type}:{name}|torch={torch.__version__}"
+    return f"{device.type}:{device_of(device).timing_identity()}|torch={torch.__version__}"
 
 
 def last_level_cache_bytes(device: torch.device) -> int:
     """Bytes of ``device``'s last-level cache: CUDA's L2, or the largest CPU cache ``/sys`` lists for
     cpu0 (32 MiB when neither can be read)."""
     return device_of(device).cache_bytes()
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _hashed(text: str) -> str:
@@ -379,7 +365,7 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    n = 4096 if device.type == "cuda" else 256  # (an emulated GPU computes on the CPU)
+    n = layer.matmul_probe_size
     flops: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a = torch.rand(n, n, dtype=dtype, device=device)
@@ -438,9 +424,8 @@ class OpTimer:
     def __init__(self, device: torch.device, *, spec: DeviceSpec | None = None,
                  cache_dir: str | Path | None = None, min_runs: int = _MIN_RUNS, target_s: float = _TARGET_S,
                  cold: bool = True):
-        device = torch.device(device)
         # an analytic timer for a GPU that is not here runs nothing: no device layer is needed for it
-        self.layer = device_of(device) if spec is None or device.type != "cuda" or cuda_available() else Device()
+        self.layer = (device_here(device) if spec is not None else device_of(device)) or Device()
         self.device = self.layer.torch_device  # where calls run (an emulated GPU's tensors live on the CPU)
         self.min_runs, self.target_s = max(1, min_runs), target_s
         self.spec = spec

@@ -70,7 +70,13 @@ from memplan.planner.core.build import build_graph
 from memplan.planner.core.devicespec import DeviceSpec, round_allocation
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import FixedMemory, Graph, Measured
-from memplan.planner.probe.device import Device, cuda_available, default_device_type, device_of
+from memplan.planner.probe.device import (
+    Device,
+    default_device_type,
+    device_here,
+    device_of,
+    fake_trace_device,
+)
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
 from memplan.planner.probe.measure import max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpTimer
@@ -278,21 +284,16 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     if device_spec is not None and device_spec.device != device.type:
         raise MemplanError(f"device spec {device_spec.name} is a {device_spec.device} device; "
                            f"profiling for --device {device.type} contradicts it")
-    if device_spec is None and device.type == "cuda" and not cuda_available():
+    # the device the profile runs on: None for a spec's GPU that is not here (nothing runs on it)
+    layer = device_here(device)
+    if device_spec is None and layer is None:
         raise MemplanError("a fake profile for CUDA without a GPU here cannot time its ops: give --device-spec "
                            "(for example h100-80gb)")
-    # the device the profile runs on: None for a spec's GPU that is not here (nothing runs on it)
-    layer = device_of(device) if device.type != "cuda" or cuda_available() else None
     counters = layer is not None and layer.has_allocator_counters
     if counters:
         layer.reset_peak()
     resident = _resident_bytes(model, example_batch, optimizer, layer)
-    # Autograd cannot wire fake CUDA tensors in a torch built without CUDA: such a build traces the step as
-    # on CPU (the CPU kernels' op choices) and charges its storages as CUDA's allocator would; an emulated
-    # GPU's tensors live on the CPU.
-    traced_on = device if device.type != "cuda" or torch.backends.cuda.is_built() else torch.device("cpu")
-    if layer is not None and layer.emulated:
-        traced_on = layer.torch_device
+    traced_on = fake_trace_device(device, layer)
     kind = layer.type if layer is not None else device.type  # the graph's device (emulated: cuda)
     with _progress(progress, name, 4) as advance, \
             fake_step_state(model, example_batch, optimizer, traced_on) as st:
