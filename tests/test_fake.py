@@ -267,3 +267,40 @@ def test_fake_ranks_predict_each_ranks_peak_as_the_real_profile_does(engine, cac
     assert {r["predicted_peak_bytes"] for r in rows if r["plan"] == "keep all"} == {keep}
     planned = {r["predicted_peak_bytes"] for r in rows if r["plan"] != "keep all"}
     assert len(planned) == 1 and planned.pop() < keep
+
+
+class PositionCheck(nn.Module):
+    """Branches on position ids made by ``torch.arange``, as transformers' packed-sequence check does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1])
+        if bool((pos[1:] - pos[:-1] == 1).all()):  # Python branching on a value
+            return self.lin(x).sum(1)
+        return self.lin(x * 2).sum(1)
+
+
+def test_small_constants_are_made_for_real_so_code_branching_on_them_takes_the_real_path(cache, same_structure):
+    model, x = PositionCheck(), torch.randn(4, 8, 8)
+    real = profile(model, x, lambda m, b: m(b).pow(2).mean(), device="cpu", progress=False, measure=False,
+                   repeats=1)
+    fake = profile(model, x, lambda m, b: m(b).pow(2).mean(), device="cpu", progress=False, fake=True,
+                   timer=OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0))
+    same_structure(real, fake)
+
+
+def test_only_small_seedless_constants_are_made_for_real():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from memplan.planner.probe.fake import REAL_CONSTANT_MAX_BYTES, fake_call
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        small = fake_call(aten.arange.default, (16,), {}, "m")
+        large = fake_call(aten.zeros.default, ([REAL_CONSTANT_MAX_BYTES // 4 + 1],), {}, "m")
+        drawn = fake_call(aten.randn.default, ([4],), {}, "m")
+    assert not isinstance(small, FakeTensor) and torch.equal(small, torch.arange(16))
+    assert isinstance(large, FakeTensor) and isinstance(drawn, FakeTensor)
