@@ -5,7 +5,8 @@ strides and dtypes on the target device (``torch.nn.utils.stateless`` reparametr
 module and its tensors are left as they were), makes the batch fake and builds a fake optimizer of the
 user's class and hyper-parameters over the fake parameters, so its state is created fake by its first
 step. A model built on the meta device works the same: nothing of its size is ever allocated. A batch already
-on the target device stays real, and calls on real tensors alone run for real (:func:`fake_call`).
+on the target device stays real (one on the CPU for a GPU here is moved there, as a real step has it), and
+calls on real tensors alone run for real (:func:`fake_call`).
 
 :func:`fake_call` runs one ATen call on fake tensors and turns the errors of a step that cannot be traced
 so (an output whose shape or value depends on tensor data: ``nonzero``, ``.item()``) into one
@@ -43,6 +44,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memplan.planner.core.errors import MemplanError
+from memplan.planner.probe.storage import move_batch
 from memplan.planner.workloads import default_optimizer
 
 # A constant tensor (no tensor argument) up to this size is made for real in a fake step: position ids,
@@ -93,7 +95,12 @@ def _small_constant(func: Any, out: Any) -> bool:
         return False
     if sum(t.numel() * t.element_size() for t in outs) > REAL_CONSTANT_MAX_BYTES:
         return False
-    return all(t.device.type == "cpu" or (t.device.type == "cuda" and torch.cuda.is_available()) for t in outs)
+    return all(_here(t.device) for t in outs)
+
+
+def _here(device: torch.device) -> bool:
+    """Whether real tensors can live on ``device`` in this process."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
 
 
 class FakeGuard(TorchDispatchMode):
@@ -147,9 +154,16 @@ def fake_step_state(model: nn.Module, batch: Any, optimizer: torch.optim.Optimiz
     swapped |= {name: fake_of(b) for name, b in model.named_buffers(remove_duplicate=False)}
     inputs: list[torch.Tensor] = []
     _leaves(batch, inputs)
-    # A batch already on the device stays real (it is small, and the model may look at its values, as
-    # transformers does with an attention mask); elsewhere (the meta device, another device) it is faked.
-    fake_batch = batch if all(t.device == device for t in inputs) else _map(batch, fake_of)
+    # The batch is real where the step has it real (it is small, and the model may look at its values:
+    # transformers skips the mask of an all-ones attention mask, and builds it for a fake one): already on
+    # the device, or moved there as run_plan moves it when the device is here. A batch on the meta
+    # device, or for a device not here (a device spec's), is faked.
+    if all(t.device == device for t in inputs):
+        fake_batch = batch
+    elif _here(device) and not any(t.is_meta for t in inputs):
+        fake_batch = move_batch(batch, device)
+    else:
+        fake_batch = _map(batch, fake_of)
     inputs = []
     _leaves(fake_batch, inputs)
     with _reparametrize_module(model, swapped, tie_weights=True, strict=False), mode:
