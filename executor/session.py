@@ -28,6 +28,7 @@ from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.core.simulator import simulate
 from memplan.planner.probe.device import cuda_available, device_of
+from memplan.planner.probe.materialize import materialize
 from memplan.planner.probe.measure import measure_step, step_peak
 from memplan.planner.probe.storage import move_batch
 from memplan.planner.workloads import LossFn, default_optimizer, training_step
@@ -169,8 +170,9 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
     """Train ``warmup + 1 + steps`` steps of ``model`` under ``plan`` and return predicted against measured.
 
     ``model``, ``batch`` and ``loss_fn`` as for the profiler; they are moved to the graph's device (a graph
-    profiled on CUDA needs a GPU here). ``optimizer`` defaults to AdamW (foreach), as profiled; it must be
-    built over ``model``'s parameters. ``fuse`` (None, "backward", "forward") and ``max_grad_norm`` go to
+    profiled on CUDA needs a GPU here); a model on the meta device (planned with ``fake=True``) is
+    allocated there and initialised (:func:`memplan.planner.probe.materialize.materialize`). ``optimizer``
+    defaults to AdamW (foreach), as profiled; it must be built over ``model``'s parameters. ``fuse`` (None, "backward", "forward") and ``max_grad_norm`` go to
     :func:`memplan.executor.apply`. With ``keep_all``, ``warmup + 1 + steps`` more steps are then run
     without the plan (:func:`memplan.planner.probe.measure.measure_step`) for the keep-everything figures.
     The model is trained by all of these steps.
@@ -187,7 +189,7 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
     device = layer.torch_device  # where the tensors live (an emulated GPU's on the CPU)
     predicted = simulate(graph, plan, timeline=False)  # checks the plan against the graph first
     keep_all_predicted = simulate(graph, None, timeline=False)
-    model.to(device)
+    materialize(model, device)  # a model built on the meta device is allocated and initialised here
     model.train()
     batch = move_batch(batch, device)
     optimizer = optimizer or default_optimizer(model)

@@ -12,6 +12,8 @@ import httpx
 import pytest
 import torch
 
+from memplan.planner.core.simulator import simulate
+
 # Pin the default device: a test not marked ``gpu`` runs on the CPU whether or not the machine has a GPU
 # (subprocesses, the CLI's included, inherit it); gpu-marked tests ask for ``cuda`` by name.
 os.environ["MEMPLAN_DEVICE"] = "cpu"
@@ -135,3 +137,37 @@ def serve():
         except subprocess.TimeoutExpired:
             proc.kill()
             pytest.fail("memplan serve did not stop on Ctrl-C within 20 s")
+
+
+_TIMES = {"time_s", "backward_time_s", "time_source"}
+
+
+def _structure(g):
+    d = g.model_dump(exclude={"meta", "measured", "optimizer_time_s"})
+    d["fixed"].pop("optimizer_step_bytes")
+    d["ops"] = [{k: v for k, v in op.items() if k not in _TIMES} for op in d["ops"]]
+    return d
+
+
+def assert_same_structure(real, fake):
+    """A fake profile's graph is the real one's in every field but the times (test_fake's docstring says
+    which fields differ by design): the same ops in the same order, tensors, bytes, saves, lifetimes."""
+    a, b = _structure(real), _structure(fake)
+    assert [op["name"] for op in a["ops"]] == [op["name"] for op in b["ops"]]
+    for x, y in zip(a["ops"], b["ops"], strict=True):
+        assert x == y
+    for x, y in zip(a["tensors"], b["tensors"], strict=True):
+        assert x == y
+    assert a == b
+    assert fake.meta["mutated_by"] == real.meta["mutated_by"]
+    assert fake.fingerprint == real.fingerprint
+    # the optimizer step's scratch differs by design (the allocator's against the storages'): the real one's
+    aligned = fake.model_copy(deep=True)
+    aligned.fixed.optimizer_step_bytes = real.fixed.optimizer_step_bytes
+    assert simulate(aligned, None).peak_bytes == simulate(real, None).peak_bytes
+
+
+@pytest.fixture
+def same_structure():
+    """:func:`assert_same_structure` (test_fake and the family matrix share it)."""
+    return assert_same_structure

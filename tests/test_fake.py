@@ -26,8 +26,6 @@ from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import load_workload
 from memplan.solvers import solve
 
-TIMES = {"time_s", "backward_time_s", "time_source"}
-
 
 def _real(w, **kw):
     return profile(w.model, w.batch, w.loss_fn, device="cpu", progress=False, measure=False, repeats=1,
@@ -38,26 +36,6 @@ def _fake(w, cache, **kw):
     timer = OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0)
     return profile(w.model, w.batch, w.loss_fn, device="cpu", progress=False, fake=True, timer=timer,
                    name=w.name, **kw)
-
-
-def _structure(g):
-    d = g.model_dump(exclude={"meta", "measured", "optimizer_time_s"})
-    d["fixed"].pop("optimizer_step_bytes")
-    d["ops"] = [{k: v for k, v in op.items() if k not in TIMES} for op in d["ops"]]
-    return d
-
-
-def _assert_same_structure(real, fake):
-    a, b = _structure(real), _structure(fake)
-    assert [op["name"] for op in a["ops"]] == [op["name"] for op in b["ops"]]
-    for x, y in zip(a["ops"], b["ops"], strict=True):
-        assert x == y
-    for x, y in zip(a["tensors"], b["tensors"], strict=True):
-        assert x == y
-    assert a == b
-    assert fake.meta["mutated_by"] == real.meta["mutated_by"]
-    assert fake.fingerprint == real.fingerprint
-    assert simulate(fake, None).peak_bytes == simulate(real, None).peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +50,14 @@ def cache(tmp_path_factory):
                                   pytest.param("resnet", marks=pytest.mark.slow),
                                   pytest.param("gpt2", marks=pytest.mark.slow),
                                   pytest.param("bert", marks=pytest.mark.slow)])
-def test_fake_graph_equals_the_real_profile_on_builtins(name, cache):
+def test_fake_graph_equals_the_real_profile_on_builtins(name, cache, same_structure):
     small = {"mlp": {"depth": 4}, "unet": {"channels": (8, 16, 32), "image_size": 32},
              "resnet": {"image_size": 32, "batch_size": 4}, "gpt2": {"n_layer": 2, "seq_len": 64},
              "bert": {"num_hidden_layers": 2, "seq_len": 64}}[name]
     w = load_workload(name, **small)
     fake = _fake(w, cache)
     real = _real(w)
-    _assert_same_structure(real, fake)
+    same_structure(real, fake)
     assert all(op.time_source == "isolated" for op in fake.ops)
     assert all(op.time_source == "measured" for op in real.ops)
     assert fake.meta["fake"] is True and fake.measured.peak_bytes is None
@@ -105,7 +83,7 @@ def _ce(model, batch):
     return nn.functional.cross_entropy(model(x), y)
 
 
-def test_a_model_built_on_the_meta_device_gives_the_real_graph(cache):
+def test_a_model_built_on_the_meta_device_gives_the_real_graph(cache, same_structure):
     batch = (torch.randn(16, 32), torch.randint(0, 10, (16,)))
     with torch.device("meta"):
         meta_model = TwoBlocks()
@@ -116,7 +94,7 @@ def test_a_model_built_on_the_meta_device_gives_the_real_graph(cache):
                    timer=OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0))
     real = profile(real_model, batch, _ce, device="cpu", progress=False, measure=False, repeats=1,
                    optimizer=torch.optim.SGD(real_model.parameters(), lr=0.1, momentum=0.9))
-    _assert_same_structure(real, fake)
+    same_structure(real, fake)
     assert fake.fixed.optimizer_state_bytes == fake.fixed.params_bytes  # SGD momentum buffers, fake
     # nothing of the model was materialised, and its optimizer kept no state
     assert all(p.device.type == "meta" for p in meta_model.parameters()) and not opt.state
@@ -289,3 +267,40 @@ def test_fake_ranks_predict_each_ranks_peak_as_the_real_profile_does(engine, cac
     assert {r["predicted_peak_bytes"] for r in rows if r["plan"] == "keep all"} == {keep}
     planned = {r["predicted_peak_bytes"] for r in rows if r["plan"] != "keep all"}
     assert len(planned) == 1 and planned.pop() < keep
+
+
+class PositionCheck(nn.Module):
+    """Branches on position ids made by ``torch.arange``, as transformers' packed-sequence check does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1])
+        if bool((pos[1:] - pos[:-1] == 1).all()):  # Python branching on a value
+            return self.lin(x).sum(1)
+        return self.lin(x * 2).sum(1)
+
+
+def test_small_constants_are_made_for_real_so_code_branching_on_them_takes_the_real_path(cache, same_structure):
+    model, x = PositionCheck(), torch.randn(4, 8, 8)
+    real = profile(model, x, lambda m, b: m(b).pow(2).mean(), device="cpu", progress=False, measure=False,
+                   repeats=1)
+    fake = profile(model, x, lambda m, b: m(b).pow(2).mean(), device="cpu", progress=False, fake=True,
+                   timer=OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0))
+    same_structure(real, fake)
+
+
+def test_only_small_seedless_constants_are_made_for_real():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from memplan.planner.probe.fake import REAL_CONSTANT_MAX_BYTES, fake_call
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        small = fake_call(aten.arange.default, (16,), {}, "m")
+        large = fake_call(aten.zeros.default, ([REAL_CONSTANT_MAX_BYTES // 4 + 1],), {}, "m")
+        drawn = fake_call(aten.randn.default, ([4],), {}, "m")
+    assert not isinstance(small, FakeTensor) and torch.equal(small, torch.arange(16))
+    assert isinstance(large, FakeTensor) and isinstance(drawn, FakeTensor)

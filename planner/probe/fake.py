@@ -5,11 +5,22 @@ strides and dtypes on the target device (``torch.nn.utils.stateless`` reparametr
 module and its tensors are left as they were), makes the batch fake and builds a fake optimizer of the
 user's class and hyper-parameters over the fake parameters, so its state is created fake by its first
 step. A model built on the meta device works the same: nothing of its size is ever allocated. A batch already
-on the target device stays real, and calls on real tensors alone run for real (:func:`fake_call`).
+on the target device stays real (one on the CPU for a GPU here is moved there, as a real step has it), and
+calls on real tensors alone run for real (:func:`fake_call`).
 
 :func:`fake_call` runs one ATen call on fake tensors and turns the errors of a step that cannot be traced
 so (an output whose shape or value depends on tensor data: ``nonzero``, ``.item()``) into one
 :class:`FakeTraceError` naming the op and the module.
+
+The fake step must be the real one, op for op. Libraries branch on whether they are being traced:
+transformers' ``is_tracing(tensor)`` is true for a ``FakeTensor`` and then builds the attention mask
+another way (``masking_utils.find_packed_sequence_indices`` on position ids made by ``torch.arange``
+skips its ``.all()``, so a Llama traced fake runs ``aten.expand`` where the real step runs
+``aten.select``). So a small tensor made from nothing but constants (``arange``, ``ones``, ``full``: no
+tensor argument, no random stream, at most :data:`REAL_CONSTANT_MAX_BYTES`) is made for real, as the
+batch is, and what is computed from it and the batch alone runs for real: such code has real values to
+branch on, and takes the real path. (Telling transformers that fake tensors are not traced would not do:
+a branch on a fake activation's values cannot be taken at all, and is refused as above.)
 """
 
 from __future__ import annotations
@@ -33,7 +44,13 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memplan.planner.core.errors import MemplanError
+from memplan.planner.probe.storage import move_batch
 from memplan.planner.workloads import default_optimizer
+
+# A constant tensor (no tensor argument) up to this size is made for real in a fake step: position ids,
+# index ranges and small masks, which libraries read (``.all()``, ``.item()``) to choose a path. Larger
+# ones (a buffer of the model's size) stay fake: nothing of the step's size is allocated.
+REAL_CONSTANT_MAX_BYTES = 1 << 20
 
 _CANNOT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
            UnsupportedFakeTensorException)
@@ -54,13 +71,36 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
         with _disable_current_modes():
             return func(*args, **kwargs)
     try:
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
     except _CANNOT as e:
         reason = ("its output depends on tensor values" if isinstance(e, (DataDependentOutputException,
                                                                           DynamicOutputShapeException))
                   else "fake tensors do not support it")
         raise FakeTraceError(f"{func} in {where} cannot run under fake tensors ({reason}); "
                              f"profile without --fake (fake=False)") from None
+    if not tensors and _small_constant(func, out):
+        with _disable_current_modes():
+            return func(*args, **kwargs)
+    return out
+
+
+def _small_constant(func: Any, out: Any) -> bool:
+    """Whether ``out`` (fake), made by ``func`` from no tensor, is a constant small enough to make for
+    real: not drawn from a random stream, at most :data:`REAL_CONSTANT_MAX_BYTES`, on a device here."""
+    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    outs: list[torch.Tensor] = []
+    _leaves(out, outs)
+    if not outs or not all(isinstance(t, FakeTensor) for t in outs):
+        return False
+    if sum(t.numel() * t.element_size() for t in outs) > REAL_CONSTANT_MAX_BYTES:
+        return False
+    return all(_here(t.device) for t in outs)
+
+
+def _here(device: torch.device) -> bool:
+    """Whether real tensors can live on ``device`` in this process."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
 
 
 class FakeGuard(TorchDispatchMode):
@@ -114,9 +154,16 @@ def fake_step_state(model: nn.Module, batch: Any, optimizer: torch.optim.Optimiz
     swapped |= {name: fake_of(b) for name, b in model.named_buffers(remove_duplicate=False)}
     inputs: list[torch.Tensor] = []
     _leaves(batch, inputs)
-    # A batch already on the device stays real (it is small, and the model may look at its values, as
-    # transformers does with an attention mask); elsewhere (the meta device, another device) it is faked.
-    fake_batch = batch if all(t.device == device for t in inputs) else _map(batch, fake_of)
+    # The batch is real where the step has it real (it is small, and the model may look at its values:
+    # transformers skips the mask of an all-ones attention mask, and builds it for a fake one): already on
+    # the device, or moved there as run_plan moves it when the device is here. A batch on the meta
+    # device, or for a device not here (a device spec's), is faked.
+    if all(t.device == device for t in inputs):
+        fake_batch = batch
+    elif _here(device) and not any(t.is_meta for t in inputs):
+        fake_batch = move_batch(batch, device)
+    else:
+        fake_batch = _map(batch, fake_of)
     inputs = []
     _leaves(fake_batch, inputs)
     with _reparametrize_module(model, swapped, tie_weights=True, strict=False), mode:
