@@ -22,6 +22,9 @@ class Config:
     # small graphs and with offload, otherwise intervals (its bound decides the status) and, unless that
     # proves its plan optimal, the windowed replay model in the last 40% of the time
     formulation: Literal["auto", "replay", "intervals"] = "auto"
+    # also recompute_each (per-use re-creation) for every rebuildable tensor; off: the model, its bound
+    # and its "optimal" cover keep / recompute (/ offload) only, and the result's space says so
+    per_use: bool = True
     # choose: the ILP picks prefetch points; default: the simulator's
     prefetch: Literal["choose", "default"] = "choose"
     # producers a replay may go back; None: unlimited on small graphs

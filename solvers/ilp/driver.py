@@ -29,6 +29,8 @@ def decode(built: Built, values: list[int], graph: Graph) -> tuple[dict[int, Act
     for u in graph.saved_activations:  # ascending ids: the simulator's FIFO order among equal prefetch points
         if u in built.r and values[built.r[u]]:
             actions[u] = Action.RECOMPUTE
+        elif u in built.each and values[built.each[u]]:
+            actions[u] = Action.RECOMPUTE_EACH
         elif u in built.o and values[built.o[u]]:
             actions[u] = Action.OFFLOAD
             fired = [sl for sl in built.slots[u] if values[sl.var]]
@@ -46,6 +48,8 @@ def hint_for(built: Built, graph: Graph, actions: dict[int, Action], prefetch: d
     hint: dict[int, int] = {}
     for u, v in built.r.items():
         hint[v] = int(actions.get(u) == Action.RECOMPUTE)
+    for u, v in built.each.items():
+        hint[v] = int(actions.get(u) == Action.RECOMPUTE_EACH)
     for u, v in built.o.items():
         off = actions.get(u) == Action.OFFLOAD
         hint[v] = int(off)
@@ -90,8 +94,8 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                                  host_budget_bytes=host_budget_bytes)
             except MemplanError:
                 continue
-            if prop.status == "infeasible" or Action.RECOMPUTE_EACH in prop.actions.values():
-                continue  # none, or outside the model's keep / recompute / offload space (its claims' space)
+            if prop.status == "infeasible" or (not cfg.per_use and Action.RECOMPUTE_EACH in prop.actions.values()):
+                continue  # none, or outside the model's space
             rep = simulate_actions(graph, prop.actions, prefetch_at=prop.prefetch_at)
             if fits(rep) and (best is None or rep.time_s < best[0]):
                 warm = (prop.actions, prop.prefetch_at)
