@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import PositiveInt
 from torch import nn
 
 from memplan.planner.core.errors import MemplanError, WorkloadError
@@ -116,10 +117,11 @@ def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 # ---- built-in models -------------------------------------------------------------------------------
 # Options carry the names of the transformers config they set (n_layer, hidden_size, ...); ``size`` picks a
-# preset (SIZES below) that explicit options override.
+# preset (SIZES below) that explicit options override. Counts and sizes are ``PositiveInt``: a workload built
+# with none of a layer or a width of 0 has nothing to train, and ``--set depth=-1`` is refused naming the option.
 
 
-def _mlp(*, depth: int, width: int, batch_size: int, seed: int = 0) -> Workload:
+def _mlp(*, depth: PositiveInt, width: PositiveInt, batch_size: PositiveInt, seed: int = 0) -> Workload:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for _ in range(depth):
@@ -140,8 +142,9 @@ def _classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> to
     return nn.functional.cross_entropy(logits, batch["labels"])
 
 
-def _resnet(*, layer_type: str, embedding_size: int, hidden_sizes: tuple[int, ...], depths: tuple[int, ...],
-            image_size: int, batch_size: int, num_labels: int = 10, seed: int = 0) -> Workload:
+def _resnet(*, layer_type: str, embedding_size: PositiveInt, hidden_sizes: tuple[PositiveInt, ...],
+            depths: tuple[PositiveInt, ...], image_size: PositiveInt, batch_size: PositiveInt,
+            num_labels: PositiveInt = 10, seed: int = 0) -> Workload:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)
@@ -158,7 +161,8 @@ def _token_batch(vocab_size: int, batch_size: int, seq_len: int) -> dict[str, to
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def _gpt2(*, n_layer: int, n_embd: int, n_head: int, vocab_size: int, seq_len: int, batch_size: int,
+def _gpt2(*, n_layer: PositiveInt, n_embd: PositiveInt, n_head: PositiveInt, vocab_size: PositiveInt,
+          seq_len: PositiveInt, batch_size: PositiveInt,
           dropout: float = 0.1, attn_implementation: str = "eager", seed: int = 0) -> Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -179,8 +183,8 @@ def _gpt2(*, n_layer: int, n_embd: int, n_head: int, vocab_size: int, seq_len: i
     return Workload("gpt2", model, batch, loss_fn)
 
 
-def _bert(*, num_hidden_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,
-          seq_len: int, batch_size: int, dropout: float = 0.1, attn_implementation: str = "eager",
+def _bert(*, num_hidden_layers: PositiveInt, hidden_size: PositiveInt, num_attention_heads: PositiveInt,
+          vocab_size: PositiveInt, seq_len: PositiveInt, batch_size: PositiveInt, dropout: float = 0.1, attn_implementation: str = "eager",
           seed: int = 0) -> Workload:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -244,7 +248,7 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def _unet(*, channels: tuple[int, ...], image_size: int, batch_size: int, seed: int = 0) -> Workload:
+def _unet(*, channels: tuple[PositiveInt, ...], image_size: PositiveInt, batch_size: PositiveInt, seed: int = 0) -> Workload:
     torch.manual_seed(seed)
     model = UNet(tuple(channels))
     x = torch.randn(batch_size, 3, image_size, image_size)
@@ -282,7 +286,8 @@ class UnrolledCell(nn.Module):
         return self.head(h)
 
 
-def _rnn(*, cell: str, steps: int, input_size: int, hidden_size: int, batch_size: int, seed: int = 0) -> Workload:
+def _rnn(*, cell: str, steps: PositiveInt, input_size: PositiveInt, hidden_size: PositiveInt,
+         batch_size: PositiveInt, seed: int = 0) -> Workload:
     torch.manual_seed(seed)
     model = UnrolledCell(cell, input_size, hidden_size)
     x = torch.randn(steps, batch_size, input_size)
@@ -344,18 +349,31 @@ def load_workload(spec: str, **overrides: Any) -> Workload:
     Raises :class:`WorkloadError` with a one-line message for an unknown name, a missing file or
     function, an unknown override, or a function that does not return ``(model, example_batch, loss_fn)``.
     """
-    if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
-        return _from_file(spec, overrides)
+    w = _from_file(spec, overrides) if ":" in spec and spec.split(":", 1)[0].endswith(".py") \
+        else _builtin(spec, overrides)
+    if not any(p.requires_grad for p in w.model.parameters()):
+        raise WorkloadError(f"workload {spec!r}{_given(overrides)} has no parameter that requires grad: "
+                            f"nothing to train")
+    return w
+
+
+def _given(overrides: dict[str, Any]) -> str:
+    """`` with depth=-1, width=8`` for the options given, to name them in an error; '' for none."""
+    return f" with {', '.join(f'{k}={v!r}' for k, v in overrides.items())}" if overrides else ""
+
+
+def _builtin(spec: str, overrides: dict[str, Any]) -> Workload:
     builder = BUILTINS.get(spec)
     if builder is None:
         raise WorkloadError(f"unknown workload {spec!r}: expected one of {', '.join(BUILTINS)} "
                             f"or path/to/file.py:function")
+    overrides = dict(overrides)
     size = str(overrides.pop("size", "small"))
     presets = SIZES[spec]
     if size not in presets:
         raise WorkloadError(f"workload {spec!r} has no size {size!r}; sizes: {', '.join(presets)}")
     overrides = _check_overrides(spec, builder, overrides)
-    return _call_user(f"workload {spec!r}", builder, {**presets[size], **overrides})
+    return _call_user(f"workload {spec!r}{_given(overrides)}", builder, {**presets[size], **overrides})
 
 
 def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -372,7 +390,7 @@ def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str
             raise WorkloadError(f"workload {spec!r} has no option {', '.join(unknown)}; "
                                 f"it takes {', '.join(takes) or 'none'}")
     try:
-        hints = typing.get_type_hints(builder)
+        hints = typing.get_type_hints(builder, include_extras=True)  # with PositiveInt's bound
     except Exception:  # noqa: BLE001 - a user's annotation that does not resolve: take the values as given
         return overrides
     checked = dict(overrides)
@@ -383,14 +401,26 @@ def _check_overrides(spec: str, builder: Callable[..., Any], overrides: dict[str
         try:
             checked[name] = TypeAdapter(hint).validate_python(value)
         except ValidationError as e:
-            wanted = getattr(hint, "__name__", None) if not typing.get_args(hint) else None
-            wanted = wanted or str(hint).replace("typing.", "")
+            base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
+            wanted = getattr(base, "__name__", None) if not typing.get_args(base) else None
+            wanted = wanted or _type_name(base)
             example = f" (a list: --set {name}=8,16)" if typing.get_origin(hint) in (tuple, list) else ""
             raise WorkloadError(f"workload {spec!r}: option {name}={value!r} does not fit {wanted}{example}: "
                                 f"{e.errors()[0]['msg']}") from None
         except Exception:  # noqa: BLE001 - an annotation pydantic cannot check: take the value as given
             continue
     return checked
+
+
+def _type_name(hint: Any) -> str:
+    """``tuple[int, ...]`` for ``tuple[PositiveInt, ...]``: the annotation as a user reads it."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return _type_name(typing.get_args(hint)[0])
+    args = typing.get_args(hint)
+    if not args:
+        return getattr(hint, "__name__", str(hint).replace("typing.", ""))
+    names = ["..." if a is Ellipsis else _type_name(a) for a in args]
+    return f"{getattr(typing.get_origin(hint), '__name__', 'typing')}[{', '.join(names)}]"
 
 
 # memplan's code: its subpackages (the package's folder also holds tests/ and benchmarks/)
@@ -479,7 +509,8 @@ def _from_file(spec: str, overrides: dict[str, Any]) -> Workload:
     func = getattr(module, func_name, None)
     if not callable(func):
         raise WorkloadError(f"workload file {path_text} has no function {func_name!r}")
-    result = _call_user(spec, func, _check_overrides(spec, func, overrides))
+    checked = _check_overrides(spec, func, overrides)
+    result = _call_user(f"{spec}{_given(checked)}", func, checked)
     if not (isinstance(result, tuple) and len(result) == 3):
         raise WorkloadError(f"{spec} must return (model, example_batch, loss_fn), "
                             f"got {type(result).__name__}")

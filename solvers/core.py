@@ -22,6 +22,12 @@ from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 from memplan.solvers.min_memory import smallest_known_peak
 from memplan.solvers.registry import Proposal, SolverSpec, get
 
+# A budget below the memory lower bound is refused without running a strategy; the search for the least peak
+# to quote gets at most this long (the time limit, when shorter): a refusal is answered in about a second
+# (GPT-2's search ran ~7 s, a 2,000-op chain's its whole time limit), and a budget near the quoted peak, which
+# the strategy then runs on, gets the full search
+QUOTE_SEARCH_S = 1.0
+
 
 @dataclass(frozen=True)
 class SolveResult:
@@ -59,10 +65,14 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     config = spec.config_for(options) if spec.config is not None else options
     t0 = time.perf_counter()
     budget = budget_bytes if budget_bytes is not None else keep_all_report(graph).peak_bytes
-    if budget < memory_lower_bound(graph):
-        # no strategy runs: the search for the least peak to quote gets the whole time limit
-        floor = smallest_known_peak(graph, offload=offload, deadline=t0 + time_limit_s)
-        raise infeasible(graph, budget, floor, cut_at_s=_cut(t0 + time_limit_s, time_limit_s))
+    lower = memory_lower_bound(graph)
+    if budget < lower:
+        # proven infeasible, no strategy runs: a short search for the least peak to quote
+        search_s = min(time_limit_s, QUOTE_SEARCH_S)
+        floor = smallest_known_peak(graph, offload=offload, deadline=t0 + search_s)
+        if search_s < time_limit_s:
+            raise infeasible(graph, budget, floor, cut_at_s=_cut(t0 + search_s, search_s), quick_below=lower)
+        raise infeasible(graph, budget, floor, cut_at_s=_cut(t0 + search_s, search_s))
     proposal, report = propose(graph, spec, budget, time_limit_s=time_limit_s, offload=offload,
                                host_budget_bytes=host_budget_bytes, config=config)
     elapsed = time.perf_counter() - t0
@@ -123,14 +133,21 @@ def _cut(deadline: float, time_limit_s: float) -> float | None:
 
 
 def infeasible(graph: Graph, budget: int, floor: int, method: str | None = None, *,
-               cut_at_s: float | None = None) -> Infeasible:
+               cut_at_s: float | None = None, quick_below: int | None = None) -> Infeasible:
     """The :class:`Infeasible` error for ``budget``, quoting ``floor`` (the least peak memplan knows) as
     the minimum feasible budget; when ``floor`` fits, it blames the method rather than the budget.
     ``cut_at_s``: the time limit that stopped the search for ``floor`` (the message says a longer one
-    may find less), None when it finished."""
+    may find less), None when it finished. ``quick_below``: the lower bound below which ``budget`` was
+    refused after a search shorter than the time limit (the message says a budget near ``floor`` gets a
+    longer one)."""
     who = f"solver {method!r}: " if method else ""
-    cut = (f"; the search for it stopped at the time limit of {cut_at_s:g} s, a longer one may find less"
-           if cut_at_s is not None else "")
+    if cut_at_s is not None and quick_below is not None:
+        cut = (f"; the search for it stopped after {cut_at_s:g} s, as budgets below the lower bound "
+               f"{_both(quick_below)} are refused at once: a budget near it gets the whole time limit")
+    elif cut_at_s is not None:
+        cut = f"; the search for it stopped at the time limit of {cut_at_s:g} s, a longer one may find less"
+    else:
+        cut = ""
     if method and cut_at_s is not None and floor > budget:
         # the method found nothing and the search for a floor was cut short: neither proves that no plan
         # fits (on 1,000-op GPU-scale chains the Chen baseline failed where greedy fits, and the cut

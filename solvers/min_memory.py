@@ -44,6 +44,10 @@ class Scores:
             self.reports[key] = simulate_actions(self.graph, actions, prefetch_at=prefetch_at)
         return self.reports[key]
 
+    def known(self, actions: Actions, prefetch_at: dict[int, int] | None = None) -> bool:
+        """Whether the plan has been scored (reading its report costs nothing)."""
+        return self._key(actions, prefetch_at) in self.reports
+
     def add(self, actions: Actions, prefetch_at: dict[int, int] | None, report: Report) -> None:
         """Record a report simulated elsewhere."""
         self.reports[self._key(actions, prefetch_at)] = report
@@ -213,8 +217,10 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
             out = shrink(graph, 0, facts, pick, offload=offload, host_budget_bytes=None,
                          deadline=t0 + 0.6 * time_limit_s)
             starts.append((out.lowest[1], {}))
+    # past the deadline, the starts already scored still count (the segmentations are, by their search):
+    # nothing new is simulated, keep-everything at least
     scored = sorted((scores(a, p).peak_bytes, len(a), i) for i, (a, p) in enumerate(starts)
-                    if i == 0 or in_time())  # keep-everything at least
+                    if i == 0 or scores.known(a, p) or in_time())
     best_peak, _, i = scored[0]
     best = starts[i]
     # Descend from the best start; on small graphs from every start (distinct local optima are common).
@@ -272,7 +278,7 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float 
         plans.append(({t: Action.OFFLOAD for t in saved}, {}))
     best = scores({}).peak_bytes
     for actions, prefetch_at in plans[1:]:
-        if in_time():
+        if in_time() or scores.known(actions, prefetch_at):  # one scored already counts past the deadline
             best = min(best, scores(actions, prefetch_at).peak_bytes)
     if in_time():
         actions, prefetch_at = min_memory_actions(graph, offload=offload, deadline=deadline, scores=scores)

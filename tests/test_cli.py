@@ -116,6 +116,10 @@ def bad_loss():
     def loss_fn(model, batch):
         raise RuntimeError("shapes do not match in my loss")
     return nn.Linear(4, 4), torch.randn(2, 4), loss_fn
+
+
+def no_parameters(width=4):
+    return nn.ReLU(), torch.randn(2, width), lambda model, batch: model(batch).sum()
 '''
 
 
@@ -125,6 +129,16 @@ def bad_loss():
     (("profile", "{workloads}:bad_loss", "-o", "{tmp}/g.json"), "loss_fn(model, batch) raised RuntimeError: shapes"),
     (("profile", "mlp", "--set", "depth=abc", "-o", "{tmp}/g.json"), "option depth='abc' does not fit int"),
     (("profile", "resnet", "--set", "hidden_sizes=8", "-o", "{tmp}/g.json"), "option hidden_sizes=8 does not fit"),
+    # a workload that cannot be built from the options given (issue #22): once an optimizer's "empty parameter
+    # list" at profiling time, an internal error
+    (("profile", "mlp", "--set", "depth=-1", "-o", "{tmp}/g.json"), "workload 'mlp': option depth=-1 does not "
+                                                                    "fit int: Input should be greater than 0"),
+    (("run", "mlp", "--set", "depth=-1"), "workload 'mlp': option depth=-1 does not fit int"),
+    (("plan", "mlp", "--set", "width=0"), "workload 'mlp': option width=0 does not fit int"),
+    (("profile", "gpt2", "--set", "n_head=5", "-o", "{tmp}/g.json"),
+     "workload 'gpt2' with n_head=5 raised ValueError: `embed_dim` must be divisible by num_heads"),
+    (("profile", "{workloads}:no_parameters", "--set", "width=3", "-o", "{tmp}/g.json"),
+     "workloads.py:no_parameters' with width=3 has no parameter that requires grad: nothing to train"),
     (("profile", "mlp", "-o", "/proc/nope/graph.json"), "cannot write /proc/nope/graph.json: cannot create folder"),
     (("solve", "{graph}", "--budget", "50%", "-o", "{tmp}"), "it is a folder"),
     (("show", "{plan}", "--graph", "{graph}", "--run", "{garbage}", "-o", "{tmp}/t.png"), "not valid JSON"),
@@ -154,6 +168,30 @@ def test_user_side_failures_exit_2_with_one_line(args, message, graph_file, tmp_
     assert "Traceback" not in r.stderr and "internal error" not in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 3  # one logical line, maybe wrapped
     assert not (tmp_path / "g.json").exists()
+
+
+@pytest.mark.parametrize("budget", ["0", "1"])
+def test_solve_refuses_a_budget_below_every_plan_of_a_long_chain_fast(budget, tmp_path):
+    """Issue #22: ``memplan solve --budget 0`` on a 2,000-op chain searched for the least peak to quote for
+    its whole time limit (60 s); it now answers within about a second, exit 2, one line naming the least
+    peak it found and why the search stopped."""
+    import time
+
+    from memplan.solvers.core import QUOTE_SEARCH_S
+
+    path = tmp_path / "chain.json"
+    linear_chain(2000).save(str(path))
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(cli.app, ["solve", str(path), "--budget", budget, "-o", str(tmp_path / "plan.json")],
+                           env={"MEMPLAN_DEBUG": ""})
+    assert time.perf_counter() - t0 < QUOTE_SEARCH_S + 3.0  # loading the graph, one simulation past the search
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    line = " ".join(r.stderr.split())
+    assert line.startswith(f"error: no plan fits budget {budget} B for graph 'chain'; the minimum feasible budget "
+                           f"memplan knows is ")
+    assert line.endswith(f"stopped after {QUOTE_SEARCH_S:g} s, as budgets below the lower bound 400 B are refused "
+                         f"at once: a budget near it gets the whole time limit")
+    assert not (tmp_path / "plan.json").exists()
 
 
 def test_the_workload_help_names_every_built_in():

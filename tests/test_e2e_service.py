@@ -31,6 +31,16 @@ def graph() -> Graph:
 
 
 @pytest.fixture(scope="module")
+def gpt2() -> Graph:
+    """A profiled training step of GPT-2 at its depth (12 layers: 866 ops, as GPT-2 base) and a tiny width."""
+    from memplan.planner.probe.profiler import profile
+    from memplan.planner.workloads import load_workload
+
+    w = load_workload("gpt2", n_layer=12, n_embd=32, n_head=2, vocab_size=128, seq_len=32, batch_size=2)
+    return profile(w.model, w.batch, w.loss_fn, repeats=1, progress=False, name="gpt2")
+
+
+@pytest.fixture(scope="module")
 def server(serve, tmp_path_factory):
     """The base URL of a running ``memplan serve`` (tests/conftest.py) with a SQLite cache file."""
     cache = tmp_path_factory.mktemp("cache") / "plans.sqlite"
@@ -230,3 +240,30 @@ def test_a_budget_below_every_plan_of_a_real_model_is_a_422(http, graph, budget)
     assert body["error"] == "infeasible" and body["budget_bytes"] == budget
     assert graph.fixed.resident_bytes < body["min_feasible_bytes"] <= simulate(graph).peak_bytes
     assert f"no plan fits budget {budget} B for graph 'mlp'" in body["detail"]
+
+
+@pytest.mark.parametrize("budget", [0, 1])
+def test_a_budget_below_every_plan_of_gpt2_is_a_422_in_about_a_second(http, gpt2, budget):
+    """Issue #22: on GPT-2's 866 ops the search for the least peak to quote ran for seconds (and until the
+    time limit on longer graphs, then a 504). A budget below the lower bound is proven infeasible before any
+    strategy runs, so the quote's search gets about a second, whatever the request's time limit: the 422
+    names the least peak found, achievable, below recompute-everything's (what a cut search once quoted)."""
+    from memplan.planner.core.plan import Action
+    from memplan.planner.core.simulator import simulate_actions
+    from memplan.solvers.core import QUOTE_SEARCH_S
+
+    g = gpt2.model_dump(mode="json")
+    t0 = time.perf_counter()
+    r = http.post("/v1/plans", json={"graph": g, "budget": budget, "time_limit_s": MAX_TIME_LIMIT_S})
+    took_s = time.perf_counter() - t0
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["error"] == "infeasible" and body["budget_bytes"] == budget
+    recompute_all = simulate_actions(gpt2, {t: Action.RECOMPUTE for t in gpt2.saved_activations
+                                            if gpt2.tensors[t].recomputable}).peak_bytes
+    assert gpt2.fixed.resident_bytes < body["min_feasible_bytes"] < recompute_all
+    assert body["detail"].startswith(f"no plan fits budget {budget} B for graph 'gpt2'; the minimum feasible "
+                                     f"budget memplan knows is ")
+    assert f"the search for it stopped after {QUOTE_SEARCH_S:g} s" in body["detail"]
+    assert took_s < QUOTE_SEARCH_S + 2.0, took_s  # the search, one simulation past it, a 0.6 MB body (the whole
+    # search took 3.4 s undisturbed)

@@ -329,6 +329,49 @@ def test_the_least_peak_search_stops_at_its_deadline():
         solve(g, 0)
 
 
+@pytest.mark.parametrize("budget", [0, 1])
+def test_a_budget_below_the_lower_bound_is_refused_fast_whatever_the_time_limit(budget):
+    """Issue #22: a budget below the lower bound is proven infeasible before any strategy runs, so the search
+    for the least peak to quote gets QUOTE_SEARCH_S, not the time limit (on a 2,000-op chain it ran for the
+    whole 60 s): the refusal names the budget, an achievable peak and why the search stopped."""
+    import time
+
+    from memplan.solvers.core import QUOTE_SEARCH_S
+
+    big = linear_chain(2000)
+    t0 = time.perf_counter()
+    with pytest.raises(Infeasible) as info:
+        solve(big, budget, "auto", time_limit_s=60.0)
+    assert time.perf_counter() - t0 < QUOTE_SEARCH_S + 2.0  # one simulation past it at most (~0.2 s here)
+    e = info.value
+    assert e.budget_bytes == budget and 100 < e.min_feasible_bytes <= keep_all_report(big).peak_bytes
+    assert f"no plan fits budget {budget} B for graph 'chain'" in str(e)
+    assert str(e).endswith(f"the search for it stopped after {QUOTE_SEARCH_S:g} s, as budgets below the lower "
+                           f"bound 400 B are refused at once: a budget near it gets the whole time limit")
+
+
+def test_the_least_peak_search_keeps_what_it_scored_before_its_deadline(monkeypatch):
+    """min_memory_actions: a start scored before the deadline counts after it. Once only keep-everything did,
+    so a search whose last start ran past the deadline quoted keep-everything's (or recompute-everything's)
+    peak although its segmentations, simulated in time, went far lower (GPT-2: 3.44 GiB for 2.31 GiB)."""
+    import time
+
+    from memplan.solvers import min_memory
+
+    g = linear_chain(40)
+    deadline = time.perf_counter() + 0.5
+
+    def every_k_past_the_deadline(graph, budget, *, deadline=None):
+        time.sleep(max(0.0, deadline - time.perf_counter()) + 0.05)
+        return None, {}
+
+    monkeypatch.setattr(min_memory, "every_k_search", every_k_past_the_deadline)
+    scores = min_memory.Scores(g)
+    actions, _ = min_memory.min_memory_actions(g, deadline=deadline, scores=scores)
+    assert time.perf_counter() > deadline
+    assert scores(actions).peak_bytes < keep_all_report(g).peak_bytes / 2  # a segmentation's, not keep-all's
+
+
 @pytest.mark.parametrize(("method", "steps", "budget"), [("greedy", 7, 500), ("greedy", 6, 500), ("capuchin", 6, 500)])
 def test_heuristics_rebuild_per_use_where_replays_leave_too_much_behind(method, steps, budget):
     """On a recurrent-like in-place chain, recomputing states makes each backward replay leave the states

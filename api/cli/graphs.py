@@ -1,0 +1,118 @@
+"""Commands on graphs: ``profile`` a workload into one, ``simulate`` a plan on one, the file formats'
+``schema``; and :func:`profile_workload`, the profile the planning commands share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from memplan.api.cli.base import app, emit_json, guard, out
+from memplan.api.cli.files import writable, writing
+from memplan.api.cli.options import (
+    WORKLOAD_HELP,
+    EngineOpt,
+    FakeOpt,
+    JsonOpt,
+    NprocOpt,
+    SetOpt,
+    SpecOpt,
+    needs_fake,
+    workload_options,
+)
+from memplan.api.cli.ranks import ranks_fake
+from memplan.api.cli.tables import print_report, report_dict
+from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.units import format_bytes
+
+
+def profile_workload(w: Any, *, fake: bool, device_spec: str | None, device: str | None = None,
+                      repeats: int = 3, json_out: bool = False) -> Graph:
+    """The graph of workload ``w``: a real profile, or a fake one (``--fake``, ``--device-spec``)."""
+    from memplan.planner.core.devicespec import load_device_spec
+    from memplan.planner.probe.profiler import profile as run_profile
+
+    spec = load_device_spec(device_spec) if device_spec else None
+    return run_profile(w.model, w.batch, w.loss_fn, device=device, repeats=repeats, name=w.name,
+                       progress=not json_out, fake=fake, device_spec=spec)
+
+
+# ---- profile ------------------------------------------------------------------------------------
+@app.command()
+@guard
+def profile(
+    workload: Annotated[str, typer.Argument(help=WORKLOAD_HELP)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="graph file to write")] = Path("graph.json"),
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
+    repeats: Annotated[int, typer.Option(min=1, max=100, help="timed repeats (median)")] = 3,
+    options: SetOpt = None,
+    fake: FakeOpt = False,
+    device_spec: SpecOpt = None,
+    nproc: NprocOpt = 1,
+    engine: EngineOpt = "ddp",
+    json_out: JsonOpt = False,
+) -> None:
+    """Profile a training step of WORKLOAD (real, or under fake tensors) and write its graph. With --fake
+    --nproc N, print each rank's traced keep-everything peak under --engine instead (no graph written)."""
+    from memplan.planner.workloads import load_workload
+
+    needs_fake("profile", nproc, fake)
+    if nproc > 1:
+        ranks_fake(workload, nproc=nproc, engine=engine, budget=None, solver="auto", time_limit=0.0,
+                    options=options, json_out=json_out)
+        return
+    writable(output)
+    w = load_workload(workload, **workload_options(options))
+    graph = profile_workload(w, fake=fake, device_spec=device_spec, device=device, repeats=repeats,
+                              json_out=json_out)
+    with writing(output):
+        graph.save(str(output))
+    summary = {"graph": str(output), "name": graph.name, "ops": len(graph.ops), "tensors": len(graph.tensors),
+               "saved_activations": len(graph.saved_activations), "fingerprint": graph.fingerprint,
+               "model_fingerprint": graph.model_fingerprint, "fixed_bytes": graph.fixed.resident_bytes,
+               "measured_peak_bytes": graph.measured.peak_bytes, "measured_step_s": graph.measured.step_time_s,
+               "fake": bool(graph.meta.get("fake")), "profile_peak_bytes": graph.meta.get("profile_peak_bytes"),
+               "op_timing": graph.meta.get("op_timing")}
+    if json_out:
+        emit_json(summary)
+        return
+    out.print(f"wrote [bold]{output}[/bold]: {summary['ops']} ops, {summary['saved_activations']} saved "
+              f"activations, fixed memory {format_bytes(summary['fixed_bytes'])}")
+
+
+# ---- simulate -----------------------------------------------------------------------------------
+@app.command()
+@guard
+def simulate(
+    graph_file: Annotated[Path, typer.Argument(help="graph.json")],
+    plan_file: Annotated[Path | None, typer.Argument(help="plan.json (default: keep everything)")] = None,
+    timeline: Annotated[bool, typer.Option(help="include the per-op memory timeline in --json")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Replay one training step of a graph under a plan and print the predicted peak and time."""
+    from memplan.planner.core.simulator import simulate as run_sim
+
+    graph = Graph.load(str(graph_file))
+    plan = Plan.load(str(plan_file)) if plan_file else None
+    report = run_sim(graph, plan)
+    if json_out:
+        d = report.model_dump() if timeline else report_dict(report)
+        emit_json(d)
+        return
+    print_report(report, title=f"{graph.name} under {'keep everything' if plan is None else plan_file}")
+
+
+# ---- schema -------------------------------------------------------------------------------------
+@app.command()
+@guard
+def schema(which: Annotated[str, typer.Argument(help="graph or plan")]) -> None:
+    """Print the JSON Schema of the graph or plan file format."""
+    if which == "graph":
+        emit_json(Graph.model_json_schema())
+    elif which == "plan":
+        emit_json(Plan.model_json_schema())
+    else:
+        raise MemplanError(f"unknown schema {which!r}; choose 'graph' or 'plan'")
