@@ -16,7 +16,7 @@ from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.formulation import Builder, Built
 from memplan.solvers.ilp.intervals import solve_intervals
 from memplan.solvers.ilp.linear import ConstantlyViolated, no_good
-from memplan.solvers.registry import Proposal, register
+from memplan.solvers.registry import ALL_PLANS, Proposal, plan_space, register
 
 MAX_SAVED = 400
 DEFAULT = Config()
@@ -123,8 +123,13 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
             if best is None:
                 stats["stopped"] = "model infeasible" if status_i == "infeasible" else "time limit"
                 return Proposal(status="infeasible", stats=stats)
-            return Proposal(best[1], best[2], status_i, bound_i, stats)
+            # the interval relaxation bounds recompute_each plans too (module docstring of .intervals)
+            return Proposal(best[1], best[2], status_i, bound_i, stats, space=ALL_PLANS)
         outer_bound = bound_i
+    # the replay model's claims cover recompute_each with per_use, offload at every prefetch point with
+    # prefetch="choose"; behind the interval model, its bound decides (and covers every plan)
+    space = ALL_PLANS if outer_bound is not None else plan_space(per_use=cfg.per_use, offload=offload,
+                                                                 prefetch=cfg.prefetch)
     try:
         built = Builder(graph, budget_bytes, offload=offload, host_budget=host_budget_bytes, cfg=cfg).build()
     except ConstantlyViolated:
@@ -192,7 +197,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                  solve_s=time.perf_counter() - t0)
     if best is None:
         stats["stopped"] = "model infeasible" if status == "infeasible" else "time limit"
-        return Proposal(status="infeasible", stats=stats)
+        return Proposal(status="infeasible", stats=stats, space=space)
     if bound_s is not None:
         bound_s = min(bound_s, best[0])
     if status == "optimal":
@@ -209,5 +214,5 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         bound_s = min(outer_bound, best[0])
         if best[0] <= outer_bound + tol(best[0]):
             status = "optimal"
-    return Proposal(best[1], best[2], status, bound_s, stats)
+    return Proposal(best[1], best[2], status, bound_s, stats, space=space)
 
