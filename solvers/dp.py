@@ -197,9 +197,12 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
                     "model": "chain", "source": "recompute_each", "keep_recompute_min_bytes": floor})
             if floor is None:
                 return Proposal(status="infeasible", stats={"model": "chain"}, space=KEEP_RECOMPUTE)
+            every = per_use_everything(graph)  # the least memory replays reach
+            least = floor if every is None else min(floor, simulate_actions(graph, every).peak_bytes)
+            lower = f"; a recompute_each plan fits {least} B" if least < floor else ""
             raise Infeasible(f"dp: no plan of chain {graph.name!r} fits {budget_bytes} B; the least budget any "
-                             f"keep / recompute plan fits is exactly {floor} B, and no recompute_each plan "
-                             f"memplan tried fits either", budget_bytes=budget_bytes, min_feasible_bytes=floor)
+                             f"keep / recompute plan fits is exactly {floor} B{lower}", budget_bytes=budget_bytes,
+                             min_feasible_bytes=least)
         # exact over keep / recompute: a recompute_each plan may be faster (multi-level replays), so its
         # status and bound say which space they hold over
         return Proposal(sol.actions, status=sol.status, lower_bound_s=sol.lower_bound_s, space=KEEP_RECOMPUTE,
