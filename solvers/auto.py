@@ -81,7 +81,7 @@ def solve_auto(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, o
             return Proposal(status="infeasible", stats=stats)
         best = found
     else:
-        if method not in ("oracle", "ilp"):
+        if method not in ("oracle", "ilp") or best[0].space != ALL_PLANS:
             best = _best_of(graph, best, budget_bytes, common, deadline)
     proposal, _, made_by = best
     proposal.method = made_by

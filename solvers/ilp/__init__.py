@@ -37,7 +37,9 @@ the simulator's boolean logic exactly, as linear constraints:
   are constants). Host memory: ``sum(o[u] * bytes) <= host_budget_bytes``.
 
 The result's ``space`` (:func:`memplan.solvers.registry.plan_space`) says over which plans its status and
-bound hold: ``all`` by default; ``keep/recompute`` (``/offload``) with ``per_use=False``; offload only at
+bound hold: ``all`` with recompute_each in the model (by default on graphs of at most ``per_use_saved``,
+20, saved activations, where it costs a few seconds; past that the LP bound weakens and proofs take far
+longer); ``keep/recompute`` (``/offload``) without (``per_use=False``, or larger graphs by default); offload only at
 the default points with ``prefetch="default"``. The interval model's bound covers every plan without
 offload (:mod:`.intervals`).
 

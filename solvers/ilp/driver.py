@@ -77,6 +77,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     bw = graph.host_bandwidth_bytes_per_s
+    per_use = cfg.model_per_use(len(graph.saved_activations))
     stats: dict[str, object] = {"backend": cfg.backend}
 
     def fits(r: Report) -> bool:
@@ -94,7 +95,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                                  host_budget_bytes=host_budget_bytes)
             except MemplanError:
                 continue
-            if prop.status == "infeasible" or (not cfg.per_use and Action.RECOMPUTE_EACH in prop.actions.values()):
+            if prop.status == "infeasible" or (not per_use and Action.RECOMPUTE_EACH in prop.actions.values()):
                 continue  # none, or outside the model's space
             rep = simulate_actions(graph, prop.actions, prefetch_at=prop.prefetch_at)
             if fits(rep) and (best is None or rep.time_s < best[0]):
@@ -128,7 +129,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         outer_bound = bound_i
     # the replay model's claims cover recompute_each with per_use, offload at every prefetch point with
     # prefetch="choose"; behind the interval model, its bound decides (and covers every plan)
-    space = ALL_PLANS if outer_bound is not None else plan_space(per_use=cfg.per_use, offload=offload,
+    space = ALL_PLANS if outer_bound is not None else plan_space(per_use=per_use, offload=offload,
                                                                  prefetch=cfg.prefetch)
     try:
         built = Builder(graph, budget_bytes, offload=offload, host_budget=host_budget_bytes, cfg=cfg).build()

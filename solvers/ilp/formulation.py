@@ -126,7 +126,7 @@ class Builder:
                 continue  # never freed or nothing to free: keeping is always at least as good
             if info.recomputable:
                 self.r[u] = self.m.var(f"r[{u}]")
-                if cfg.per_use:
+                if cfg.model_per_use(len(saved)):
                     self.each[u] = self.m.var(f"each[{u}]")
             if offload:
                 self.o[u] = self.m.var(f"o[{u}]")
