@@ -6,6 +6,13 @@ like every other method. The chain baselines (``rotor``, ``chen``, ``revolve``) 
 The exact chain DP itself (the chain model, its engines, the least budget) lives in
 :mod:`memplan.solvers.chain`; its docstring says what ``dp`` is exact for and how the table is filled.
 
+**Its space.** The chain DP keeps or recomputes each activation; ``recompute_each`` (a replay for another
+target frees the tensor again: multi-level replays) can be faster at the same budget and fits budgets
+below every keep / recompute plan. So its ``optimal`` and bound hold over keep / recompute plans, and the
+result says so (``space``: ``keep/recompute``); where no keep / recompute plan fits, the faster of the
+multilevel family's plan and recompute_each-everything that fits is returned (``feasible``) rather than
+an Infeasible beside it, and :func:`dp_frontier` reads the same.
+
 **DAGs.** The graph DP of Kusumoto et al. 2019 enumerates lower sets, exponential in the graph's width,
 and the simulator's lazy replay on a DAG does not decompose into runs; the exact method on DAGs is the
 ILP (``solvers/ilp.py``). ``dp`` covers DAGs by the chain DP on the module-level chain
@@ -46,6 +53,7 @@ from memplan.solvers.registry import Proposal, plan_space, register
 Actions = dict[int, Action]
 
 _PAIR_MOVES_UP_TO = 16       # offload refinement tries pairs of changes on graphs this small
+_PER_USE_FRONTIER_S = 10.0  # dp_frontier's searches for recompute_each plans below the DP's minimum, together
 #: the space of the chain DP's claims: it keeps or recomputes each activation (single-level replays)
 KEEP_RECOMPUTE = plan_space(per_use=False, offload=False)
 _OFFLOAD_REFINE_S = 10.0     # at most this long (or the time limit) refining offloads
@@ -258,12 +266,13 @@ def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | Non
         # optimum there, as solve's own table gives); a rounded one's unit could differ from the table a
         # smaller budget gets, so then each budget is solved as solve solves it
         top = engine_for(ch, max(budgets) - ch.fixed_bytes)
+        per_use_until = time.perf_counter() + _PER_USE_FRONTIER_S  # all the frontier's recompute_each searches
         for b in budgets:
             engine = top if top.exact else engine_for(ch, b - ch.fixed_bytes)
             sol = read_plan(graph, ch, engine, b, base) if b >= floor else None
             time_s = None if sol is None else sol.time_s
             if sol is None and b >= floor:  # as solve_dp: a recompute_each plan where no keep / recompute one fits
-                found = per_use_fallback(graph, b, time.perf_counter() + 10.0)
+                found = per_use_fallback(graph, b, per_use_until)
                 time_s = None if found is None else found[1].time_s
             out.append((b, None if time_s is None else (time_s / base - 1.0 if base > 0 else 0.0)))
         return out
