@@ -112,7 +112,7 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
         "solver": {
             "name": result.plan.solver.name, "requested": solver, "status": result.status,
             "solve_time_s": result.solve_time_s, "lower_bound_s": result.lower_bound_s, "gap": result.gap,
-            "stats": _jsonable(result.stats),
+            "space": result.space, "stats": _jsonable(result.stats),
         },
     }
 

@@ -281,6 +281,9 @@ class SolverStats(_Out):
     solve_time_s: float
     lower_bound_s: float | None = None
     gap: float | None = Field(default=None, description="relative optimality gap, where the solver has a bound")
+    space: str = Field(default="all", description="the plans over which status and lower_bound_s hold: 'all' "
+                                                  "(every action memplan executes that the request allows) or "
+                                                  "the actions the solver searched, e.g. 'keep/recompute'")
     stats: dict[str, Any] = Field(default_factory=dict, description="solver-specific figures")
 
 

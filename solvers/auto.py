@@ -1,7 +1,10 @@
 """``auto``: pick a strategy by the graph's size, and make sure a plan memplan knows is returned.
 
-Exhaustive on tiny graphs (``oracle``), the ILP on small ones, the chain DP (on the coarsened chain) on
-large ones, the greedy heuristic on huge ones. Past the ILP's size it also runs the greedy and Capuchin
+Exhaustive on tiny graphs (``oracle`` over every action, recompute_each included, where that is at most
+``ORACLE_MAX_PLANS`` plans), the ILP on small ones (its model covers every action too), the chain DP (on
+the coarsened chain) on large ones, the greedy heuristic on huge ones. The result's ``space`` is its
+strategy's: where that covers keep / recompute only (the chain DP), the multilevel strategy's per-use
+replays join the portfolio. Past the ILP's size it also runs the greedy and Capuchin
 heuristics and keeps the fastest simulated plan (the DP keeps or recomputes a whole stage; the per-tensor
 heuristics often do better there, in a fraction of a second). When the chosen method finds no plan, it
 falls back to the greedy heuristic, then to the least-peak plan memplan finds (``min-memory``), before calling the budget
@@ -22,9 +25,11 @@ from memplan.planner.core.graph import Graph
 from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.core import propose
 from memplan.solvers.min_memory import min_memory_actions
-from memplan.solvers.registry import NO_OPTIONS, NoOptions, Proposal, register, solvers
+from memplan.solvers.oracle import plan_count
+from memplan.solvers.registry import ALL_PLANS, NO_OPTIONS, NoOptions, Proposal, SolverSpec, register, solvers
 
-ORACLE_MAX_SAVED = 12
+#: the oracle runs (over every action, recompute_each included) when it enumerates at most this many plans
+ORACLE_MAX_PLANS = 3**7
 ILP_MAX_OPS = 400
 DP_MAX_OPS = 20_000
 PORTFOLIO = ("capuchin", "greedy")
@@ -37,7 +42,7 @@ MIN_LEFT_S = 0.05
 def choose_method(graph: Graph, *, offload: bool = False) -> str:
     """The strategy ``auto`` runs first on ``graph`` (see the module docstring)."""
     reg = solvers()
-    if len(graph.saved_activations) <= ORACLE_MAX_SAVED and "oracle" in reg:
+    if "oracle" in reg and plan_count(graph, offload=offload, per_use=True) <= ORACLE_MAX_PLANS:
         return "oracle"
     if len(graph.ops) <= ILP_MAX_OPS and "ilp" in reg:
         return "ilp"
@@ -64,7 +69,7 @@ def solve_auto(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, o
     common = dict(time_limit_s=time_limit_s * PRIMARY_SHARE, offload=offload, host_budget_bytes=host_budget_bytes)
     try:
         spec = solvers()[method]
-        best: Scored = (*propose(graph, spec, budget_bytes, config=spec.default_config(), **common), method)
+        best: Scored = (*propose(graph, spec, budget_bytes, config=_full_space(spec), **common), method)
     except Infeasible:
         # "auto" promises a plan whenever memplan knows one: near the minimum budget the exact methods
         # can miss it (their large-graph models are restricted), so fall back to the heuristics
@@ -76,11 +81,17 @@ def solve_auto(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, o
             return Proposal(status="infeasible", stats=stats)
         best = found
     else:
-        if method not in ("oracle", "ilp"):
+        if method not in ("oracle", "ilp") or best[0].space != ALL_PLANS:
             best = _best_of(graph, best, budget_bytes, common, deadline)
     proposal, _, made_by = best
     proposal.method = made_by
     return proposal
+
+
+def _full_space(spec: SolverSpec) -> object:
+    """``spec``'s default options, with the oracle enumerating recompute_each too (auto runs it only where
+    that is affordable), so that its claims cover every plan."""
+    return spec.config_for({"per_use": True}) if spec.name == "oracle" else spec.default_config()
 
 
 def _left(deadline: float) -> float:
@@ -95,7 +106,10 @@ def _best_of(graph: Graph, first: Scored, budget: int, common: dict, deadline: f
     reg = solvers()
     best = first
     times = {first[2]: first[1].time_s}
-    for name in PORTFOLIO:
+    # a first strategy whose claims cover keep / recompute only (the chain DP): multilevel's per-use
+    # replays may be faster, so they join the portfolio
+    rest = ("multilevel",) if first[0].space != ALL_PLANS and not common["offload"] else ()
+    for name in PORTFOLIO + rest:
         if name == first[2] or name not in reg or (common["offload"] and not reg[name].offload):
             continue
         if _left(deadline) < MIN_LEFT_S:

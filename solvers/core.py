@@ -20,7 +20,7 @@ from memplan.planner.core.simulator import Report, simulate, simulate_actions
 from memplan.planner.core.units import MAX_BYTES, format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 from memplan.solvers.min_memory import smallest_known_peak
-from memplan.solvers.registry import Proposal, SolverSpec, get
+from memplan.solvers.registry import ALL_PLANS, Proposal, SolverSpec, get
 
 # A budget below the memory lower bound is refused without running a strategy; the search for the least peak
 # to quote gets at most this long (the time limit, when shorter): a refusal is answered in about a second
@@ -38,6 +38,9 @@ class SolveResult:
     lower_bound_s: float | None
     gap: float | None
     stats: dict[str, Any]
+    #: the plans over which status and lower_bound_s hold (registry.ALL_PLANS: every plan memplan executes
+    #: for the request; else the actions the method searched, e.g. "keep/recompute")
+    space: str = ALL_PLANS
 
 
 def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,
@@ -85,12 +88,13 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     plan = Plan.for_graph(
         graph, proposal.actions, proposal.prefetch_at, budget_bytes=budget, host_budget_bytes=host_budget_bytes,
         solver=SolverInfo(name=made_by, settings=settings, status=proposal.status, solve_time_s=elapsed,
-                          lower_bound_s=proposal.lower_bound_s, gap=gap),
+                          lower_bound_s=proposal.lower_bound_s, gap=gap, space=proposal.space),
         predicted=Prediction(peak_bytes=report.peak_bytes, step_time_s=report.time_s,
                              recompute_time_s=report.recompute_time_s,
                              exposed_transfer_s=report.exposed_transfer_s))
     full = simulate(graph, plan)  # the plan as a user will load it, with its timeline
-    return SolveResult(plan, full, proposal.status, elapsed, proposal.lower_bound_s, gap, proposal.stats)
+    return SolveResult(plan, full, proposal.status, elapsed, proposal.lower_bound_s, gap, proposal.stats,
+                       proposal.space)
 
 
 def propose(graph: Graph, spec: SolverSpec, budget: int, *, time_limit_s: float, offload: bool,

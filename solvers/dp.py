@@ -6,6 +6,13 @@ like every other method. The chain baselines (``rotor``, ``chen``, ``revolve``) 
 The exact chain DP itself (the chain model, its engines, the least budget) lives in
 :mod:`memplan.solvers.chain`; its docstring says what ``dp`` is exact for and how the table is filled.
 
+**Its space.** The chain DP keeps or recomputes each activation; ``recompute_each`` (a replay for another
+target frees the tensor again: multi-level replays) can be faster at the same budget and fits budgets
+below every keep / recompute plan. So its ``optimal`` and bound hold over keep / recompute plans, and the
+result says so (``space``: ``keep/recompute``); where no keep / recompute plan fits, the faster of the
+multilevel family's plan and recompute_each-everything that fits is returned (``feasible``) rather than
+an Infeasible beside it, and :func:`dp_frontier` reads the same.
+
 **DAGs.** The graph DP of Kusumoto et al. 2019 enumerates lower sets, exponential in the graph's width,
 and the simulator's lazy replay on a DAG does not decompose into runs; the exact method on DAGs is the
 ILP (``solvers/ilp.py``). ``dp`` covers DAGs by the chain DP on the module-level chain
@@ -40,12 +47,15 @@ from memplan.solvers.chain.stages import chain_elements, element_actions, stage_
 from memplan.solvers.chain.table import full_spare
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
-from memplan.solvers.multilevel import per_use_everything
-from memplan.solvers.registry import Proposal, register
+from memplan.solvers.multilevel import multilevel_search, per_use_everything
+from memplan.solvers.registry import Proposal, plan_space, register
 
 Actions = dict[int, Action]
 
 _PAIR_MOVES_UP_TO = 16       # offload refinement tries pairs of changes on graphs this small
+_PER_USE_FRONTIER_S = 10.0  # dp_frontier's searches for recompute_each plans below the DP's minimum, together
+#: the space of the chain DP's claims: it keeps or recomputes each activation (single-level replays)
+KEEP_RECOMPUTE = plan_space(per_use=False, offload=False)
 _OFFLOAD_REFINE_S = 10.0     # at most this long (or the time limit) refining offloads
 
 
@@ -148,6 +158,21 @@ def _offload_refine(graph: Graph, scorer: Scorer, budget: int, starts: list[Acti
                     break
 
 
+def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Actions, Report] | None:
+    """The faster of the multilevel family's plan (:func:`memplan.solvers.multilevel.multilevel_search`)
+    and recompute_each-everything (the least memory replays reach) that fits ``budget``, for a chain no
+    keep / recompute plan fits; None when neither does."""
+    found: list[tuple[Actions, Report]] = []
+    ml = multilevel_search(graph, budget, deadline=deadline)
+    if ml is not None:
+        found.append((ml[1], ml[2]))
+    every = per_use_everything(graph)
+    if every is not None:
+        found.append((every, simulate_actions(graph, every)))
+    fitting = [f for f in found if f[1].peak_bytes <= budget]
+    return min(fitting, key=lambda f: f[1].time_s) if fitting else None
+
+
 def _prefetch(graph: Graph, actions: Actions, bw: float) -> dict[int, int]:
     return {t: default_prefetch_at(graph, t, bw) for t, a in actions.items() if a == Action.OFFLOAD}
 
@@ -171,16 +196,24 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
         sol = solve_chain(graph, ch, budget_bytes)
         if sol is None:
             floor = chain_min_budget_bytes(graph)
+            # the DP's plans keep or recompute; recompute_each (multi-level replays) may go lower: a plan
+            # of those that fits is returned, not refused beside an Infeasible that names it
+            found = per_use_fallback(graph, budget_bytes, deadline)
+            if found is not None:
+                actions, _ = found
+                return Proposal(actions, status="feasible", space=KEEP_RECOMPUTE, stats={
+                    "model": "chain", "source": "recompute_each", "keep_recompute_min_bytes": floor})
             if floor is None:
-                return Proposal(status="infeasible", stats={"model": "chain"})
-            # the DP's plans keep or recompute; recompute_each (multi-level replays) may go lower
-            per_use = per_use_everything(graph)
-            least = floor if per_use is None else min(floor, simulate_actions(graph, per_use).peak_bytes)
+                return Proposal(status="infeasible", stats={"model": "chain"}, space=KEEP_RECOMPUTE)
+            every = per_use_everything(graph)  # the least memory replays reach
+            least = floor if every is None else min(floor, simulate_actions(graph, every).peak_bytes)
             lower = f"; a recompute_each plan fits {least} B" if least < floor else ""
             raise Infeasible(f"dp: no plan of chain {graph.name!r} fits {budget_bytes} B; the least budget any "
                              f"keep / recompute plan fits is exactly {floor} B{lower}", budget_bytes=budget_bytes,
                              min_feasible_bytes=least)
-        return Proposal(sol.actions, status=sol.status, lower_bound_s=sol.lower_bound_s,
+        # exact over keep / recompute: a recompute_each plan may be faster (multi-level replays), so its
+        # status and bound say which space they hold over
+        return Proposal(sol.actions, status=sol.status, lower_bound_s=sol.lower_bound_s, space=KEEP_RECOMPUTE,
                         stats={"model": "chain", "predicted_time_s": sol.time_s, **sol.stats})
     if ch is None and not offload and has_blocks(graph):
         # a real model: the hierarchical solver (exact block menus, chain DP over blocks)
@@ -233,10 +266,15 @@ def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | Non
         # optimum there, as solve's own table gives); a rounded one's unit could differ from the table a
         # smaller budget gets, so then each budget is solved as solve solves it
         top = engine_for(ch, max(budgets) - ch.fixed_bytes)
+        per_use_until = time.perf_counter() + _PER_USE_FRONTIER_S  # all the frontier's recompute_each searches
         for b in budgets:
             engine = top if top.exact else engine_for(ch, b - ch.fixed_bytes)
             sol = read_plan(graph, ch, engine, b, base) if b >= floor else None
-            out.append((b, None if sol is None else (sol.time_s / base - 1.0 if base > 0 else 0.0)))
+            time_s = None if sol is None else sol.time_s
+            if sol is None and b >= floor:  # as solve_dp: a recompute_each plan where no keep / recompute one fits
+                found = per_use_fallback(graph, b, per_use_until)
+                time_s = None if found is None else found[1].time_s
+            out.append((b, None if time_s is None else (time_s / base - 1.0 if base > 0 else 0.0)))
         return out
     # a DAG: each budget solved as solve_dp solves it (the same code path), scored by the simulator
     for b in budgets:

@@ -23,7 +23,7 @@ from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import simulate_actions, static_facts
-from memplan.solvers.registry import CONFIG, Proposal, register
+from memplan.solvers.registry import CONFIG, Proposal, plan_space, register
 
 MAX_SAVED = 14
 PREFETCH_MODES = ("choose", "default")
@@ -36,8 +36,8 @@ class Config:
 
     # choose: every legal prefetch point of each offloaded tensor; default: the simulator's only
     prefetch: Literal["choose", "default"] = "choose"
-    # also recompute_each for every rebuildable tensor (multi-level replays); off: the keep / recompute /
-    # offload space that the exact solvers (ILP, chain DP) are optimal over
+    # also recompute_each for every rebuildable tensor (multi-level replays; 3^n plans rather than 2^n);
+    # off: keep / recompute (/ offload), and the result's space says so
     per_use: bool = False
 
 
@@ -94,6 +94,7 @@ def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0,
     points. ``prefetch``: ``choose`` enumerates every legal prefetch point of each offloaded tensor,
     ``default`` only the simulator's default; ``per_use`` adds recompute_each. ``status`` is ``optimal`` when the enumeration finished, ``timeout`` otherwise."""
     prefetch = config.prefetch
+    space = plan_space(per_use=config.per_use, offload=offload, prefetch=prefetch)
     best: tuple[float, int, int, int, int] | None = None
     best_plan: tuple[dict[int, Action], dict[int, int]] = ({}, {})
     deadline = time.perf_counter() + time_limit_s
@@ -108,11 +109,12 @@ def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0,
                 best, best_plan = key, (actions, points)
         if time.perf_counter() > deadline:
             if best is None:  # not a proof: the plans not tried may fit
-                return Proposal(status="infeasible", stats={"plans_tried": tried, "stopped": "time limit"})
-            return Proposal(*best_plan, status="timeout", stats={"plans_tried": tried})
+                return Proposal(status="infeasible", stats={"plans_tried": tried, "stopped": "time limit"},
+                                space=space)
+            return Proposal(*best_plan, status="timeout", stats={"plans_tried": tried}, space=space)
     if best is None:
-        return Proposal(status="infeasible", stats={"plans_tried": tried})
-    return Proposal(*best_plan, status="optimal", lower_bound_s=best[0], stats={"plans_tried": tried})
+        return Proposal(status="infeasible", stats={"plans_tried": tried}, space=space)
+    return Proposal(*best_plan, status="optimal", lower_bound_s=best[0], stats={"plans_tried": tried}, space=space)
 
 
 def oracle_min_peak(graph: Graph, *, offload: bool = False, prefetch: str = "choose", per_use: bool = False) -> int:

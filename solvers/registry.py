@@ -27,6 +27,23 @@ from memplan.planner.core.plan import Action
 
 STATUSES = ("optimal", "feasible", "timeout", "infeasible")
 
+#: ``Proposal.space`` when a result's status and bound hold over every plan memplan could execute for the
+#: request: keep, recompute and recompute_each, and offload at any legal prefetch point when it is allowed
+ALL_PLANS = "all"
+
+
+def plan_space(*, per_use: bool, offload: bool, prefetch: str = "choose") -> str:
+    """The ``Proposal.space`` of a search over keep and recompute, plus recompute_each when ``per_use``
+    and offload when ``offload`` (at every legal prefetch point, or only the simulator's default ones with
+    ``prefetch="default"``): ``all`` when that is every plan the request allows, else its actions joined
+    by '/' (``keep/recompute``, ``keep/recompute/offload at default prefetch points``...)."""
+    if per_use and (not offload or prefetch == "choose"):
+        return ALL_PLANS
+    actions = ["keep", "recompute"] + (["recompute_each"] if per_use else [])
+    if offload:
+        actions.append("offload" if prefetch == "choose" else "offload at default prefetch points")
+    return "/".join(actions)
+
 #: What every strategy's ``Config`` is declared with: frozen, keyword-only, unknown fields refused,
 #: no silent coercion (``"3"`` is not an int, ``True`` is not a number).
 CONFIG = ConfigDict(extra="forbid", strict=True)
@@ -40,7 +57,9 @@ class Proposal:
     ``timeout`` (best plan found before the time limit), ``infeasible`` (no plan within the budget).
     ``lower_bound_s``: a proven lower bound on the step time of every plan within the budget, where the
     strategy has one. ``method``: the strategy that made the plan when it is not the one called (``auto``
-    delegates), else None.
+    delegates), else None. ``space``: the plans over which ``optimal``, ``infeasible`` and
+    ``lower_bound_s`` hold (:data:`ALL_PLANS`, or a narrower space named by :func:`plan_space`: a method
+    that searches keep / recompute only says so).
     """
 
     actions: dict[int, Action] = field(default_factory=dict)
@@ -49,6 +68,7 @@ class Proposal:
     lower_bound_s: float | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     method: str | None = None
+    space: str = ALL_PLANS
 
 
 SolverFn = Callable[..., Proposal]

@@ -45,6 +45,8 @@ def test_plan_fits_budget_and_simulates_to_its_prediction(client):
     res = PlanResponse.model_validate(r.json())
     assert res.budget_bytes == 640  # 100 B fixed + 60% of the 900 B of activations
     assert res.solver.name == "oracle" and res.solver.status == "optimal" and res.solver.gap == 0.0
+    # the oracle's default enumeration keeps or recomputes: its "optimal" says over which plans (issue #25)
+    assert res.solver.space == "keep/recompute" == res.plan.solver.space
     assert res.plan.graph_fingerprint == CHAIN8.fingerprint == res.graph_fingerprint
     report = simulate(CHAIN8, res.plan)
     assert report.peak_bytes == res.predicted.peak_bytes <= 640

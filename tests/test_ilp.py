@@ -17,7 +17,7 @@ from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import simulate_actions
 from memplan.planner.core.synthetic import linear_chain, random_dag
 from memplan.solvers import activation_bytes, keep_all_report, solve, solvers
-from memplan.solvers.oracle import oracle_min_peak
+from memplan.solvers.oracle import oracle_min_peak, plan_count
 
 BACKENDS = ["cpsat", "cbc"]
 REL = 1e-6
@@ -41,9 +41,18 @@ def _time_or_none(g, budget, method, **kw):
     return r.report.time_s, r
 
 
+#: the oracle enumerates recompute_each too up to this many plans (tests/test_optimal_space.py has more)
+PER_USE_PLANS = 3**6
+
+
 def _agree(g, budget, backend, offload=False, **kw):
-    want, _ = _time_or_none(g, budget, "oracle", offload=offload, prefetch=kw.get("prefetch", "choose"))
-    got, r = _time_or_none(g, budget, "ilp", offload=offload, backend=backend, time_limit_s=30, **kw)
+    """The ILP equals the oracle over the same space: recompute_each included on the graphs where the
+    oracle affords it, keep / recompute (/ offload) otherwise (both told so)."""
+    prefetch = kw.get("prefetch", "choose")
+    per_use = plan_count(g, offload=offload, prefetch=prefetch, per_use=True) <= PER_USE_PLANS
+    want, _ = _time_or_none(g, budget, "oracle", offload=offload, prefetch=prefetch, per_use=per_use)
+    got, r = _time_or_none(g, budget, "ilp", offload=offload, backend=backend, time_limit_s=30, per_use=per_use,
+                           **kw)
     assert (want is None) == (got is None), f"oracle {want}, ilp {got}"
     if want is not None:
         assert got == pytest.approx(want, rel=REL)
@@ -102,12 +111,13 @@ def test_chosen_prefetch_equals_the_oracle_over_every_prefetch_point(n, seed, fr
         assert r.report.peak_bytes <= b
 
 
-def _brute_force_with_prefetch(g, budget):
-    """Every action and every legal prefetch point, written out independently of the oracle."""
+def _brute_force_with_prefetch(g, budget, actions=tuple(Action)):
+    """Every action of ``actions`` (all, recompute_each included, by default) and every legal prefetch
+    point, written out independently of the oracle."""
     saved = g.saved_activations
     n = len(g.ops)
     best = None
-    for combo in itertools.product([Action.KEEP, Action.RECOMPUTE, Action.OFFLOAD], repeat=len(saved)):
+    for combo in itertools.product(actions, repeat=len(saved)):
         acts = {t: a for t, a in zip(saved, combo, strict=True) if a != Action.KEEP}
         points = [range(max(g.savers[t]), n) if acts.get(t) == Action.OFFLOAD else [None] for t in saved]
         for pf in itertools.product(*points):
@@ -124,11 +134,13 @@ def test_chosen_prefetch_equals_brute_force_where_the_default_cannot_fit():
     g = linear_chain(6, activation_bytes=100, time_s=1.0, backward_time_s=1.0)
     g.host_bandwidth_bytes_per_s = 100.0  # 1 s per copy, the length of one op
     b = _budget(g, 0.0) + 300
-    with pytest.raises(Infeasible):
-        solve(g, b, "ilp", offload=True, prefetch="default")
-    r = solve(g, b, "ilp", offload=True)
+    with pytest.raises(Infeasible):  # (recompute_each plans, outside this test's question, fit)
+        solve(g, b, "ilp", offload=True, prefetch="default", per_use=False)
+    # (keep / recompute / offload: with recompute_each too the brute force takes 4x longer)
+    r = solve(g, b, "ilp", offload=True, per_use=False)
     assert r.status == "optimal" and r.report.peak_bytes <= b
-    assert r.report.time_s == pytest.approx(_brute_force_with_prefetch(g, b), rel=REL)
+    want = _brute_force_with_prefetch(g, b, (Action.KEEP, Action.RECOMPUTE, Action.OFFLOAD))
+    assert r.report.time_s == pytest.approx(want, rel=REL)
     assert solve(g, b, "oracle", offload=True).report.time_s == pytest.approx(r.report.time_s, rel=REL)
 
 
@@ -152,9 +164,9 @@ def test_host_budget_is_honoured():
     g = linear_chain(6, activation_bytes=100)
     g.host_bandwidth_bytes_per_s = 1e6  # copies hide under compute
     b = oracle_min_peak(g, offload=True) + 100
-    free = solve(g, b, "ilp", offload=True)
+    free = solve(g, b, "ilp", offload=True, per_use=False)  # the oracle's space (it enumerates no recompute_each)
     assert free.report.host_peak_bytes > 100  # offloading several is the fastest way
-    capped = solve(g, b, "ilp", offload=True, host_budget_bytes=100)
+    capped = solve(g, b, "ilp", offload=True, host_budget_bytes=100, per_use=False)
     assert capped.report.host_peak_bytes <= 100 and capped.report.peak_bytes <= b
     assert capped.report.time_s > free.report.time_s  # the rest must be recomputed
     want = solve(g, b, "oracle", offload=True, host_budget_bytes=100)

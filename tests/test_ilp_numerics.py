@@ -2,7 +2,7 @@
 
 Random chains and DAGs get tensors at KiB, MiB and GPU scale (64 MiB to 4 GiB, budgets in the tens of
 GB; odd byte counts, so no common unit makes the model byte-exact). The exhaustive oracle enumerates every
-plan; the budgets are the trade-off points of its frontier (the peaks where the optimal step time drops)
+plan (keep, recompute, recompute_each); the budgets are the trade-off points of its frontier (the peaks where the optimal step time drops)
 and one byte below each. At each: the ILP returns a plan exactly when one exists, never a plan faster
 than the optimum, ``optimal`` only at the optimum, and a lower bound that is one. Byte-exact
 coefficients of GPU tensors once made CP-SAT and CBC claim false optima, bounds and infeasibility.
@@ -46,9 +46,10 @@ def scaled_graph(kind: str, n: int, seed: int, scale: str) -> Graph:
 
 
 def frontier(g: Graph) -> list[tuple[int, float]]:
-    """(peak, optimal time at budget = peak) at each trade-off point of the oracle's frontier."""
+    """(peak, optimal time at budget = peak) at each trade-off point of the oracle's frontier over every
+    action (recompute_each included: the ILP's space)."""
     scored = sorted((r.peak_bytes, r.time_s) for r in (simulate_actions(g, a, prefetch_at=p)
-                                                        for a, p in _plans(g, False, "choose")))
+                                                        for a, p in _plans(g, False, "choose", per_use=True)))
     points: list[tuple[int, float]] = []
     for peak, time_s in scored:
         if not points or time_s < points[-1][1] * (1 - 1e-12):

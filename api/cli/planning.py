@@ -75,13 +75,15 @@ def solve(
         "keep_all_peak_bytes": base.peak_bytes, "keep_all_time_s": base.time_s,
         "overhead": result.report.time_s / base.time_s - 1.0 if base.time_s else 0.0,
         "solve_time_s": result.solve_time_s, "gap": result.gap, "lower_bound_s": result.lower_bound_s,
+        "space": result.space,
         "recompute": result.plan.count("recompute"), "offload": result.plan.count("offload"),
         "keep": result.plan.count("keep"), "recompute_each": result.plan.count("recompute_each"),
     }
     if json_out:
         emit_json(summary)
         return
-    print_report(result.report, title=f"{graph.name}: {summary['solver']} ({summary['status']}), "
+    over = "" if result.space == "all" else f" over {result.space} plans"  # a narrower space than executed
+    print_report(result.report, title=f"{graph.name}: {summary['solver']} ({summary['status']}{over}), "
                                        f"solved in {summary['solve_time_s']:.2f} s", budget=b)
     out.print(f"keep-all: {format_bytes(base.peak_bytes)}, {base.time_s * 1e3:.2f} ms -> overhead "
               f"{summary['overhead'] * 100:.1f}%; {summary['recompute']} recomputed, "
@@ -89,7 +91,7 @@ def solve(
               + f"{summary['offload']} "
               f"offloaded, {summary['keep']} kept; wrote [bold]{output}[/bold]")
     if result.lower_bound_s is not None and result.gap is not None:  # a proven bound on the step time
-        out.print(f"proven lower bound {result.lower_bound_s * 1e3:.2f} ms: gap {result.gap * 100:.2f}%")
+        out.print(f"proven lower bound{over} {result.lower_bound_s * 1e3:.2f} ms: gap {result.gap * 100:.2f}%")
 
 
 # ---- frontier -----------------------------------------------------------------------------------

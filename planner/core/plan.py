@@ -62,6 +62,10 @@ class SolverInfo(BaseModel):
     solve_time_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     lower_bound_s: float | None = Field(default=None, description="a bound on the step time, where known")
     gap: float | None = Field(default=None, description="relative optimality gap, where known")
+    space: str | None = Field(
+        default=None, description="the plans over which status and lower_bound_s hold: 'all' (every action "
+                                  "memplan executes that the request allows), or the actions searched, e.g. "
+                                  "'keep/recompute'; None: not stated (a plan by hand, or an older memplan)")
 
 
 class Prediction(BaseModel):

@@ -2,14 +2,20 @@
 with Optimal Tensor Rematerialization", MLSys 2020) for general DAGs, in memplan's plan space.
 
 Checkmate lets the solver pick any schedule (``R[t,i]`` compute op i at stage t, ``S[t,i]`` keep it).
-memplan's plans are narrower -- per saved activation keep / recompute / offload, plus a prefetch point --
+memplan's plans are narrower -- per saved activation keep / recompute / recompute_each / offload, plus a
+prefetch point --
 and the simulator (:mod:`memplan.planner.core.simulator`) fixes everything else: a missing saved tensor is
 rebuilt *lazily* when its backward step needs it, by replaying its producer and, recursively, the
 producers of missing inputs. So the stages here are the simulator's own: one per forward op, and in
 backward one per (step ``s``, k-th saved tensor of op ``s``) materialisation pass. The variables encode
 the simulator's boolean logic exactly, as linear constraints:
 
-* decisions: ``r[u]`` recompute, ``o[u]`` offload (keep is ``1 - r - o``) per saved activation;
+* decisions: ``r[u]`` recompute, ``each[u]`` recompute_each, ``o[u]`` offload (keep is ``1 - r - each -
+  o``) per saved activation; ``each[u]`` is Checkmate's per-use re-creation (a tensor computed at several
+  stages): freed after forward like ``r[u]``, and when a pass re-creates u for another target it is
+  ``kept`` past the pass only when ``not each[u]`` (else freed after its last reader in the pass, like an
+  unsaved tensor, and rebuilt by its own pass later); ``each[u] <= sum`` of those re-creations, since
+  elsewhere recompute_each replays exactly as recompute (one of two equal plans, for the lazy cuts);
   ``y[u, slot]`` the moment u's copy back starts: at the start of a chosen backward step (the plan's
   ``prefetch_at``) or in a pass whose replay needs u earlier (the simulator then prefetches it there);
 * per pass (s, k) and tensor u of the target's ancestor closure: ``vis`` (the replay's traversal
@@ -29,6 +35,13 @@ the simulator's boolean logic exactly, as linear constraints:
   they equal the simulator's max(...) recurrences;
 * objective: the simulated step time (replays + exposed waits; forward, backward and optimizer time
   are constants). Host memory: ``sum(o[u] * bytes) <= host_budget_bytes``.
+
+The result's ``space`` (:func:`memplan.solvers.registry.plan_space`) says over which plans its status and
+bound hold: ``all`` with recompute_each in the model (by default on graphs of at most ``per_use_saved``,
+20, saved activations, where it costs a few seconds; past that the LP bound weakens and proofs take far
+longer); ``keep/recompute`` (``/offload``) without (``per_use=False``, or larger graphs by default); offload only at
+the default points with ``prefetch="default"``. The interval model's bound covers every plan without
+offload (:mod:`.intervals`).
 
 The model is formulated once (:class:`~memplan.solvers.ilp.linear.LinearModel`: variables, linear
 rows, objective, all with integer coefficients) and handed to OR-Tools CP-SAT (``backend="cpsat"``,

@@ -100,6 +100,12 @@ def cbc_bound(log: str) -> float | None:
     """CBC's best possible objective, from its log ('best possible X' / 'Objective value' lines)."""
     import re
 
+    if "Result - Optimal solution found" in log:
+        # proved (gapRel=0): the optimum is the bound; the last 'best possible' line may be a stale one
+        # from an early node (seen: node 0's, 5% under the optimum CBC then proved 4 nodes later)
+        proved = re.findall(r"Objective value:\s+(-?[0-9.eE+-]+)", log)
+        if proved:
+            return float(proved[-1])
     found = re.findall(r"best possible (-?[0-9.eE+-]+)", log)
     if found:
         return float(found[-1])

@@ -22,6 +22,16 @@ class Config:
     # small graphs and with offload, otherwise intervals (its bound decides the status) and, unless that
     # proves its plan optimal, the windowed replay model in the last 40% of the time
     formulation: Literal["auto", "replay", "intervals"] = "auto"
+    # also recompute_each (per-use re-creation) for every rebuildable tensor; off: the model, its bound
+    # and its "optimal" cover keep / recompute (/ offload) only, and the result's space says so. None: on
+    # graphs of at most per_use_saved saved activations (the model grows ~75% and its LP bound weakens:
+    # random 30-op DAGs proved optimal in 2 s without, not within 30 s with)
+    per_use: bool | None = None
+    per_use_saved: int = Field(default=20, ge=0)
+
+    def model_per_use(self, saved: int) -> bool:
+        """Whether the replay model includes recompute_each for a graph of ``saved`` saved activations."""
+        return self.per_use if self.per_use is not None else saved <= self.per_use_saved
     # choose: the ILP picks prefetch points; default: the simulator's
     prefetch: Literal["choose", "default"] = "choose"
     # producers a replay may go back; None: unlimited on small graphs

@@ -16,7 +16,7 @@ from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.formulation import Builder, Built
 from memplan.solvers.ilp.intervals import solve_intervals
 from memplan.solvers.ilp.linear import ConstantlyViolated, no_good
-from memplan.solvers.registry import Proposal, register
+from memplan.solvers.registry import ALL_PLANS, Proposal, plan_space, register
 
 MAX_SAVED = 400
 DEFAULT = Config()
@@ -29,6 +29,8 @@ def decode(built: Built, values: list[int], graph: Graph) -> tuple[dict[int, Act
     for u in graph.saved_activations:  # ascending ids: the simulator's FIFO order among equal prefetch points
         if u in built.r and values[built.r[u]]:
             actions[u] = Action.RECOMPUTE
+        elif u in built.each and values[built.each[u]]:
+            actions[u] = Action.RECOMPUTE_EACH
         elif u in built.o and values[built.o[u]]:
             actions[u] = Action.OFFLOAD
             fired = [sl for sl in built.slots[u] if values[sl.var]]
@@ -46,6 +48,8 @@ def hint_for(built: Built, graph: Graph, actions: dict[int, Action], prefetch: d
     hint: dict[int, int] = {}
     for u, v in built.r.items():
         hint[v] = int(actions.get(u) == Action.RECOMPUTE)
+    for u, v in built.each.items():
+        hint[v] = int(actions.get(u) == Action.RECOMPUTE_EACH)
     for u, v in built.o.items():
         off = actions.get(u) == Action.OFFLOAD
         hint[v] = int(off)
@@ -73,6 +77,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     bw = graph.host_bandwidth_bytes_per_s
+    per_use = cfg.model_per_use(len(graph.saved_activations))
     stats: dict[str, object] = {"backend": cfg.backend}
 
     def fits(r: Report) -> bool:
@@ -90,8 +95,8 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                                  host_budget_bytes=host_budget_bytes)
             except MemplanError:
                 continue
-            if prop.status == "infeasible" or Action.RECOMPUTE_EACH in prop.actions.values():
-                continue  # none, or outside the model's keep / recompute / offload space (its claims' space)
+            if prop.status == "infeasible" or (not per_use and Action.RECOMPUTE_EACH in prop.actions.values()):
+                continue  # none, or outside the model's space
             rep = simulate_actions(graph, prop.actions, prefetch_at=prop.prefetch_at)
             if fits(rep) and (best is None or rep.time_s < best[0]):
                 warm = (prop.actions, prop.prefetch_at)
@@ -119,8 +124,13 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
             if best is None:
                 stats["stopped"] = "model infeasible" if status_i == "infeasible" else "time limit"
                 return Proposal(status="infeasible", stats=stats)
-            return Proposal(best[1], best[2], status_i, bound_i, stats)
+            # the interval relaxation bounds recompute_each plans too (module docstring of .intervals)
+            return Proposal(best[1], best[2], status_i, bound_i, stats, space=ALL_PLANS)
         outer_bound = bound_i
+    # the replay model's claims cover recompute_each with per_use, offload at every prefetch point with
+    # prefetch="choose"; behind the interval model, its bound decides (and covers every plan)
+    space = ALL_PLANS if outer_bound is not None else plan_space(per_use=per_use, offload=offload,
+                                                                 prefetch=cfg.prefetch)
     try:
         built = Builder(graph, budget_bytes, offload=offload, host_budget=host_budget_bytes, cfg=cfg).build()
     except ConstantlyViolated:
@@ -188,7 +198,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                  solve_s=time.perf_counter() - t0)
     if best is None:
         stats["stopped"] = "model infeasible" if status == "infeasible" else "time limit"
-        return Proposal(status="infeasible", stats=stats)
+        return Proposal(status="infeasible", stats=stats, space=space)
     if bound_s is not None:
         bound_s = min(bound_s, best[0])
     if status == "optimal":
@@ -205,5 +215,5 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         bound_s = min(outer_bound, best[0])
         if best[0] <= outer_bound + tol(best[0]):
             status = "optimal"
-    return Proposal(best[1], best[2], status, bound_s, stats)
+    return Proposal(best[1], best[2], status, bound_s, stats, space=space)
 

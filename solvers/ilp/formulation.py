@@ -30,6 +30,7 @@ class Built:
     model: LinearModel
     r: dict[int, int]
     o: dict[int, int]
+    each: dict[int, int]  # saved activation -> its recompute_each variable (per-use re-creation)
     slots: dict[int, list[Slot]]
     decision_vars: list[int]
     tick_s: float
@@ -115,22 +116,31 @@ class Builder:
         self.saved = saved
         self.r: dict[int, int] = {}
         self.o: dict[int, int] = {}
+        # each[u]: recompute_each, freed after forward like r[u], but a replay that re-creates u for
+        # another target frees it after its last use there (it is replayed again for its own backward):
+        # Checkmate's natural form, a tensor computed at several stages
+        self.each: dict[int, int] = {}
         for u in saved:
             info = tensors[u]
             if info.held_by_caller or info.bytes == 0:
                 continue  # never freed or nothing to free: keeping is always at least as good
             if info.recomputable:
                 self.r[u] = self.m.var(f"r[{u}]")
+                if cfg.model_per_use(len(saved)):
+                    self.each[u] = self.m.var(f"each[{u}]")
             if offload:
                 self.o[u] = self.m.var(f"o[{u}]")
-            if u in self.r and u in self.o:
-                self.m.row(lin(0, (self.r[u], 1), (self.o[u], 1)), hi=1)
+            # one action per tensor
+            choice = [v for v in (self.r.get(u), self.each.get(u), self.o.get(u)) if v is not None]
+            if len(choice) > 1:
+                self.m.row(lin(0, *((v, 1) for v in choice)), hi=1)
         self.b = {t.id: t.bytes // self.unit for t in tensors}  # rounded down: a relaxation (see above)
         self.held_bytes = sum(self.b[t.id] for t in tensors if t.kind == "activation" and t.held_by_caller)
         self.fixed = self._units(graph.fixed.resident_bytes)
         self.d = {u: max(1, math.ceil(tensors[u].bytes / self.bw / self.tick - 1e-6)) for u in self.o}
         self.slots: dict[int, list[Slot]] = {u: [] for u in self.o}
         self.made: dict[int, list[tuple[tuple[int, int], int]]] = {u: [] for u in saved}  # (key, var)
+        self.remade: dict[int, list[int]] = {u: [] for u in self.each}  # made by a replay for another target
         self.big_t = 0  # big-M for time, set in _backward's pre-pass
         self.cf_last: int | None = None  # the last D2H copy's end (forward ticks)
         self.cf_of: dict[int, int] = {}  # the copy stream's free time after u's place in the FIFO
@@ -143,6 +153,7 @@ class Builder:
     def keep(self, u: int) -> Expr:
         e = lin(1)
         e.add(self.r.get(u), -1)
+        e.add(self.each.get(u), -1)
         e.add(self.o.get(u), -1)
         return e
 
@@ -183,12 +194,17 @@ class Builder:
     def build(self) -> Built:
         self._forward()
         self._backward()
+        for u, v in self.each.items():
+            # recompute_each differs from recompute only where a replay for another target re-creates u
+            # before its own backward: elsewhere the two plans replay alike, and the model keeps only the
+            # recompute one (fewer equivalent plans for the lazy cuts to remove one by one)
+            self.m.row(lin(0, (v, 1), *((x, -1) for x in self.remade[u])), hi=0)
         if self.host_budget is not None and self.o:
             self.m.row(lin(0, *((v, self.b[u]) for u, v in self.o.items())), hi=self.host_budget)
-        decision = list(self.r.values()) + list(self.o.values())
+        decision = list(self.r.values()) + list(self.each.values()) + list(self.o.values())
         decision += [sl.var for u in self.o for sl in self.slots[u] if sl.start]
         exact = self.depth is None and (not self.o or (self.linger and self.pf_window >= self.n))
-        return Built(self.m, self.r, self.o, self.slots, decision, self.tick, self.const_time_s, self.unit,
+        return Built(self.m, self.r, self.o, self.each, self.slots, decision, self.tick, self.const_time_s, self.unit,
                       self.obj_offset, self.cfg.prefetch == "default", exact, self.memory_exact,
                       self.time_err_ticks)
 
@@ -252,7 +268,7 @@ class Builder:
             for u in produced[i]:
                 if tensors[u].held_by_caller or i <= st.fwd_free_at[u]:
                     e.const += self.b[u]  # in forward use (or held): live whatever the plan
-                elif u in self.r or u in self.o:
+                elif u in self.r or u in self.o:  # (each[u] only exists beside r[u])
                     e.plus(self.keep(u), self.b[u])  # past its last forward use: the plan decides
                     if i in z.get(u, {}):
                         e.add(z[u][i], self.b[u])
@@ -604,8 +620,15 @@ class Builder:
         # retained: saved tensors whose backward is still to come (and the target)
         retained = {u for u in made if u == t or (st.saved[u] and st.release_at[u] <= s
                                                   and not tensors[u].held_by_caller)}
+        # ... unless planned recompute_each (not the target): then freed after its last use in the pass
+        # like an unsaved tensor, and replayed again for its own backward. kept[u]: made and retained
+        kept: dict[int, int] = {}
         for u in retained:
             (v,) = made[u].terms  # single variables by construction
+            if u != t and u in self.each:
+                self.remade[u].append(v)
+                v = self._and_not(f"kept[{u},{s},{k}]", made[u], Expr.of(self.each[u]))
+            kept[u] = v
             self.made[u].append((key, v))
         # memory of each replayed op: pass-start residents, fetched ones, this op's outputs, earlier
         # outputs still read by this or a later replayed op
@@ -627,15 +650,21 @@ class Builder:
                 for u in ops[q2].outputs:
                     if u not in made:
                         continue
-                    if u in retained:
+                    per_use = u in retained and kept[u] not in made[u].terms
+                    if u in retained and not per_use:
                         e.plus(made[u], self.b[u])
                         continue
                     later = [q3 for q3 in readers.get(u, []) if q3 >= q]
                     if not later:
+                        if per_use:
+                            e.add(kept[u], self.b[u])
                         continue
+                    # live while a later replayed op reads it (or, planned recompute, for good)
                     al = m.var(f"alive[{u},{q},{s},{k}]")
                     for q3 in later:
                         m.row(Expr({al: 1}).plus(made[u], -1).add(rp[q3], -1), lo=-1)
+                    if per_use:
+                        m.row(lin(0, (al, 1), (kept[u], -1)), lo=0)
                     e.add(al, self.b[u])
             e.add(rp[q], big_mem)
             m.row(e, hi=self.budget + big_mem)

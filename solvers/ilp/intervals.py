@@ -22,6 +22,12 @@ candidates: each is simulated exactly; one that fits is an incumbent, one that d
 no-good row, which keeps the relaxation valid) and the budget of a second, tightened copy of the model is
 lowered by its overshoot to find one that does. Offload is not in this model (the exact replay model and
 its windows handle offload).
+
+Its bound holds for ``recompute_each`` plans too: such a plan is freed after forward and present from its
+first backward reader on, as a recomputed one is (a replay for another target re-creates it only
+transiently, which the rows do not count), and it replays its producer at least once: mapped to ``r[u] =
+1`` it satisfies every row at a model time no higher than the simulator's. So the bound and ``optimal``
+cover every plan without offload.
 """
 
 from __future__ import annotations
