@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import heapq
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
@@ -217,6 +217,23 @@ def static_facts(graph: Graph) -> StaticFacts:
     return st
 
 
+def replay_op_cost_s(graph: Graph, op: Any) -> float:
+    """What replaying ``op`` costs the step: its time and the executor's dispatch of it. On a CPU the op runs
+    on the thread that dispatches it: the sum. On CUDA the host issues the next op while the device runs
+    this one, so the larger of the two paces a replay (docs/model.md, Time)."""
+    if graph.device == "cuda":
+        return max(op.time_s, graph.replay_op_dispatch_s)
+    return op.time_s + graph.replay_op_dispatch_s
+
+
+def watch_op_cost_s(graph: Graph, op: Any) -> float:
+    """What watching forward op ``op`` under a plan adds to the step: the executor's dispatch mode's work; on
+    CUDA only what the device's run of the op does not hide."""
+    if graph.device == "cuda":
+        return max(0.0, graph.watch_op_dispatch_s - op.time_s)
+    return graph.watch_op_dispatch_s
+
+
 def default_prefetch_at(graph: Graph, tensor: int, bandwidth_bytes_per_s: float) -> int:
     """The latest op at which to start a tensor's prefetch so that, with an idle copy stream, the
     backward compute between it and the tensor's first backward reader covers the copy."""
@@ -334,10 +351,7 @@ class _Lowering:
         watch = forward_watch(g, self.actions, self.replayed_ops, self.pins, self.prefetch_ops, self.st.d2h_after)
         if watch.ops:
             window = range(watch.first, watch.last + 1)
-            if g.device == "cuda":  # each op's host work hides under the device's run of the op before it
-                watch_s = sum(max(0.0, g.watch_op_dispatch_s - g.ops[k].time_s) for k in window)
-            else:
-                watch_s = watch.ops * g.watch_op_dispatch_s
+            watch_s = sum(watch_op_cost_s(g, g.ops[k]) for k in window)
             self.events.append(ScheduleEvent(
                 "watch", "forward", None, None, tuple(window),
                 "the executor's dispatch over the forward ops it watches", duration_s=watch_s))
@@ -471,8 +485,6 @@ class _Lowering:
         if emit:
             events.append(ScheduleEvent("replay", "backward", step, target, r.ops, f"op {step}'s backward reads it"))
         scratch = set(r.scratch)  # private copies of tensors read mid-chain: counted, never resident
-        dispatch_s = g.replay_op_dispatch_s
-        overlap = g.device == "cuda"  # the executor's host work per op against the device's: see replay_cost
         for p, freed in zip(r.ops, r.frees_after, strict=True):
             op = g.ops[p]
             alloc = 0
@@ -482,10 +494,7 @@ class _Lowering:
                 elif not resident[o]:
                     resident[o] = True
                     alloc += tensors[o].bytes
-            # the executor's dispatch of a replayed op included: on a CPU the op runs on the thread that
-            # dispatches it (the sum); on CUDA the host issues the next op while the device runs this one,
-            # so the larger of the two paces the replay
-            cost_s = max(op.time_s, dispatch_s) if overlap else op.time_s + dispatch_s
+            cost_s = replay_op_cost_s(g, op)  # the executor's dispatch of a replayed op included
             if emit:
                 events.append(_event(("recompute", "backward", step, target, (p,), op.name, alloc,
                                       op.workspace_bytes, 0, cost_s, 0, 0)))
