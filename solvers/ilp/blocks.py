@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
@@ -94,17 +94,65 @@ def _restricted(im: IntervalModel, classes: list[list[int]], groups: int) -> Lin
     return out
 
 
+def uniform_plans(graph: Graph, budget: int, im: IntervalModel, cfg: Config, *, until: float,
+                  groups: tuple[int, ...] = GROUPS, enough: Callable[[], bool] = lambda: False,
+                  ) -> Iterator[tuple[dict[int, Action], str]]:
+    """Block-uniform plans of ``graph`` (module docstring) from ``im`` (its staircase model at
+    ``budget``), for each number of groups in ``groups`` while time is left before ``until``: each
+    solved by CP-SAT and, when its simulated peak is over ``budget``, re-solved at most ``RETRIES`` times
+    with the overshoot taken off the model's budget. Yields every plan tried with its source
+    (``uniform/G``), fitting or not; stops early once ``enough()``."""
+    classes = layer_classes(graph)
+    layers = max((len(c) for c in classes), default=1)
+    for g in groups if classes else ():
+        if g > layers or time.perf_counter() > until or enough():
+            break
+        model_budget = budget
+        for _ in range(RETRIES):
+            left = until - time.perf_counter()
+            if left < 0.1:
+                break
+            try:
+                tight = im if model_budget == budget else build_staircase(graph, model_budget, cfg)
+            except ConstantlyViolated:
+                break
+            # CP-SAT: it keeps its time limit (HiGHS's MIP overran a 10 s one by a minute here)
+            ans = run_backend(Config(backend="cpsat", workers=cfg.workers), _restricted(tight, classes, g),
+                              {}, left)
+            if ans.values is None:
+                break
+            actions = tight.actions(ans.values)
+            yield actions, f"uniform/{g}"
+            peak = simulate_actions(graph, actions).peak_bytes
+            if peak <= budget:
+                break
+            model_budget -= peak - budget  # over in bytes: try again with the overshoot taken off
+
+
+def staircase_bound(graph: Graph, budget: int, cfg: Config, deadline: float) -> tuple[IntervalModel | None, float | None]:
+    """The staircase model of ``graph`` at ``budget`` and its LP relaxation's optimum as a step time (a
+    lower bound over :data:`~.staircase.SPACE`); (None, None) when a row no plan changes is over the
+    budget (then no plan fits), (model, None) when the LP found nothing before ``deadline``."""
+    try:
+        im = build_staircase(graph, budget, cfg)
+    except ConstantlyViolated:
+        return None, None
+    lp = solve_direct(im.model, integral=False, time_limit_s=max(0.1, deadline - time.perf_counter()))
+    if lp.bound is None:
+        return (None if lp.status == "infeasible" else im), None
+    return im, im.time_s(lp.bound * (1 - 1e-9) - 1)  # less float noise
+
+
 def solve_blocks(graph: Graph, budget: int, cfg: Config, deadline: float, incumbent: Best | None,
                  fits: Callable[[Report], bool]) -> tuple[str, float | None, Best | None, dict]:
     """Bound and plans until ``deadline`` (module docstring): returns (status, bound_s, best (time,
     actions) or None, stats). ``incumbent``: a plan that fits (a warm start), kept unless beaten."""
     t0 = time.perf_counter()
     stats: dict = {"formulation": "blocks", "space": list(SPACE)}
-    try:
-        im = build_staircase(graph, budget, cfg)
-    except ConstantlyViolated:
-        return "infeasible", None, incumbent, {**stats, "reason": "a memory row no plan can change is over budget"}
-    stats.update(variables=len(im.model.lb), rows=len(im.model.rows), build_s=time.perf_counter() - t0,
+    im, bound_s = staircase_bound(graph, budget, cfg, deadline)
+    if im is None:
+        return ("optimal" if incumbent else "infeasible"), None, incumbent, {**stats, "reason": "no plan fits the relaxation"}
+    stats.update(variables=len(im.model.lb), rows=len(im.model.rows), lp_bound_s=bound_s,
                  memory_unit_bytes=im.unit_bytes, memory_exact=im.memory_exact)
     best = incumbent
     sources: dict[str, float] = {}
@@ -121,43 +169,15 @@ def solve_blocks(graph: Graph, budget: int, cfg: Config, deadline: float, incumb
     def tol(time_s: float) -> float:
         return 1e-9 * time_s + im.tick_s * (2 * len(graph.ops) + 2)
 
-    lp = solve_direct(im.model, integral=False, time_limit_s=max(0.1, deadline - time.perf_counter()))
-    if lp.status == "infeasible":
-        stats["solve_s"] = time.perf_counter() - t0
-        return ("optimal" if best else "infeasible"), None, best, stats
-    # the LP optimum, less float noise: the relaxation's relaxation
-    bound_s = None if lp.bound is None else im.time_s(lp.bound * (1 - 1e-9) - 1)
-    stats["lp_bound_s"] = bound_s
-    classes = layer_classes(graph)
-    stats["repeated_classes"] = len(classes)
-    plan_until = t0 + PLAN_SHARE * (deadline - t0)
-    layers = max((len(c) for c in classes), default=1)
-    for groups in GROUPS if classes else ():
-        if groups > layers or time.perf_counter() > plan_until:
-            break
-        model_budget = budget
-        for _ in range(RETRIES):
-            left = plan_until - time.perf_counter()
-            if left < 0.1:
-                break
-            try:
-                tight = im if model_budget == budget else build_staircase(graph, model_budget, cfg)
-            except ConstantlyViolated:
-                break
-            # CP-SAT: it keeps its time limit (HiGHS's MIP overran a 10 s one by a minute here)
-            ans = run_backend(Config(backend="cpsat", workers=cfg.workers), _restricted(tight, classes, groups),
-                              {}, left)
-            if ans.values is None:
-                break
-            rep = consider(tight.actions(ans.values), f"uniform/{groups}")
-            if fits(rep):
-                break
-            model_budget -= rep.peak_bytes - budget  # over in bytes: try again with the overshoot taken off
-        if best is not None and bound_s is not None and best[0] <= bound_s + tol(best[0]):
-            break
+    def proved() -> bool:
+        return best is not None and bound_s is not None and best[0] <= bound_s + tol(best[0])
+
+    for actions, source in uniform_plans(graph, budget, im, cfg, until=t0 + PLAN_SHARE * (deadline - t0),
+                                         enough=proved):
+        consider(actions, source)
     # the full MIP: a tighter bound (its dual bound is valid for the whole space) and maybe a better plan
     left = deadline - time.perf_counter()
-    if left > 0.5 and not (best is not None and bound_s is not None and best[0] <= bound_s + tol(best[0])):
+    if left > 0.5 and not proved():
         ans = solve_bounded(im.model, time_limit_s=left)
         if ans.bound is not None:
             bound_s = max(bound_s or 0.0, im.time_s(ans.bound))
@@ -166,7 +186,7 @@ def solve_blocks(graph: Graph, budget: int, cfg: Config, deadline: float, incumb
             consider(im.actions(ans.values), "full")
     stats.update(solve_s=time.perf_counter() - t0, plans=sources)
     if best is None:
-        return "infeasible" if lp.status == "infeasible" else "timeout", bound_s, None, stats
+        return "timeout", bound_s, None, stats
     if bound_s is not None:
         bound_s = min(bound_s, best[0])
     status = "optimal" if bound_s is not None and best[0] <= bound_s + tol(best[0]) else "feasible"
