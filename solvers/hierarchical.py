@@ -480,7 +480,8 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
             continue
     fits = [(r, a, s) for r, a, s in tried if r.peak_bytes <= budget_bytes]
     stats = {"blocks": len(blks), "distinct_blocks": len(cache), "options": sum(len(m) for m in menus),
-             "plans_scored": len(tried), "lp_bound_s": bound_s, "bound_space": list(SPACE)}
+             "plans_scored": len(tried), "lp_bound_s": bound_s, "bound_space": list(SPACE),
+             "candidates": sorted({s for _, _, s in tried})}
     if not fits:
         return Proposal(status="infeasible", stats=stats)
     report, actions, source = min(fits, key=lambda v: (v[0].time_s, v[0].peak_bytes))
