@@ -412,20 +412,18 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
             for actions, source in uniform_plans(graph, budget_bytes, stair, STAIRCASE, groups=groups, until=until):
                 score(actions, source)
 
-    # in order of worth per second: greedy (the plan never to lose to), the staircase relaxation's bound
-    # and its all-layers-alike plan, Capuchin, the block-uniform plans of two groups (until 45% of the
-    # time), then the menus and the DP (until the end)
-    heuristic(HEURISTICS[0])
-    stair, bound_s = staircase_bound(graph, budget_bytes, STAIRCASE, end)
-    uniform(UNIFORM_GROUPS[:1], end)
-    for name in HEURISTICS[1:]:
+    # in order of worth per second: greedy (the plan never to lose to) and Capuchin (given the time they
+    # need: starved of it, Capuchin found nothing on a 32-layer Llama), the staircase relaxation's bound
+    # and its block-uniform plans (until 60% of the time), then the menus and the DP (until the end)
+    for name in HEURISTICS:
         heuristic(name)
-    uniform(UNIFORM_GROUPS[1:], t0 + 0.45 * time_limit_s)
+    stair, bound_s = staircase_bound(graph, budget_bytes, STAIRCASE, end)
+    uniform(UNIFORM_GROUPS, t0 + 0.6 * time_limit_s)
     blks = blocks(graph)
     cache: dict = {}
     per_block_s = max(0.2, min(5.0, time_limit_s / 4 / max(1, len(blks))))
     menus = [block_menu(graph, b, time_limit_s=per_block_s, levels=levels, extra=heuristics, cache=cache,
-                        deadline=t0 + 0.7 * time_limit_s) for b in blks]
+                        deadline=t0 + 0.75 * time_limit_s) for b in blks]
     grads = grads_before(graph, blks)
     fixed = graph.fixed.resident_bytes
     top = keep_all_report(graph).peak_bytes
