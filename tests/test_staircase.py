@@ -114,3 +114,19 @@ def test_target_s_is_checked():
     g = repeated_blocks(3, 3, seed=0)
     with pytest.raises(MemplanError, match="target_s must be"):
         solve(g, None, "hierarchical", target_s=0)
+
+
+@pytest.mark.slow
+def test_auto_keeps_the_fastest_measured_plan_and_the_highest_bound():
+    g = repeated_blocks(110, 4, seed=4, replay_op_dispatch_s=0.02, watch_op_dispatch_s=0.01)
+    assert len(g.ops) > 400  # past the ILP's size: auto starts with the DP (hierarchical), then the portfolio
+    budget = budgets(g)[1]
+    r = solve(g, budget, "auto", time_limit_s=30)
+    assert r.report.peak_bytes <= budget
+    assert r.plan.solver.name == r.stats["won"]
+    for name, time_s in r.stats["portfolio_s"].items():
+        assert r.report.time_s <= time_s * (1 + REL), name
+    greedy = solve(g, budget, "greedy")
+    assert r.report.time_s <= greedy.report.time_s * (1 + REL)
+    assert r.lower_bound_s is not None and r.lower_bound_s <= r.report.time_s
+    assert r.stats["bound_from"] in r.stats["portfolio_s"]
