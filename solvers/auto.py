@@ -1,15 +1,19 @@
-"""``auto``: pick a strategy by the graph's size, and make sure a plan memplan knows is returned.
+"""``auto``: start with a strategy picked by the graph's size, then keep the plan that measures fastest,
+and make sure a plan memplan knows is returned.
 
 Exhaustive on tiny graphs (``oracle`` over every action, recompute_each included, where that is at most
-``ORACLE_MAX_PLANS`` plans), the ILP on small ones (its model covers every action too), the chain DP (on
-the coarsened chain) on large ones, the greedy heuristic on huge ones. The result's ``space`` is its
-strategy's: where that covers keep / recompute only (the chain DP), the multilevel strategy's per-use
-replays join the portfolio. Past the ILP's size it also runs the greedy and Capuchin
-heuristics and keeps the fastest simulated plan (the DP keeps or recomputes a whole stage; the per-tensor
-heuristics often do better there, in a fraction of a second). When the chosen method finds no plan, it
-falls back to the greedy heuristic, then to the least-peak plan memplan finds (``min-memory``), before calling the budget
-infeasible. An ordinary strategy: it delegates through the registry and names the strategy whose plan it
-returns in ``Proposal.method``.
+``ORACLE_MAX_PLANS`` plans), the ILP on small ones (its model covers every action too), the chain DP (the
+hierarchical solver on models with blocks) on large ones, the greedy heuristic on huge ones. Unless that
+first strategy proves its plan optimal over every action, the Capuchin and greedy heuristics and then the
+ILP (on large graphs its blocks formulation: a proven bound and block-uniform plans) run with the time
+left, and, where the first strategy's claims cover keep / recompute only (the chain DP), the multilevel
+strategy's per-use replays too; the plan with the lowest simulated step time wins (every one's time in
+``stats['portfolio_s']``, the winner in ``stats['won']`` and ``Proposal.method``). The highest lower bound
+any of them proved bounds the winner too (``lower_bound_s``, its strategy in ``stats['bound_from']``;
+without offload, where every bound here holds over the plans without offload). When the first method
+finds no plan, it falls back to the greedy heuristic, then to the least-peak plan memplan finds
+(``min-memory``), before calling the budget infeasible. An ordinary strategy: it delegates through the
+registry.
 
 Its time limit bounds the whole of it, not each strategy it runs: the first strategy gets
 ``PRIMARY_SHARE`` of it, and every later one (the portfolio, the fallbacks, the least-peak search) gets
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.core import propose
@@ -32,7 +36,9 @@ from memplan.solvers.registry import ALL_PLANS, NO_OPTIONS, NoOptions, Proposal,
 ORACLE_MAX_PLANS = 3**7
 ILP_MAX_OPS = 400
 DP_MAX_OPS = 20_000
-PORTFOLIO = ("capuchin", "greedy")
+#: measured against the first strategy's plan, in this order, while time is left; the ILP last (on large
+#: graphs its blocks formulation brings a proven bound and block-uniform plans, with whatever time is left)
+PORTFOLIO = ("capuchin", "greedy", "ilp")
 #: the part of auto's time limit its first strategy may use; the rest is for the portfolio and fallbacks
 PRIMARY_SHARE = 0.7
 #: a later strategy is not started with less than this left
@@ -81,10 +87,12 @@ def solve_auto(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, o
             return Proposal(status="infeasible", stats=stats)
         best = found
     else:
-        if method not in ("oracle", "ilp") or best[0].space != ALL_PLANS:
+        # unless proved optimal over every action, the portfolio's plans are measured against it
+        if best[0].status != "optimal" or best[0].space != ALL_PLANS:
             best = _best_of(graph, best, budget_bytes, common, deadline)
     proposal, _, made_by = best
     proposal.method = made_by
+    proposal.stats["won"] = made_by
     return proposal
 
 
@@ -106,6 +114,7 @@ def _best_of(graph: Graph, first: Scored, budget: int, common: dict, deadline: f
     reg = solvers()
     best = first
     times = {first[2]: first[1].time_s}
+    bounds = {first[2]: first[0].lower_bound_s}
     # a first strategy whose claims cover keep / recompute only (the chain DP): multilevel's per-use
     # replays may be faster, so they join the portfolio
     rest = ("multilevel",) if first[0].space != ALL_PLANS and not common["offload"] else ()
@@ -120,10 +129,23 @@ def _best_of(graph: Graph, first: Scored, budget: int, common: dict, deadline: f
                                        **{**common, "time_limit_s": _left(deadline)})
         except Infeasible:
             continue
+        except MemplanError:  # not for this request (the ILP's offload model on a large graph)
+            continue
         times[name] = report.time_s
+        bounds[name] = proposal.lower_bound_s
         if report.time_s < best[1].time_s:
             best = (proposal, report, name)
     best[0].stats["portfolio_s"] = times
+    # every strategy's bound holds for every plan of its space: the highest one bounds the winner too.
+    # Without offload every bound here is over the keep / recompute (/ recompute_each) plans; with it,
+    # only the winner's own is kept (another's may leave offload out)
+    valid = {n: b for n, b in bounds.items() if b is not None and (not common["offload"] or n == best[2])}
+    if valid:
+        source = max(valid, key=valid.__getitem__)
+        best[0].lower_bound_s = min(valid[source], best[1].time_s)
+        best[0].stats["bound_from"] = source
+        if best[1].time_s <= best[0].lower_bound_s * (1 + 1e-9) and best[0].status != "optimal":
+            best[0].status = "optimal"
     return best
 
 

@@ -90,12 +90,15 @@ def test_hierarchical_fits_and_never_loses_to_the_heuristics(gpt):
                     solve(gpt, budget, other)
             continue
         solved += 1
-        assert r.stats["model"] == "hierarchical" and r.status == "feasible"
+        assert r.stats["model"] == "hierarchical" and r.status in ("feasible", "optimal")
+        assert r.lower_bound_s is not None and r.lower_bound_s <= r.report.time_s
         assert r.report.peak_bytes <= budget
         assert simulate_actions(gpt, r.plan.actions()).peak_bytes == r.report.peak_bytes
         # repeated layers are solved once (the first layer's input comes from the embedding, so it differs)
         assert r.stats["distinct_blocks"] < r.stats["blocks"]
         for other in ("greedy", "capuchin", "chen", "every-k"):
+            if other in ("chen", "every-k") and other not in r.stats["candidates"]:
+                continue  # run only when time is left within target_s
             try:
                 o = solve(gpt, budget, other)
             except Infeasible:

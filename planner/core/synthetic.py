@@ -151,3 +151,40 @@ def inplace_chain(steps: int, *, state_bytes: int = 100, time_s: float = 1.0, ba
         prev = h
     g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=state_bytes))
     return fill_structural_grads(g)
+
+
+def repeated_blocks(blocks: int, block_ops: int = 3, *, seed: int = 0, max_bytes: int = 64, save_prob: float = 0.5,
+                    replay_op_dispatch_s: float = 0.0, watch_op_dispatch_s: float = 0.0,
+                    name: str = "repeated") -> Graph:
+    """``blocks`` identical blocks of ``block_ops`` ops (modules ``layers.<b>.op<k>``), like a
+    transformer's layers: one random template (sizes, times, which tensors each op saves, a skip from the
+    block's input to its last op: a residual) repeated, each block reading the previous one's output.
+    Some activations are saved by no op (a replay rebuilds them on the way). The dispatch figures are the
+    graph's (the executor's per replayed op and per watched forward op)."""
+    rng = random.Random(seed)
+    template = []
+    for k in range(block_ops):
+        skip = k == block_ops - 1 and block_ops > 1
+        template.append(dict(bytes=rng.randint(1, max_bytes), time_s=round(rng.uniform(0.1, 2.0), 3),
+                             backward_time_s=round(rng.uniform(0.1, 3.0), 3), skip=skip,
+                             save=[rng.random() < save_prob for _ in range(3)]))
+    tensors = [TensorInfo(id=0, kind="input", bytes=rng.randint(1, max_bytes), requires_grad=False)]
+    ops: list[Op] = []
+    prev = 0
+    for b in range(blocks):
+        block_in = prev
+        for k, t in enumerate(template):
+            i = len(ops)
+            inputs = [prev] + ([block_in] if t["skip"] and block_in != prev else [])
+            out = len(tensors)
+            tensors.append(TensorInfo(id=out, kind="activation", producer=i, bytes=t["bytes"], requires_grad=True))
+            candidates = inputs + [out]
+            saved = [v for v, keep in zip(candidates, t["save"], strict=False) if keep]
+            ops.append(Op(id=i, name=f"synthetic.op{k}", module=f"layers.{b}.op{k}", time_s=t["time_s"],
+                          backward_time_s=t["backward_time_s"], inputs=inputs, outputs=[out], saved=saved,
+                          has_backward=True))
+            prev = out
+    ops[-1].saved = list(dict.fromkeys([*ops[-1].saved, prev]))  # the loss-like last op keeps its output
+    g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=tensors[0].bytes),
+              replay_op_dispatch_s=replay_op_dispatch_s, watch_op_dispatch_s=watch_op_dispatch_s)
+    return fill_structural_grads(g)

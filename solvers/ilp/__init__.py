@@ -81,9 +81,18 @@ On large graphs (see :class:`~memplan.solvers.ilp.config.Config`) replays are li
 needing more are excluded, so that model's bound and "optimal" hold only over the plans it admits and
 are reported in ``stats['model_bound_s']`` / ``stats['model_status']``, not as the method's.
 
+**Past 400 saved activations** (a 1.1B Llama has 405, an 80-layer one 1,449) the replay and interval
+models are not built: ``formulation="blocks"`` (:mod:`.blocks`) bounds the step time by the LP (then, with
+the time left, the MIP) of :mod:`.staircase`, the interval relaxation with prefix-sum rows, the executor's
+watch window and replay dispatch, valid over every keep / recompute / recompute_each plan without offload
+(``stats['space']``), and proposes block-uniform plans (matched activations of repeated layers decided
+alike, in 1, 2, 4... groups of layers), each simulated. Offload there is refused (the replay model's
+limit stays 400).
+
 Modules: :mod:`.linear` (the backend-free linear model), :mod:`.formulation` (the rows, from a graph),
 :mod:`.backends` (CP-SAT, CBC, HiGHS), :mod:`.driver` (warm start, lazy cuts, the registered ``ilp``
-strategy), :mod:`.config` (its options).
+strategy), :mod:`.config` (its options), :mod:`.staircase`, :mod:`.blocks` and :mod:`.lp` (HiGHS called
+directly) for large graphs.
 """
 
 from memplan.solvers.ilp.config import BACKENDS, Config

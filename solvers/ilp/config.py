@@ -21,7 +21,9 @@ class Config:
     # full-graph retention-interval relaxation with simulated plans (recompute only); auto: replay on
     # small graphs and with offload, otherwise intervals (its bound decides the status) and, unless that
     # proves its plan optimal, the windowed replay model in the last 40% of the time
-    formulation: Literal["auto", "replay", "intervals"] = "auto"
+    # blocks: the staircase relaxation (bound) and block-uniform plans (ilp/blocks.py), recompute only,
+    # any size; auto picks it past 400 saved activations
+    formulation: Literal["auto", "replay", "intervals", "blocks"] = "auto"
     # also recompute_each (per-use re-creation) for every rebuildable tensor; off: the model, its bound
     # and its "optimal" cover keep / recompute (/ offload) only, and the result's space says so. None: on
     # graphs of at most per_use_saved saved activations (the model grows ~75% and its LP bound weakens:

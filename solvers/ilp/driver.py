@@ -12,13 +12,15 @@ from memplan.planner.core.simulator import Report, default_prefetch_at, simulate
 from memplan.solvers.capuchin import solve_capuchin
 from memplan.solvers.greedy import solve_greedy
 from memplan.solvers.ilp.backends import run_backend
+from memplan.solvers.ilp.blocks import solve_blocks
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.formulation import Builder, Built
 from memplan.solvers.ilp.intervals import solve_intervals
 from memplan.solvers.ilp.linear import ConstantlyViolated, no_good
 from memplan.solvers.registry import ALL_PLANS, Proposal, plan_space, register
 
-MAX_SAVED = 400
+MAX_SAVED = 20_000        # the blocks formulation's reach (recompute only)
+REPLAY_MAX_SAVED = 400    # the replay and interval models' (offload included)
 DEFAULT = Config()
 
 
@@ -104,11 +106,25 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                 stats["warm_start"] = name
         stats["warm_start_s"] = None if best is None else best[0]
     formulation = cfg.formulation
+    n_saved = len(graph.saved_activations)
     if formulation == "auto":
-        formulation = "replay" if offload or len(graph.saved_activations) <= cfg.small_saved else "both"
-    if formulation == "intervals" and offload:
-        raise MemplanError("ilp: formulation 'intervals' plans recompute only; use formulation='replay' "
+        formulation = ("replay" if offload or n_saved <= cfg.small_saved
+                       else "blocks" if n_saved > REPLAY_MAX_SAVED else "both")
+    if formulation in ("intervals", "blocks") and offload:
+        raise MemplanError(f"ilp: formulation {formulation!r} plans recompute only; use formulation='replay' "
                            "(or 'auto') with offload")
+    if formulation in ("replay", "both") and n_saved > REPLAY_MAX_SAVED:
+        raise MemplanError(f"ilp: the replay model handles at most {REPLAY_MAX_SAVED} saved activations "
+                           f"(offload included); this graph has {n_saved}: plan it without offload")
+    if formulation == "blocks":
+        # past the replay model's size: the staircase relaxation's bound, block-uniform plans (blocks.py)
+        incumbent = None if best is None else (best[0], best[1])
+        status_b, bound_b, found, more = solve_blocks(graph, budget_bytes, cfg, deadline, incumbent, fits)
+        stats.update(more, solve_s=time.perf_counter() - t0)
+        if found is None:
+            stats["stopped"] = "model infeasible" if status_b == "infeasible" else "time limit"
+            return Proposal(status="infeasible", stats=stats)
+        return Proposal(found[1], {}, status_b, bound_b, stats)
     outer_bound: float | None = None  # the interval model's bound, when the replay model runs after it
     if formulation in ("intervals", "both"):
         # the full-graph relaxation first: a bound valid for the exact problem, and often the best plan;
