@@ -458,6 +458,12 @@ def default_device_type() -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
+def holds_real_tensors(device: torch.device) -> bool:
+    """Whether real tensors can live on ``device`` in this process: the CPU, or a GPU that is here (an
+    emulated GPU's tensors are the CPU's, and a spec's GPU that is not here holds none)."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+
+
 def device_here(device: str | torch.device) -> Device | None:
     """:func:`device_of` ``device``, or None for a CUDA device this machine has neither as a GPU nor emulated
     (a device spec's GPU: a fake profile for it runs nothing there)."""

@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memplan.planner.core.errors import MemplanError
+from memplan.planner.probe.device import holds_real_tensors
 from memplan.planner.probe.storage import move_batch
 from memplan.planner.workloads import default_optimizer
 
@@ -95,12 +96,7 @@ def _small_constant(func: Any, out: Any) -> bool:
         return False
     if sum(t.numel() * t.element_size() for t in outs) > REAL_CONSTANT_MAX_BYTES:
         return False
-    return all(_here(t.device) for t in outs)
-
-
-def _here(device: torch.device) -> bool:
-    """Whether real tensors can live on ``device`` in this process."""
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+    return all(holds_real_tensors(t.device) for t in outs)
 
 
 class FakeGuard(TorchDispatchMode):
@@ -160,7 +156,7 @@ def fake_step_state(model: nn.Module, batch: Any, optimizer: torch.optim.Optimiz
     # device, or for a device not here (a device spec's), is faked.
     if all(t.device == device for t in inputs):
         fake_batch = batch
-    elif _here(device) and not any(t.is_meta for t in inputs):
+    elif holds_real_tensors(device) and not any(t.is_meta for t in inputs):
         fake_batch = move_batch(batch, device)
     else:
         fake_batch = _map(batch, fake_of)
