@@ -195,13 +195,18 @@ def solve_child(model: LinearModel, hint: dict[int, int], time_limit_s: float, b
     return Answer(a["status"], a["values"], a["objective"], a["bound"], a.get("stats", {}))
 
 
+def model_from_json(mj: dict) -> LinearModel:
+    """A :class:`LinearModel` from the JSON a parent process wrote for a solver child."""
+    return LinearModel(lb=mj["lb"], ub=mj["ub"], binary=mj["binary"], names=[f"x{i}" for i in range(len(mj["lb"]))],
+                       rows=[({int(v): int(c) for v, c in t}, lo, hi) for t, lo, hi in mj["rows"]],
+                       objective={int(v): int(c) for v, c in mj["objective"]}, timed=mj.get("timed", False))
+
+
 def child_main(src: str, dst: str) -> None:
     with open(src) as f:
         job = json.load(f)
     mj = job["model"]
-    model = LinearModel(lb=mj["lb"], ub=mj["ub"], binary=mj["binary"], names=[f"x{i}" for i in range(len(mj["lb"]))],
-                   rows=[({int(v): int(c) for v, c in t}, lo, hi) for t, lo, hi in mj["rows"]],
-                   objective={int(v): int(c) for v, c in mj["objective"]}, timed=mj.get("timed", False))
+    model = model_from_json(mj)
     hint = {int(v): int(c) for v, c in job["hint"]}
     if job["backend"] == "highs":
         ans = solve_highs_here(model, job["time_limit_s"])

@@ -66,6 +66,18 @@ class IntervalModel:
         return {v: int(actions.get(u) == Action.RECOMPUTE) for u, v in self.r.items()}
 
 
+def relaxation_units(graph: Graph, budget: int, cfg: Config) -> tuple[int, bool, list[int], int]:
+    """The memory unit of a relaxation of ``graph`` under ``budget`` (:func:`choose_unit` over every byte
+    figure the rows use), whether it is exact, each tensor's size in it rounded down (a relaxation never
+    over-counts) and the budget in it: ``(unit, exact, sizes, cap)``."""
+    ops, tensors = graph.ops, graph.tensors
+    sizes = [t.bytes for t in tensors] + [budget, graph.fixed.resident_bytes, graph.fixed.optimizer_step_bytes]
+    sizes += [x for op in ops for x in (op.workspace_bytes, op.backward_workspace_bytes,
+                                         op.backward_grad_alloc_bytes, op.backward_grad_free_bytes)]
+    unit, exact = choose_unit(sizes, cfg.max_memory_units)
+    return unit, exact, [t.bytes // unit for t in tensors], budget // unit
+
+
 def build_intervals(graph: Graph, budget: int, cfg: Config) -> IntervalModel:
     """The retention-interval relaxation of ``graph`` under ``budget`` bytes (see the module docstring).
     Raises :class:`ConstantlyViolated` when a memory row no plan changes is over the budget."""
@@ -73,12 +85,7 @@ def build_intervals(graph: Graph, budget: int, cfg: Config) -> IntervalModel:
     ops, tensors = graph.ops, graph.tensors
     n = len(ops)
     fixed = graph.fixed.resident_bytes
-    sizes = [t.bytes for t in tensors] + [budget, fixed, graph.fixed.optimizer_step_bytes]
-    sizes += [x for op in ops for x in (op.workspace_bytes, op.backward_workspace_bytes,
-                                         op.backward_grad_alloc_bytes, op.backward_grad_free_bytes)]
-    unit, exact = choose_unit(sizes, cfg.max_memory_units)
-    b = [t.bytes // unit for t in tensors]  # rounded down: a relaxation
-    cap = budget // unit
+    unit, exact, b, cap = relaxation_units(graph, budget, cfg)
     m = LinearModel()
 
     # r[u]: saved activation u is recomputed (absent between its last forward use and first backward use)

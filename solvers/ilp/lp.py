@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan.planner.core.errors import SolverUnavailable
-from memplan.solvers.ilp.backends import HIGHSPY_PIN
+from memplan.solvers.ilp.backends import HIGHSPY_PIN, model_from_json
 from memplan.solvers.ilp.linear import LinearModel
 
 
@@ -144,9 +144,7 @@ def child_main(src: str, dst: str) -> None:
     with open(src) as f:
         job = json.load(f)
     mj = job["model"]
-    model = LinearModel(lb=mj["lb"], ub=mj["ub"], binary=mj["binary"], names=[f"x{i}" for i in range(len(mj["lb"]))],
-                        rows=[({int(v): int(c) for v, c in t}, lo, hi) for t, lo, hi in mj["rows"]],
-                        objective={int(v): int(c) for v, c in mj["objective"]})
+    model = model_from_json(mj)
     def write_bound(bound: float) -> None:
         with open(dst + ".tmp", "w") as f:
             f.write(repr(bound))

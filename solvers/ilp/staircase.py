@@ -35,8 +35,8 @@ from memplan.planner.core.graph import Graph
 from memplan.planner.core.schedule import replay_op_cost_s, watch_op_cost_s
 from memplan.planner.core.simulator import static_facts
 from memplan.solvers.ilp.config import Config
-from memplan.solvers.ilp.intervals import IntervalModel
-from memplan.solvers.ilp.linear import ConstantlyViolated, LinearModel, choose_unit, lin
+from memplan.solvers.ilp.intervals import IntervalModel, relaxation_units
+from memplan.solvers.ilp.linear import ConstantlyViolated, LinearModel, lin
 
 #: the plans this module's bounds are lower bounds over (see the module docstring)
 SPACE = ("keep", "recompute", "recompute_each")
@@ -51,12 +51,7 @@ def build_staircase(graph: Graph, budget: int, cfg: Config) -> IntervalModel:
     ops, tensors = graph.ops, graph.tensors
     n = len(ops)
     fixed = graph.fixed.resident_bytes
-    sizes = [t.bytes for t in tensors] + [budget, fixed, graph.fixed.optimizer_step_bytes]
-    sizes += [x for op in ops for x in (op.workspace_bytes, op.backward_workspace_bytes,
-                                         op.backward_grad_alloc_bytes, op.backward_grad_free_bytes)]
-    unit, exact = choose_unit(sizes, cfg.max_memory_units)
-    b = [t.bytes // unit for t in tensors]  # rounded down: a relaxation
-    cap = budget // unit
+    unit, exact, b, cap = relaxation_units(graph, budget, cfg)
     m = LinearModel()
 
     # r[u]: saved activation u is rebuilt (absent between its last forward use and first backward use)
