@@ -247,3 +247,14 @@ def test_a_shape_family_of_a_cuda_graph_runs_dynamic_padding_bitwise(gpu):
             assert torch.equal(loss, ref_loss.detach()) and ex.last_step.replays > 0
             assert peak <= largest
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+def test_a_device_pin_that_is_no_device_is_one_clear_error(monkeypatch):
+    from memplan.planner.core.errors import MemplanError
+    from memplan.planner.probe.device import default_device_type
+
+    monkeypatch.setenv("MEMPLAN_DEVICE", "gpu")
+    with pytest.raises(MemplanError, match="MEMPLAN_DEVICE='gpu': expected cpu or cuda"):
+        default_device_type()
+    monkeypatch.setenv("MEMPLAN_DEVICE", "cuda")
+    assert default_device_type() == "cuda"

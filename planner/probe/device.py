@@ -455,6 +455,9 @@ def default_device_type() -> str:
     pinned = os.environ.get(DEVICE_ENV, "").strip().lower()
     if pinned in ("cpu", "cuda"):
         return pinned
+    if pinned:
+        raise MemplanError(f"{DEVICE_ENV}={os.environ[DEVICE_ENV]!r}: expected cpu or cuda (or unset: cuda when "
+                           f"a GPU is here)")
     return "cuda" if cuda_available() else "cpu"
 
 
