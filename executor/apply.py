@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.executor.optim import FusedOptimizer
 from memplan.executor.recipes import SIGNATURES_PER_OP, Segment
-from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order
+from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order, release_order
 from memplan.executor.transfers import HostPool
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.core.graph import Graph
@@ -144,6 +144,7 @@ class Executor:
         # there being no decision it protects).
         self.watch = bool(self.actions) or fuse is not None
         self.prefetch_order = prefetch_order(self.schedule.prefetch_at)
+        self.release_order = release_order(self.schedule.released)
         self.pins = dict(self.schedule.pins)
         self.tag_nodes = bool(offloaded) or bool(self.pins)
         # The forward ops the step watches (planner/core/watch.py, which the simulator charges): the mode is
@@ -153,8 +154,10 @@ class Executor:
         if fuse is not None:  # fused steps check every op's inputs against pending updates
             self.watch_plan = Watch(0, len(graph.ops), frozenset(range(len(graph.ops))), frozenset(), True)
         else:
-            self.watch_plan = forward_watch(graph, self.actions, self.recorded_ops, self.pins,
-                                            self.schedule.prefetch_at.values(), static_facts(graph).d2h_after)
+            self.watch_plan = forward_watch(
+                graph, self.actions, self.recorded_ops, self.pins, self.schedule.prefetch_at.values(),
+                static_facts(graph).d2h_after,
+                release_ops=[k for phase, k in self.schedule.released.values() if phase == "forward"])
         self.watch_until = self.watch_plan.last
         self.needed = [k in self.watch_plan.needed for k in range(len(graph.ops))]
         # learned by the first watched step (``Step.fast`` steps use them): op k's ATen overload, the
@@ -277,9 +280,9 @@ class Executor:
         step = self.step_state
         if step is None or self.busy:
             return
-        if step.d2h_pending and not step.backward_started:
-            step.poll_d2h()  # copies to host known complete release their device bytes, inside the
-                             # mode's window or after it
+        if step.release_queue and not step.backward_started:
+            step.release_copied(step.cursor)  # where the schedule releases offloaded tensors, also outside
+                                              # the mode's window
         if step.forward_done:
             return
         if not step.fast:

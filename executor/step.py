@@ -100,8 +100,8 @@ class StepMode(TorchDispatchMode):
             if k < step.n_fast and func is ex.funcs[k] and not ex.needed[k]:
                 step.cursor = k + 1
                 step.log.append(k)
-                if step.d2h_pending:  # copies to host known complete release their device bytes here,
-                    step.poll_d2h()   # at each op, as the simulator releases them
+                if step.release_queue and step.release_queue[0][1] <= k:  # offloaded tensors whose copy
+                    step.release_copied(k)  # to host has ended on the schedule's clock leave here
                 return func(*args, **kwargs)
         return step.forward_op(func, args, kwargs)
 
@@ -122,7 +122,8 @@ class Step(Offloading, Replaying):
         self.pending_unpacks: Counter[int] = Counter()          # tensor id -> handles not yet unpacked
         self.cache: dict[int, torch.UntypedStorage] = {}        # rebuilt / fetched, awaiting unpacks
         self.host: dict[int, tuple[torch.Tensor, torch.device, int]] = {}  # offloaded: slot, device, bytes
-        self.d2h_pending: list[tuple[Transfer, torch.Tensor]] = []  # (copy to host, device bytes it reads)
+        self.d2h_pending: dict[int, tuple[Transfer, torch.Tensor]] = {}  # id -> copy to host, bytes it reads
+        self.release_queue = list(ex.release_order)            # (in backward, op, tid): Schedule.released
         self.ready: dict[int, Transfer] = {}                    # prefetched id -> its copy, not waited for
         self.pending_outs: tuple[int, list[torch.Tensor]] | None = None
         self.pinned: dict[int, torch.UntypedStorage] = {}        # held for a replay that reads them
@@ -143,7 +144,9 @@ class Step(Offloading, Replaying):
         self.shapes = ShapeMatcher(ex.family, self.g) if ex.family is not None else None
         # offloaded tensors written in place after their first saver: copied when the last writer has run,
         # as the simulator does (static_facts.d2h_after); op -> {tensor id: its storage}
-        self.d2h_after = static_facts(self.g).d2h_after
+        facts = static_facts(self.g)
+        self.d2h_after = facts.d2h_after
+        self.saved_at = facts.saved_at  # op -> activations first saved by it (an input: copied as it starts)
         self.deferred: dict[int, dict[int, torch.UntypedStorage]] = {}
         self.unwatched_from: int | None = None                 # forward op from which the step ran unwatched
         if ex.watch and not self.fast:
@@ -225,10 +228,10 @@ class Step(Offloading, Replaying):
         """The full handler: a needed op (planner/core/watch.py), or any op of the first watched step,
         which also learns what later steps' fast path uses (the op's overload, its new storages'
         positions)."""
+        if self.release_queue:  # at the boundary before op ``cursor``, first, as the schedule releases
+            self.release_copied(self.cursor)
         if self.pending_outs is not None:
             self.resolve_pending()
-        if self.d2h_pending:
-            self.poll_d2h()
         if self.cursor > self.ex.last_real_op:
             # every op of the graph has run: what follows (backward's seed ``ones_like``, metrics) is
             # not the model's step
@@ -491,7 +494,8 @@ class Step(Offloading, Replaying):
     def reached(self, k: int) -> None:
         """Backward is about to run op ``k``'s step: start the prefetches scheduled at or above it."""
         self.begin_backward()
-        self.poll_d2h()
+        if self.release_queue:
+            self.release_copied(k, backward=True)
         if self.pinned:  # steps above k are done: release what only their replays read
             pins = self.ex.pins
             for tid in [t for t in self.pinned if pins[t] > k]:
@@ -521,6 +525,12 @@ def _reached(step_ref: weakref.ref, k: int) -> None:
         step.reached(k)
 
 _NAMES: dict[Any, str] = {}  # ATen op -> its name as the graph spells it (str(op), computed once)
+
+def release_order(released: dict[int, tuple[str, int]]) -> list[tuple[bool, int, int]]:
+    """``Schedule.released`` as ``(in backward, op, tensor id)``, in the order the schedule releases them
+    (the order a step reaches them: forward positions ascending, then backward ones descending)."""
+    return [(phase != "forward", at, t) for t, (phase, at) in released.items()]
+
 
 def prefetch_order(prefetch_at: dict[int, int]) -> list[tuple[int, int]]:
     """(−prefetch op, tensor id) ascending: the order in which backward reaches the prefetch points."""

@@ -5,16 +5,25 @@ One pinned host pool (:class:`HostPool`) is allocated once from the plan and reu
 copies go through the device layer's copy stream (:class:`memplan.planner.probe.device.CopyStream`):
 
 * **device -> host** (``_offload``): starts after the producing op (an event recorded on the compute
-  stream); the device storage is held until the copy is known complete (polled at every op and module
-  boundary the step passes, ``poll_d2h``) and then released: never ``record_stream``, so the allocator
-  never hands the block to another tensor while the copy reads it;
+  stream); the device storage is held until the position where the schedule releases it
+  (``Schedule.released``: the first op boundary after the copy ends on the schedule's clock), where
+  compute waits for the copy's event and the storage is dropped (``release_copied``). The release is
+  where the schedule puts it whatever the host sees: a host that runs ahead of the device (a GPU step)
+  would find the copy's event unfinished at every boundary and hold the bytes to the end of forward, so
+  the step's memory would depend on the clock instead of the plan. Never ``record_stream``: after the
+  wait, the block goes back to the compute stream's pool in stream order, so the allocator cannot hand it
+  to another tensor while the copy reads it. A copy slower than planned costs compute time there, never
+  memory. A tensor the schedule never releases (its copy ends after backward reads it) is settled where
+  it is found on the device (``_settle_d2h``);
 * **host -> device** (``_prefetch``): the buffer is allocated on the compute stream, filled on the copy
   stream, and compute waits for the copy's event before it reads the buffer (``_wait_ready``: the
   exposed transfer time) -- or before the buffer is released, when nothing read it.
 
-On a CPU the copies are synchronous; under the CUDA emulation they complete only when asked
-(:mod:`memplan.planner.probe.device`), so a read before the wait or a release before the copy is known
-complete fails the CPU tests as it would corrupt a GPU step.
+On a CPU the copies are synchronous; under the CUDA emulation they complete only when waited for (an
+event query says "not yet" until then, as a GPU's does while the host runs ahead;
+:mod:`memplan.planner.probe.device`), so a read before the wait, a release before the copy is known
+complete or a release that waits for an event query fails the CPU tests as it would corrupt a GPU step or
+overrun its memory.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import torch
 from memplan.executor.recipes import byte_view
 from memplan.planner.core.errors import PlanMismatch
 from memplan.planner.core.graph import Graph
-from memplan.planner.core.schedule import ScheduleEvent
+from memplan.planner.core.schedule import COPY_ENDED, ScheduleEvent
 from memplan.planner.probe.device import Device, Transfer
 
 
@@ -59,38 +68,66 @@ class HostPool:
 class Offloading:
     """Offload methods of a step. They read the step's ``ex`` (the executor: its pool, copy stream and
     ``internal()``), ``cursor``, ``log``, ``cache`` and ``storages``, and keep ``host`` (offloaded tensor id
-    -> its slot, device and bytes), ``d2h_pending`` (copies to host not known complete, with the device
-    bytes they read) and ``ready`` (prefetched tensor id -> its copy, until compute has waited for it)."""
+    -> its slot, device and bytes), ``d2h_pending`` (offloaded tensor id -> its copy to host and the device
+    bytes it reads, until released), ``release_queue`` (the schedule's release positions still ahead, in
+    step order: ``(in backward, op, tensor id)``) and ``ready`` (prefetched tensor id -> its copy, until
+    compute has waited for it)."""
 
     host: dict[int, tuple[torch.Tensor, torch.device, int]]
-    d2h_pending: list[tuple[Transfer, torch.Tensor]]
+    d2h_pending: dict[int, tuple[Transfer, torch.Tensor]]
+    release_queue: list[tuple[bool, int, int]]
     ready: dict[int, Transfer]
 
     def _offload(self, tid: int, s: torch.UntypedStorage) -> None:
         if tid in self.host:
             return
+        k = self.cursor
+        if self.release_queue and k < len(self.g.ops) and tid in self.saved_at[k] \
+                and tid not in self.g.ops[k].outputs:
+            # a saved input of op k, packed by autograd before the op reaches the dispatch mode: the
+            # releases at the boundary before op k come first, as the schedule orders them
+            self.release_copied(k)
         ex = self.ex
         nbytes = s.nbytes()
         with ex.internal():  # the executor's own ops, not the model's
             src = byte_view(s)
             dst = ex.pool.slot(tid, nbytes)
             copy = ex.copies.to_host(dst, src)
-            if not copy.complete:  # hold the device bytes until the copy has read them
-                self.d2h_pending.append((copy, src))
+            self.d2h_pending[tid] = (copy, src)  # the device bytes stay until the schedule releases them
         self.host[tid] = (dst, s.device, nbytes)
         self.log.append(ScheduleEvent("d2h", "forward", self.cursor - 1, tid, reason="offloaded"))
 
-    def poll_d2h(self) -> None:
-        """Release the device bytes of the copies to host known complete (an event query each)."""
-        if self.d2h_pending:
-            with self.ex.internal():  # an emulated copy runs when it is found complete: not the model's op
-                self.d2h_pending = [(c, src) for c, src in self.d2h_pending if not c.done()]
+    def release_copied(self, k: int, backward: bool = False) -> None:
+        """The step is at the boundary before forward op ``k`` (``backward``: before backward step ``k``):
+        release the device bytes of the offloaded tensors the schedule releases at or before it."""
+        q = self.release_queue
+        while q:
+            in_backward, at, tid = q[0]
+            if in_backward:
+                if not backward or at < k:
+                    return
+            elif not backward and at > k:
+                return
+            q.pop(0)
+            if tid in self.d2h_pending:
+                self._settle_d2h(tid)
+                self.log.append(ScheduleEvent("free", "backward" if in_backward else "forward", at, tid,
+                                              reason=COPY_ENDED))
+
+    def _settle_d2h(self, tid: int) -> None:
+        """Compute waits for tensor ``tid``'s copy to host (an event wait: no host sync), then the step lets
+        go of its device bytes: after the wait, reusing them is ordered after the copy."""
+        entry = self.d2h_pending.pop(tid, None)
+        if entry is not None:
+            with self.ex.internal():  # an emulated copy runs when waited for: not the model's op
+                entry[0].wait()
 
     def _prefetch(self, tid: int, why: str, at: int | None = None) -> torch.UntypedStorage:
         """Start the copy back of an offloaded tensor (its device buffer counts from now)."""
         s = self.available(tid)
-        if s is not None:
-            return s  # never released (its copy ran late, or the caller holds it): nothing moves
+        if s is not None:  # never released (its copy ran late, or the caller holds it): nothing moves, and
+            self._settle_d2h(tid)  # the device copy is backward's now: freed where its last reader has run
+            return s
         self.log.append(ScheduleEvent("h2d", "backward", at, tid, reason=why))
         src, device, nbytes = self.host[tid]
         ex = self.ex
@@ -116,12 +153,13 @@ class Offloading:
         before they are released (a prefetch nothing read, a copy to host still running)."""
         for tid in list(self.ready):
             self._wait_ready(tid)
-        with self.ex.internal():
-            for copy, _src in self.d2h_pending:
-                copy.wait()
-        self.d2h_pending = []
+        for tid in list(self.d2h_pending):
+            self._settle_d2h(tid)
+        self.release_queue = []
 
     ex: Any
+    g: Graph
+    saved_at: list[list[int]]
     cursor: int
     log: list[Any]
     cache: dict[int, torch.UntypedStorage]

@@ -60,9 +60,12 @@ EventKind = Literal["compute", "d2h", "free", "h2d", "wait", "replay", "recomput
                     "optimizer"]
 Phase = Literal["forward", "backward", "optimizer"]
 
-#: kinds an executor performs as explicit actions (frees happen when references go; waits and backward
-#: steps belong to the device and to autograd; recompute events detail a replay)
+#: kinds an executor performs as explicit actions (frees happen when references go, except an offloaded
+#: tensor's release once its copy to host has ended, ``COPY_ENDED``, which the executor performs where the
+#: schedule puts it; waits and backward steps belong to the device and to autograd; recompute events
+#: detail a replay)
 EXECUTED_KINDS = ("compute", "d2h", "h2d", "replay")
+COPY_ENDED = "its copy to host has ended"  # the reason of the free that releases an offloaded tensor
 
 _NEVER = 1 << 62
 
@@ -102,8 +105,13 @@ class ScheduleEvent(NamedTuple):
         """What identifies the event across the simulator and the executor: kind, tensor, ops, and the
         position where the executor knows it (forward ops; prefetches the plan schedules)."""
         at = self.at if self.kind == "compute" or (self.kind == "h2d" and self.reason.startswith("scheduled")) \
-            else None
+            or self.performed_release() else None
         return (self.kind, at, self.tensor, self.ops)
+
+    def performed_release(self) -> bool:
+        """The release of an offloaded tensor's device copy once its copy to host has ended: the executor
+        performs it at this very position (``Schedule.released``)."""
+        return self.kind == "free" and self.reason == COPY_ENDED
 
 
 @dataclass(frozen=True)
@@ -111,19 +119,22 @@ class Schedule:
     """A plan lowered for one graph: ``events`` in execution order; ``prefetch_at`` (offloaded tensor ->
     backward step at which its copy back is scheduled, defaults resolved); ``pins`` (activation that
     cannot be rebuilt but that a replay reads -> the lowest backward step whose replay reads it: held
-    from its production until that step has run)."""
+    from its production until that step has run); ``released`` (offloaded tensor whose device copy is
+    released once its copy to host has ended -> the position ``(phase, op)`` at whose boundary that
+    happens: the executor releases it there, whatever its own clock, so its memory is the schedule's)."""
 
     graph_fingerprint: str
     events: tuple[ScheduleEvent, ...]
     prefetch_at: dict[int, int] = field(default_factory=dict)
     pins: dict[int, int] = field(default_factory=dict)
+    released: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     def of(self, kind: EventKind) -> list[ScheduleEvent]:
         return [e for e in self.events if e.kind == kind]
 
     def executed(self) -> list[tuple]:
         """Keys (:meth:`ScheduleEvent.key`) of the events an executor performs, in order."""
-        return [e.key() for e in self.events if e.kind in EXECUTED_KINDS]
+        return [e.key() for e in self.events if e.kind in EXECUTED_KINDS or e.performed_release()]
 
     def replays(self) -> list[ScheduleEvent]:
         return self.of("replay")
@@ -288,7 +299,7 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
     low = _Lowering(graph, actions, prefetch_at, bandwidth, pins=pins)
     low.run()
     resolved = {t: k for k, ts in low.prefetch_ops.items() for t in ts}
-    return Schedule(graph.fingerprint, tuple(low.events), resolved, dict(pins))
+    return Schedule(graph.fingerprint, tuple(low.events), resolved, dict(pins), low.released)
 
 
 class _Lowering:
@@ -333,6 +344,7 @@ class _Lowering:
         self.copy_free = 0.0
         self.replayed_ops: set[int] = set()
         self.pending: list[tuple[float, int]] = []  # (copy end, tensor) awaiting device release
+        self.released: dict[int, tuple[str, int]] = {}  # offloaded tensor -> where its device copy left
         self.prefetch_ops: dict[int, list[int]] = {}
         for t, a in actions.items():
             if a == Action.OFFLOAD:
@@ -348,7 +360,8 @@ class _Lowering:
         if not self.emit:
             return
         # the executor's dispatch mode over the forward ops it watches, known once the replays are
-        watch = forward_watch(g, self.actions, self.replayed_ops, self.pins, self.prefetch_ops, self.st.d2h_after)
+        watch = forward_watch(g, self.actions, self.replayed_ops, self.pins, self.prefetch_ops, self.st.d2h_after,
+                              release_ops=[k for phase, k in self.released.values() if phase == "forward"])
         if watch.ops:
             window = range(watch.first, watch.last + 1)
             watch_s = sum(watch_op_cost_s(g, g.ops[k]) for k in window)
@@ -372,7 +385,8 @@ class _Lowering:
         while self.pending and self.pending[0][0] <= self.now:
             _, t = heapq.heappop(self.pending)
             if self.resident[t] and not self.prefetched[t]:
-                self._free(t, "its copy to host has ended")
+                self._free(t, COPY_ENDED)
+                self.released[t] = (self.phase, self.at)
 
     def _pinnable(self, t: int) -> bool:
         return self.st.fixed_content[t] and self.action[t] == Action.KEEP

@@ -16,7 +16,9 @@ tensor is found by its storage, whichever op saves it).
 
 Offloading or pinning makes the executor tag every op's autograd node (backward's position drives the
 prefetches and the pins' releases), so such a plan is watched from op 0 to its last decision, the savers
-of moved tensors and the prefetch points included, and every op in it is needed (``full``).
+of moved tensors, the prefetch points and the forward ops before which an offloaded tensor's device copy
+is released (its copy to host has ended: the executor releases it exactly there) included, and every op
+in it is needed (``full``).
 """
 
 from __future__ import annotations
@@ -52,11 +54,12 @@ class Watch:
 
 def forward_watch(graph: Graph, actions: Mapping[int, Action], replayed_ops: Collection[int],
                   pins: Collection[int] = (), prefetch_ops: Collection[int] = (),
-                  d2h_after: Mapping[int, int] | None = None) -> Watch:
+                  d2h_after: Mapping[int, int] | None = None, release_ops: Collection[int] = ()) -> Watch:
     """The :class:`Watch` of a plan: ``actions`` (tensor id -> action; KEEP may be left out),
     ``replayed_ops`` (every op a replay of its schedule runs), ``pins`` (tensors held for a replay),
     ``prefetch_ops`` (backward steps at which prefetches start), ``d2h_after`` (saved activation written in
-    place after its first saver -> its last writer; the simulator's ``static_facts``)."""
+    place after its first saver -> its last writer; the simulator's ``static_facts``), ``release_ops``
+    (forward ops at whose boundary an offloaded tensor's device copy is released: ``Schedule.released``)."""
     moved = {t: a for t, a in actions.items() if a != Action.KEEP}
     if not moved:
         return Watch(0, -1, frozenset(), frozenset(), False)
@@ -74,5 +77,5 @@ def forward_watch(graph: Graph, actions: Mapping[int, Action], replayed_ops: Col
     if not full:
         return Watch(min(needed), max(needed), frozenset(needed), frozenset(tracked), False)
     savers = graph.savers
-    last = max([*needed, *prefetch_ops, *(max(savers.get(t, [-1])) for t in moved)])
+    last = max([*needed, *prefetch_ops, *release_ops, *(max(savers.get(t, [-1])) for t in moved)])
     return Watch(0, last, frozenset(range(last + 1)), frozenset(tracked), True)
