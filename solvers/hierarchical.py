@@ -12,7 +12,8 @@ produced outside held as fixed input) solved exactly by the ILP (the exhaustive 
 most 6 saved activations) at ``levels`` memory levels from its least peak to keep-everything, plus
 keep-everything, recompute-everything, and the per-block restrictions of the greedy and Capuchin plans
 at the budget; each of these with the block's input kept or recomputed (Rockmate's "recompute the
-block's input"). Repeated blocks (same ops, sizes and edges) are solved once. Each option is scored on
+block's input"). Repeated blocks (same ops, sizes and edges) are solved once, and when their ops' profiled
+times are equal too (a fake profile's layers) each option is scored once. Each option is scored on
 the block's sub-graph by the simulator: extra time ``time_s``, bytes it keeps into later blocks'
 backward ``kept_bytes``, and the peak of its own forward and backward ``peak_bytes`` (its input
 included).
@@ -29,6 +30,12 @@ budget and at model budgets bisected below and above it, each plan is scored by 
 fastest that fits is returned; the greedy, Capuchin, Chen and every-k plans at the budget are candidates
 too, so the result is never slower than theirs. Status ``feasible`` (no proof against the full op-level space, which
 only the ILP covers).
+
+**Time.** Greedy and Capuchin run first with the time they need (the plans never to lose to), then the
+staircase relaxation's bound, its block-uniform plans, the menus, the DP's rounds and the baselines, each
+started only while its cost, counted in whole-graph simulations (the longest one measured), fits before
+``target_s``, with the caller's scoring of the answer kept in hand: under load a step is left out rather
+than the target overrun.
 """
 
 from __future__ import annotations
