@@ -69,6 +69,7 @@ HEURISTICS = ("greedy", "capuchin")   # whole-graph plans that are candidates an
 BASELINES = ("chen", "every-k")       # whole-graph plans that are candidates only, when time is left
 TARGET_S = 8.0                        # what the solver aims to finish in (its time limit caps it)
 HEURISTIC_MIN_S = 20.0                # greedy's and Capuchin's time limit at least (within the caller's)
+BOUND_MIN_S = 10.0                    # the staircase LP's time limit at least (within the caller's)
 UNIFORM_MIN_S = 0.5                   # a block-uniform model is solved only with this much time left
 # whole-graph simulations kept in hand at the end: the caller's scoring of the answer (solve(): one plain and
 # one with its timeline, about 3.5 plain ones)
@@ -164,6 +165,14 @@ def block_subgraph(graph: Graph, block: Block) -> tuple[Graph, dict[int, int]]:
     sub = Graph(name=f"{graph.name}:{block.name}", tensors=tensors, ops=sub_ops, fixed=FixedMemory(**fixed),
                 host_bandwidth_bytes_per_s=graph.host_bandwidth_bytes_per_s)
     return sub, tmap
+
+
+def block_saved(graph: Graph, block: Block) -> list[int]:
+    """``graph``'s ids of the saved activations of the block's sub-graph (:func:`block_subgraph`), in its
+    order: the activations produced in the block that its ops save."""
+    first, last = block.ops[0], block.ops[-1]
+    return sorted({t for o in block.ops for t in graph.ops[o].saved
+                   if graph.tensors[t].kind == "activation" and first <= graph.tensors[t].producer <= last})
 
 
 def _signature(graph: Graph, block: Block) -> tuple:
@@ -272,16 +281,21 @@ def block_menu(graph: Graph, block: Block, *, time_limit_s: float = 2.0, levels:
     cost of recomputing their input and, when their ops' profiled times are equal too, every option's
     figures. Past ``deadline`` a new block gets no exact plans and keeps its input."""
     late = time.perf_counter() > deadline
-    sub, tmap = block_subgraph(graph, block)
-    saved = sub.saved_activations
+    saved = block_saved(graph, block)  # graph's ids, in the sub-graph's order: positions index both
     index = {t: i for i, t in enumerate(saved)}
-    back = {v: k for k, v in tmap.items()}
+    built: list[Graph] = []
+
+    def sub() -> Graph:  # built only for what the cache does not hold (a second a model on 80 layers)
+        if not built:
+            built.append(block_subgraph(graph, block)[0])
+        return built[0]
+
     key = _signature(graph, block)
     cache = {} if cache is None else cache
     entry = cache.get(key)
     if entry is None or entry["saved"] != len(saved):
-        plans = [(frozenset(index[t] for t, a in p.items() if a == Action.RECOMPUTE and t in index), src)
-                 for p, src in _inner_plans(sub, time_limit_s, levels, deadline)]
+        plans = [(frozenset(i for i, t in enumerate(sub().saved_activations) if p.get(t) == Action.RECOMPUTE), src)
+                 for p, src in _inner_plans(sub(), time_limit_s, levels, deadline)]
         recomputable_in = [] if late else [t for t in block.inputs if graph.tensors[t].recomputable]
         entry = {"saved": len(saved), "plans": plans, "input": not late,
                  "input_s": _input_cost_s(graph, block, recomputable_in) if recomputable_in else 0.0}
@@ -292,8 +306,8 @@ def block_menu(graph: Graph, block: Block, *, time_limit_s: float = 2.0, levels:
     figures = cache.setdefault(("figures", key, _op_times(graph, block)), {})
     plans = list(entry["plans"])
     for actions, src in extra:
-        plans.append((frozenset(index[tmap[t]] for t in block.inner
-                                if actions.get(t) == Action.RECOMPUTE and tmap[t] in index), src))
+        plans.append((frozenset(index[t] for t in block.inner if actions.get(t) == Action.RECOMPUTE and t in index),
+                      src))
     options, seen = [], set()
     inputs = [t for t in block.inputs if graph.tensors[t].recomputable] if entry["input"] else []
     sub_keep_s = None
@@ -304,10 +318,10 @@ def block_menu(graph: Graph, block: Block, *, time_limit_s: float = 2.0, levels:
             seen.add((pos, rin))
             if (pos, rin) not in figures:
                 if sub_keep_s is None:
-                    sub_keep_s = keep_all_report(sub).time_s
-                figures[pos, rin] = _figures(graph, sub, sub_keep_s, block, pos, rin, entry["input_s"])
+                    sub_keep_s = keep_all_report(sub()).time_s
+                figures[pos, rin] = _figures(graph, sub(), sub_keep_s, block, pos, rin, entry["input_s"])
             time_s, kept, peak = figures[pos, rin]
-            actions = {back[saved[i]]: Action.RECOMPUTE for i in pos}
+            actions = {saved[i]: Action.RECOMPUTE for i in pos}
             if rin:
                 actions.update((t, Action.RECOMPUTE) for t in inputs)
             options.append(Option(tuple(sorted(actions.items())), time_s, kept, peak, src + ("+input" if rin else "")))
@@ -477,7 +491,10 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
     # and its block-uniform plans (until 60% of the time), then the menus and the DP (until the end)
     for name in HEURISTICS:
         heuristic(name)
-    stair, bound_s = staircase_bound(graph, budget_bytes, STAIRCASE, end)
+    # the LP gets the time it needs (about 0.5 s of CPU on an 80-layer Llama) past the end if need be: cut
+    # off under load after slow heuristics, the answer came without a bound
+    stair, bound_s = staircase_bound(graph, budget_bytes, STAIRCASE,
+                                     max(end, min(time.perf_counter() + BOUND_MIN_S, t0 + caller_limit_s)))
     uniform(UNIFORM_GROUPS, t0 + 0.6 * time_limit_s)
     blks = blocks(graph)
     cache: dict = {}
