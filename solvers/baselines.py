@@ -44,7 +44,8 @@ def _run_baseline(graph: Graph, budget: int, name: str, fill) -> Proposal:
     fill(scorer)
     best = scorer.best(budget)
     if best is None:
-        return Proposal(status="infeasible", stats={"plans_scored": len(scorer.seen)})
+        return Proposal(status="infeasible", stats={"plans_scored": len(scorer.seen), "lowest_peak_bytes":
+                                                    min(r.peak_bytes for r, *_ in scorer.seen.values())})
     report, actions, _, source = best
     return Proposal(actions, status="feasible", stats={"plans_scored": len(scorer.seen), "source": source})
 

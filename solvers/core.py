@@ -19,7 +19,7 @@ from memplan.planner.core.plan import Plan, Prediction, SolverInfo
 from memplan.planner.core.simulator import Report, simulate, simulate_actions
 from memplan.planner.core.units import MAX_BYTES, format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
-from memplan.solvers.min_memory import smallest_known_peak
+from memplan.solvers.min_memory import least_peak, smallest_known_peak
 from memplan.solvers.registry import ALL_PLANS, Proposal, SolverSpec, get
 
 # A budget below the memory lower bound is refused without running a strategy; the search for the least peak
@@ -106,14 +106,26 @@ def propose(graph: Graph, spec: SolverSpec, budget: int, *, time_limit_s: float,
     proposal = spec.call(graph, budget, time_limit_s=time_limit_s, offload=offload,
                          host_budget_bytes=host_budget_bytes, config=config)
     if proposal.status == "infeasible":
-        floor = smallest_known_peak(graph, offload=offload, deadline=deadline)
+        floor, proven = least_peak(graph, offload=offload, deadline=deadline)
+        own = proposal.stats.get("lowest_peak_bytes")  # the strategy's own least peak, achievable too
+        if own is not None and own < floor:
+            floor, proven = own, proven or own <= memory_lower_bound(graph)
         if proposal.stats.get("stopped") == "time limit" and floor > budget:
             # not a proof: say what happened rather than call the budget infeasible
             raise Infeasible(f"solver {method!r} found no plan within its time limit of {time_limit_s:g} s at "
                              f"{_both(budget)}; the least peak memplan knows is {_both(floor)}: try a longer "
                              f"time limit", budget_bytes=budget, min_feasible_bytes=floor)
-        raise infeasible(graph, budget, floor, method=method,
-                         cut_at_s=_cut(deadline, time_limit_s))
+        cut_at_s = _cut(deadline, time_limit_s)
+        if not proven and floor > budget and cut_at_s is None:
+            # a search's least peak, not a proof: another strategy may fit (Capuchin fits 154 GiB on an
+            # 80-layer Llama where Chen's least peak is 262 GiB)
+            mine = ("" if own is None else " (this solver's own)" if own == floor
+                    else f" (this solver's own: {_both(own)})")
+            raise Infeasible(f"solver {method!r} found no plan within {_both(budget)}; the least peak memplan's "
+                             f"search reached is {_both(floor)}{mine}, not a proven minimum: a plan may still fit "
+                             f"the budget{' (try auto)' if method != 'auto' else ''}", budget_bytes=budget,
+                             min_feasible_bytes=floor)
+        raise infeasible(graph, budget, floor, method=method, cut_at_s=cut_at_s)
     report = simulate_actions(graph, proposal.actions, prefetch_at=proposal.prefetch_at, timeline=False)
     if report.peak_bytes > budget:
         raise Infeasible(

@@ -186,6 +186,6 @@ def solve_every_k(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0
     cut = time.perf_counter() >= deadline  # the search may have stopped before trying every k
     if cut:
         stats["stopped"] = "time limit"
-    if report.peak_bytes > budget_bytes:
-        return Proposal(actions, status="infeasible", stats=stats)
+    if report.peak_bytes > budget_bytes:  # the least-peak k's plan
+        return Proposal(actions, status="infeasible", stats={**stats, "lowest_peak_bytes": report.peak_bytes})
     return Proposal(actions, status="timeout" if cut else "feasible", stats=stats)

@@ -12,7 +12,8 @@ produced outside held as fixed input) solved exactly by the ILP (the exhaustive 
 most 6 saved activations) at ``levels`` memory levels from its least peak to keep-everything, plus
 keep-everything, recompute-everything, and the per-block restrictions of the greedy and Capuchin plans
 at the budget; each of these with the block's input kept or recomputed (Rockmate's "recompute the
-block's input"). Repeated blocks (same ops, sizes and edges) are solved once. Each option is scored on
+block's input"). Repeated blocks (same ops, sizes and edges) are solved once, and when their ops' profiled
+times are equal too (a fake profile's layers) each option is scored once. Each option is scored on
 the block's sub-graph by the simulator: extra time ``time_s``, bytes it keeps into later blocks'
 backward ``kept_bytes``, and the peak of its own forward and backward ``peak_bytes`` (its input
 included).
@@ -29,6 +30,12 @@ budget and at model budgets bisected below and above it, each plan is scored by 
 fastest that fits is returned; the greedy, Capuchin, Chen and every-k plans at the budget are candidates
 too, so the result is never slower than theirs. Status ``feasible`` (no proof against the full op-level space, which
 only the ILP covers).
+
+**Time.** Greedy and Capuchin run first with the time they need (the plans never to lose to), then the
+staircase relaxation's bound, its block-uniform plans, the menus, the DP's rounds and the baselines, each
+started only while its cost, counted in whole-graph simulations (the longest one measured), fits before
+``target_s``, with the caller's scoring of the answer kept in hand: under load a step is left out rather
+than the target overrun.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from memplan.solvers.core import solve
 from memplan.solvers.ilp.blocks import staircase_bound, uniform_plans
 from memplan.solvers.ilp.config import Config as IlpConfig
 from memplan.solvers.ilp.staircase import SPACE
-from memplan.solvers.registry import Proposal, register
+from memplan.solvers.registry import Proposal, get, register
 
 Actions = dict[int, Action]
 
@@ -62,6 +69,13 @@ HEURISTICS = ("greedy", "capuchin")   # whole-graph plans that are candidates an
 BASELINES = ("chen", "every-k")       # whole-graph plans that are candidates only, when time is left
 TARGET_S = 8.0                        # what the solver aims to finish in (its time limit caps it)
 HEURISTIC_MIN_S = 20.0                # greedy's and Capuchin's time limit at least (within the caller's)
+BOUND_MIN_S = 10.0                    # the staircase LP's time limit at least (within the caller's)
+UNIFORM_MIN_S = 0.5                   # a block-uniform model is solved only with this much time left
+# whole-graph simulations kept in hand at the end: the caller's scoring of the answer (solve(): one plain and
+# one with its timeline, about 3.5 plain ones)
+WRAPUP_SIMS = 4.5
+TIMELINE_SIMS = 3.5                   # a simulation with its timeline, in plain ones
+BASELINE_SIMS = 10                    # Chen or every-k are started with at least this many simulations' time
 UNIFORM_GROUPS = (1, 2)               # block-uniform plans of the staircase relaxation: groups of layers
 STAIRCASE = IlpConfig()               # the relaxation's options (units, CP-SAT workers)
 
@@ -153,6 +167,14 @@ def block_subgraph(graph: Graph, block: Block) -> tuple[Graph, dict[int, int]]:
     return sub, tmap
 
 
+def block_saved(graph: Graph, block: Block) -> list[int]:
+    """``graph``'s ids of the saved activations of the block's sub-graph (:func:`block_subgraph`), in its
+    order: the activations produced in the block that its ops save."""
+    first, last = block.ops[0], block.ops[-1]
+    return sorted({t for o in block.ops for t in graph.ops[o].saved
+                   if graph.tensors[t].kind == "activation" and first <= graph.tensors[t].producer <= last})
+
+
 def _signature(graph: Graph, block: Block) -> tuple:
     """Equal for repeated blocks: op names, sizes and edges relative to the block, and what produces its
     input (the first layer's input is an embedding's, the others' the residual add of the layer before)."""
@@ -216,12 +238,12 @@ def _inner_plans(sub: Graph, time_limit_s: float, levels: int, deadline: float =
     return plans
 
 
-def _figures(graph: Graph, sub: Graph, block: Block, recompute: frozenset[int], recompute_input: bool,
-             input_s: float) -> tuple[float, int, int]:
+def _figures(graph: Graph, sub: Graph, sub_keep_s: float, block: Block, recompute: frozenset[int],
+             recompute_input: bool, input_s: float) -> tuple[float, int, int]:
     """(extra time, kept bytes, peak bytes) of recomputing the sub-graph's saved activations at positions
-    ``recompute``: its simulation (time over keep-everything's, peak over its fixed memory) plus the
-    block's input, kept (held into later blocks' backward) or recomputed (``input_s``: what replaying it
-    costs in the whole graph, earlier blocks' unsaved tensors included)."""
+    ``recompute``: its simulation (time over keep-everything's ``sub_keep_s``, peak over its fixed memory)
+    plus the block's input, kept (held into later blocks' backward) or recomputed (``input_s``: what
+    replaying it costs, :func:`_input_cost_s`)."""
     saved = sub.saved_activations
     inner = {saved[i]: Action.RECOMPUTE for i in recompute}
     r = simulate_actions(sub, inner)
@@ -229,8 +251,24 @@ def _figures(graph: Graph, sub: Graph, block: Block, recompute: frozenset[int], 
     in_bytes = sum(graph.tensors[t].bytes for t in block.inputs)
     kept_in = sum(graph.tensors[t].bytes for t in block.inputs
                   if not (recompute_input and graph.tensors[t].recomputable))
-    return (r.time_s - keep_all_report(sub).time_s + (input_s if recompute_input else 0.0), kept + kept_in,
+    return (r.time_s - sub_keep_s + (input_s if recompute_input else 0.0), kept + kept_in,
             r.peak_bytes - sub.fixed.resident_bytes + in_bytes)
+
+
+def _input_cost_s(graph: Graph, block: Block, inputs: list[int]) -> float:
+    """What recomputing the block's ``inputs`` costs: simulated on the window of ops from the first of
+    their producers to the block's end (held as a block of its own, :func:`block_subgraph`), not on the
+    whole graph (a second or more per block on an 80-layer model). A replay cascading past the window's
+    start is cut there: a figure of the block model, which the simulator checks on whole plans."""
+    first = min(graph.tensors[t].producer for t in inputs)
+    window = Block(-1, block.name + ":input", tuple(range(first, block.ops[-1] + 1)), (), ())
+    sub, tmap = block_subgraph(graph, window)
+    rebuilt = {tmap[t]: Action.RECOMPUTE for t in inputs if sub.tensors[tmap[t]].kind == "activation"}
+    return simulate_actions(sub, rebuilt).time_s - keep_all_report(sub).time_s if rebuilt else 0.0
+
+
+def _op_times(graph: Graph, block: Block) -> tuple:
+    return tuple((graph.ops[o].time_s, graph.ops[o].backward_time_s) for o in block.ops)
 
 
 def block_menu(graph: Graph, block: Block, *, time_limit_s: float = 2.0, levels: int = LEVELS,
@@ -238,42 +276,52 @@ def block_menu(graph: Graph, block: Block, *, time_limit_s: float = 2.0, levels:
                deadline: float = math.inf) -> list[Option]:
     """The block's options (module docstring): exact sub-graph plans at ``levels`` memory levels, the
     ``extra`` whole-graph plans restricted to the block, each with the input kept or recomputed (at the
-    cost of recomputing it alone in the whole graph); dominated options (no less time, memory and peak)
-    dropped. Repeated blocks share, through ``cache``, their plans (by position in the block) and the
-    cost of recomputing their input. Past ``deadline`` a new block gets no exact plans and keeps its
-    input (pricing its recomputation simulates the whole graph)."""
+    cost of recomputing it alone, :func:`_input_cost_s`); dominated options (no less time, memory and
+    peak) dropped. Repeated blocks share, through ``cache``, their plans (by position in the block), the
+    cost of recomputing their input and, when their ops' profiled times are equal too, every option's
+    figures. Past ``deadline`` a new block gets no exact plans and keeps its input."""
     late = time.perf_counter() > deadline
-    sub, tmap = block_subgraph(graph, block)
-    saved = sub.saved_activations
+    saved = block_saved(graph, block)  # graph's ids, in the sub-graph's order: positions index both
     index = {t: i for i, t in enumerate(saved)}
-    back = {v: k for k, v in tmap.items()}
+    built: list[Graph] = []
+
+    def sub() -> Graph:  # built only for what the cache does not hold (a second a model on 80 layers)
+        if not built:
+            built.append(block_subgraph(graph, block)[0])
+        return built[0]
+
     key = _signature(graph, block)
-    entry = None if cache is None else cache.get(key)
+    cache = {} if cache is None else cache
+    entry = cache.get(key)
     if entry is None or entry["saved"] != len(saved):
-        plans = [(frozenset(index[t] for t, a in p.items() if a == Action.RECOMPUTE and t in index), src)
-                 for p, src in _inner_plans(sub, time_limit_s, levels, deadline)]
-        recomputable_in = {} if late else {t: Action.RECOMPUTE for t in block.inputs
-                                           if graph.tensors[t].recomputable}
-        input_s = (simulate_actions(graph, recomputable_in).time_s - keep_all_report(graph).time_s
-                   if recomputable_in else 0.0)
-        entry = {"saved": len(saved), "plans": plans, "input_s": input_s, "input": not late}
-        if cache is not None:
-            cache[key] = entry
+        plans = [(frozenset(i for i, t in enumerate(sub().saved_activations) if p.get(t) == Action.RECOMPUTE), src)
+                 for p, src in _inner_plans(sub(), time_limit_s, levels, deadline)]
+        recomputable_in = [] if late else [t for t in block.inputs if graph.tensors[t].recomputable]
+        entry = {"saved": len(saved), "plans": plans, "input": not late,
+                 "input_s": _input_cost_s(graph, block, recomputable_in) if recomputable_in else 0.0}
+        cache[key] = entry
+    # figures are simulated per block unless its ops' profiled times equal those of a block already
+    # done: repeated blocks' profiled times differ on real profiles, and a DP fed one block's figures
+    # for another picks whichever option that block's noise flatters
+    figures = cache.setdefault(("figures", key, _op_times(graph, block)), {})
     plans = list(entry["plans"])
     for actions, src in extra:
-        plans.append((frozenset(index[tmap[t]] for t in block.inner
-                                if actions.get(t) == Action.RECOMPUTE and tmap[t] in index), src))
+        plans.append((frozenset(index[t] for t in block.inner if actions.get(t) == Action.RECOMPUTE and t in index),
+                      src))
     options, seen = [], set()
-    inputs = [t for t in block.inputs if graph.tensors[t].recomputable] if entry.get("input", True) else []
+    inputs = [t for t in block.inputs if graph.tensors[t].recomputable] if entry["input"] else []
+    sub_keep_s = None
     for pos, src in plans:
         for rin in (False, True) if inputs else (False,):
             if (pos, rin) in seen:
                 continue
             seen.add((pos, rin))
-            # figures per block, not shared: repeated blocks' profiled times differ, and a DP fed one
-            # block's figures for another picks whichever option that block's noise flatters
-            time_s, kept, peak = _figures(graph, sub, block, pos, rin, entry["input_s"])
-            actions = {back[saved[i]]: Action.RECOMPUTE for i in pos}
+            if (pos, rin) not in figures:
+                if sub_keep_s is None:
+                    sub_keep_s = keep_all_report(sub()).time_s
+                figures[pos, rin] = _figures(graph, sub(), sub_keep_s, block, pos, rin, entry["input_s"])
+            time_s, kept, peak = figures[pos, rin]
+            actions = {saved[i]: Action.RECOMPUTE for i in pos}
             if rin:
                 actions.update((t, Action.RECOMPUTE) for t in inputs)
             options.append(Option(tuple(sorted(actions.items())), time_s, kept, peak, src + ("+input" if rin else "")))
@@ -394,27 +442,48 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
     end = t0 + time_limit_s
     tried: list[tuple[Report, Actions, str]] = []
 
+    sim_s = [0.0]  # the longest whole-graph simulation so far: what each step's cost is estimated in
+
     def score(actions: Actions, source: str) -> Report:
+        t = time.perf_counter()
         r = simulate_actions(graph, actions)
+        sim_s[0] = max(sim_s[0], time.perf_counter() - t)
         tried.append((r, actions, source))
         return r
 
+    def time_for(sims: float) -> bool:
+        """Whether ``sims`` more whole-graph simulations fit before the end, the caller's kept in hand."""
+        return time.perf_counter() + (sims + WRAPUP_SIMS) * sim_s[0] <= end
+
     heuristics: list[tuple[Actions, str]] = []
+
+    def run_strategy(name: str, limit_s: float) -> Actions | None:
+        # the strategy alone, not solve(): its plan is scored once, in score(), and a strategy that finds
+        # none does not start the least-peak search an error would quote (the rest of the time, on an
+        # 80-layer Llama where Chen finds nothing)
+        spec = get(name)
+        p = spec.call(graph, budget_bytes, time_limit_s=limit_s, offload=False, host_budget_bytes=None,
+                      config=spec.default_config())
+        return None if p.status == "infeasible" else p.actions
 
     def heuristic(name: str) -> None:  # its per-block choices join the menus
         try:
             # at least HEURISTIC_MIN_S (within the caller's limit): starved, Capuchin finds nothing on an
             # 80-layer Llama under load and the answer falls back to greedy's plan (14.2% against 6.4%)
             left = max(end - time.perf_counter(), min(HEURISTIC_MIN_S, caller_limit_s - (time.perf_counter() - t0)))
-            r = solve(graph, budget_bytes, name, time_limit_s=max(0.5, left))
+            actions = run_strategy(name, max(0.5, left))
         except (Infeasible, MemplanError):
             return
-        score(r.plan.actions(), name)
-        heuristics.append((r.plan.actions(), name))
+        if actions is not None:
+            score(actions, name)
+            heuristics.append((actions, name))
 
     def uniform(groups: tuple[int, ...], until: float) -> None:
-        if stair is not None:
-            for actions, source in uniform_plans(graph, budget_bytes, stair, STAIRCASE, groups=groups, until=until):
+        until = min(until, end - WRAPUP_SIMS * sim_s[0])
+        for g in groups if stair is not None else ():
+            if until - time.perf_counter() < UNIFORM_MIN_S:  # CP-SAT finds nothing in less
+                break
+            for actions, source in uniform_plans(graph, budget_bytes, stair, STAIRCASE, groups=(g,), until=until):
                 score(actions, source)
 
     # in order of worth per second: greedy (the plan never to lose to) and Capuchin (given the time they
@@ -422,7 +491,10 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
     # and its block-uniform plans (until 60% of the time), then the menus and the DP (until the end)
     for name in HEURISTICS:
         heuristic(name)
-    stair, bound_s = staircase_bound(graph, budget_bytes, STAIRCASE, end)
+    # the LP gets the time it needs (about 0.5 s of CPU on an 80-layer Llama) past the end if need be: cut
+    # off under load after slow heuristics, the answer came without a bound
+    stair, bound_s = staircase_bound(graph, budget_bytes, STAIRCASE,
+                                     max(end, min(time.perf_counter() + BOUND_MIN_S, t0 + caller_limit_s)))
     uniform(UNIFORM_GROUPS, t0 + 0.6 * time_limit_s)
     blks = blocks(graph)
     cache: dict = {}
@@ -448,25 +520,27 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
         if choice is None:
             return None
         actions = _plan(menus, choice)
-        r = simulate_actions(graph, actions)
-        tried.append((r, actions, "block-dp"))
+        r = score(actions, "block-dp")
         if r.peak_bytes > budget_bytes:
             calibrate(choice, simulate_actions(graph, actions, timeline=True))
         return r
 
-    calibrate([0 if not m else min(range(len(m)), key=lambda j: m[j].time_s) for m in menus],
-              simulate_actions(graph, _plan(menus, [min(range(len(m)), key=lambda j: m[j].time_s) for m in menus]),
-                               timeline=True))
-    for _ in range(CALIBRATION_ROUNDS):
-        r = at(budget_bytes)
-        if r is None or r.peak_bytes <= budget_bytes or time.perf_counter() - t0 > time_limit_s:
-            break
+    # each DP round below: a plan simulated, and again with its timeline when it is over the budget
+    round_sims = 1 + TIMELINE_SIMS
+    r = None
+    if time_for(TIMELINE_SIMS + round_sims):
+        fastest = [min(range(len(m)), key=lambda j: m[j].time_s) for m in menus]
+        calibrate(fastest, simulate_actions(graph, _plan(menus, fastest), timeline=True))
+        for _ in range(CALIBRATION_ROUNDS):
+            r = at(budget_bytes)
+            if r is None or r.peak_bytes <= budget_bytes or not time_for(round_sims):
+                break
     # the model may now over-estimate: bisect for the largest model budget whose plan fits, above the budget
     lo, hi = budget_bytes, max(top, budget_bytes)
     if r is None or r.peak_bytes > budget_bytes:
         lo, hi = fixed, budget_bytes
     for _ in range(BISECT_STEPS):
-        if hi - lo <= 1 or time.perf_counter() - t0 > time_limit_s:
+        if hi - lo <= 1 or not time_for(round_sims):
             break
         mid = (lo + hi) // 2
         rm = at(mid)
@@ -475,16 +549,21 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
         else:
             hi = mid
     for name in BASELINES:  # candidates too, while time is left
-        if end - time.perf_counter() < 0.5:
+        if not time_for(BASELINE_SIMS):
             break
         try:
-            score(solve(graph, budget_bytes, name, time_limit_s=end - time.perf_counter()).plan.actions(), name)
+            actions = run_strategy(name, end - WRAPUP_SIMS * sim_s[0] - time.perf_counter())
         except (Infeasible, MemplanError):
             continue
+        if actions is not None:
+            score(actions, name)
     fits = [(r, a, s) for r, a, s in tried if r.peak_bytes <= budget_bytes]
-    stats = {"blocks": len(blks), "distinct_blocks": len(cache), "options": sum(len(m) for m in menus),
+    stats = {"blocks": len(blks), "distinct_blocks": sum(k[0] != "figures" for k in cache), "options": sum(len(m) for m in menus),
              "plans_scored": len(tried), "lp_bound_s": bound_s, "bound_space": list(SPACE),
-             "candidates": sorted({s for _, _, s in tried})}
+             "candidates": sorted({s for _, _, s in tried}),
+             # each source's fastest plan that fits: what each part of the portfolio is worth
+             "candidates_s": {s: min(r.time_s for r, _, s2 in tried if s2 == s and r.peak_bytes <= budget_bytes)
+                              for s in sorted({s for r, _, s in tried if r.peak_bytes <= budget_bytes})}}
     if not fits:
         return Proposal(status="infeasible", stats=stats)
     report, actions, source = min(fits, key=lambda v: (v[0].time_s, v[0].peak_bytes))

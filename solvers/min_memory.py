@@ -251,7 +251,12 @@ def _per_use_in_time(graph: Graph, deadline: float | None) -> dict[int, Action] 
 
 
 def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float | None = None) -> int:
-    """The smallest simulated peak among memplan's low-memory plans: keep-everything, recompute-
+    """:func:`least_peak`'s peak."""
+    return least_peak(graph, offload=offload, deadline=deadline)[0]
+
+
+def least_peak(graph: Graph, *, offload: bool = False, deadline: float | None = None) -> tuple[int, bool]:
+    """(peak, proven): the smallest simulated peak among memplan's low-memory plans: keep-everything, recompute-
     everything, recompute_each-everything (where affordable), offload-everything (when allowed) and
     :func:`min_memory_actions`; on chains, the exact DP's
     least budget; on graphs of at most
@@ -260,7 +265,11 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float 
 
     ``deadline`` (a ``time.perf_counter()`` value; None: none) bounds the search: no step (a plan's
     simulation, the search, the chain DP, the oracle) starts after it, so it returns at most one step
-    past it with the least peak found by then: keep-everything's at worst, achievable, perhaps not the least."""
+    past it with the least peak found by then: keep-everything's at worst, achievable, perhaps not the least.
+    ``proven``: no plan peaks lower: the peak meets the memory lower bound, or the oracle enumerated every
+    plan (with ``offload``, at every prefetch point; recompute_each too where that space is affordable,
+    else keep / recompute / offload plans); otherwise it is the least a search found, and another strategy
+    may fit below it."""
     def in_time() -> bool:
         return deadline is None or time.perf_counter() < deadline
 
@@ -272,7 +281,7 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float 
     if per_use is not None:
         peak = scores(per_use).peak_bytes
         if peak <= memory_lower_bound(graph):
-            return peak  # at the lower bound: no plan goes lower
+            return peak, True  # at the lower bound: no plan goes lower
         plans.append((per_use, {}))
     if offload:
         plans.append(({t: Action.OFFLOAD for t in saved}, {}))
@@ -287,11 +296,13 @@ def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float 
     exact = chain_min_budget_bytes(graph, deadline=deadline) if in_time() else None
     if exact is not None:
         best = min(best, exact)
+    proven = best <= memory_lower_bound(graph)
     if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (with recompute_each when
         # that space is small; else without it; with offload, perhaps only at default prefetch)
         for prefetch, per_use in (("choose", True), ("choose", False), ("default", False)):
             limit = MAX_EXACT_PLANS // 16 if per_use else MAX_EXACT_PLANS
             if in_time() and plan_count(graph, offload=offload, prefetch=prefetch, per_use=per_use) <= limit:
                 best = min(best, oracle_min_peak(graph, offload=offload, prefetch=prefetch, per_use=per_use))
+                proven = proven or prefetch == "choose"  # every plan enumerated, every prefetch point
                 break
-    return best
+    return best, proven

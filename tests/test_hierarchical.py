@@ -15,7 +15,7 @@ from memplan.planner.core.errors import Infeasible
 from memplan.planner.core.simulator import simulate_actions
 from memplan.solvers import keep_all_report, smallest_known_peak, solve
 from memplan.solvers.dp import dp_frontier
-from memplan.solvers.hierarchical import Option, block_subgraph, blocks, chain_dp, has_blocks
+from memplan.solvers.hierarchical import Option, block_saved, block_subgraph, blocks, chain_dp, has_blocks
 
 REL = 1e-9
 
@@ -72,6 +72,7 @@ def test_blocks_cover_the_graph_and_their_sub_graphs_are_valid(gpt):
         assert len(sub.ops) == len(b.ops)
         assert sum(op.time_s for op in sub.ops) == pytest.approx(sum(gpt.ops[o].time_s for o in b.ops))
         assert set(sub.saved_activations) == {tmap[t] for t in b.inner}
+        assert [tmap[t] for t in block_saved(gpt, b)] == sub.saved_activations  # read without building it
 
 
 @pytest.mark.slow

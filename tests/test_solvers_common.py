@@ -482,3 +482,25 @@ def test_an_oracle_cut_short_does_not_call_the_budget_infeasible():
     assert p.status == "infeasible" and p.stats["stopped"] == "time limit" and p.stats["plans_tried"] == 1
     with pytest.raises(Infeasible, match="found no plan within its time limit"):
         solve(g, 700, "oracle", time_limit_s=1e-9)
+
+
+def test_a_strategy_that_finds_no_plan_does_not_call_a_budget_that_another_fits_infeasible():
+    """Chen and every-k find nothing at a budget greedy fits, and the least-peak search (no proof on 13 saved
+    activations) stops one byte above it: the refusal quotes the search's peak as that, not as the minimum
+    (it called the budget infeasible and the peak the minimum; on an 80-layer Llama Capuchin fits 154 GiB
+    where Chen's refusal quoted 262 GiB)."""
+    from memplan.planner.core.synthetic import repeated_blocks
+    from memplan.solvers import memory_lower_bound
+
+    g = repeated_blocks(4, 4, seed=3)
+    budget = memory_lower_bound(g) + int(0.2 * (keep_all_report(g).peak_bytes - memory_lower_bound(g)))
+    assert solve(g, budget, "greedy").report.peak_bytes <= budget
+    for method in ("chen", "every-k"):
+        with pytest.raises(Infeasible) as info:
+            solve(g, budget, method)
+        e = info.value
+        assert "no plan fits" not in str(e) and "minimum feasible" not in str(e)
+        assert f"solver {method!r} found no plan within {budget} B; the least peak memplan's search reached is " \
+               f"{e.min_feasible_bytes} B (this solver's own: " in str(e)
+        assert str(e).endswith("not a proven minimum: a plan may still fit the budget (try auto)")
+        assert e.min_feasible_bytes > budget  # achievable: the search's own plan

@@ -23,7 +23,9 @@ recomputes or recomputes-each (``recompute_each``) each saved activation, withou
 budget: a recomputed (or recomputed-each) activation is absent at most between its last forward use and
 its first backward reader (once its own backward rebuilds it, it stays to its release under both
 actions; docs/model.md), every other one is present, replay memory is not counted, each replayed op is
-counted once at its forward time (rounded down) and sizes are rounded down to the model's unit. Offload
+counted once at its forward time (rounded down), the watch window (planner/core/watch.py) spans at least
+the ops its rebuilt tensors' replays run or read and each watched op is charged its own watch cost
+(rounded down), and sizes are rounded down to the model's unit. Offload
 can lower memory at no recompute cost, so the bound does not hold for plans that offload.
 """
 
@@ -152,23 +154,24 @@ def build_staircase(graph: Graph, budget: int, cfg: Config) -> IntervalModel:
     # replay ticks rounded down (with the executor's dispatch of the replayed op as the schedule charges it,
     # the in-place initialisers at their time alone): never over-prices a plan
     m.objective = {v: math.floor((replay_op_cost_s(graph, ops[p]) + init_s[p]) / tick) for p, v in y.items()}
-    # the watch window at the cheapest op's charge (on CUDA the charge is per op; the least keeps it a bound)
-    watch_s = min((watch_op_cost_s(graph, op) for op in ops), default=0.0)
-    const_s = base - _watch_window(m, r, spans, n, math.floor(watch_s / tick)) * tick
+    # the watch window at each op's own charge, rounded down (on CUDA an op's run hides its dispatch: the
+    # charge is per op; a GPT-2 step's window was priced at the cheapest op's, zero, 35% under the plans')
+    watch_ticks = [math.floor(watch_op_cost_s(graph, op) / tick) for op in ops]
+    const_s = base - _watch_window(m, r, spans, n, watch_ticks) * tick
     return IntervalModel(m, r, tick, const_s, unit, exact)
 
 
 def _watch_window(m: LinearModel, r: dict[int, int], spans: dict[int, tuple[int, int]], n: int,
-                  watch_ticks: int) -> int:
-    """Add the executor's watch window (planner/core/watch.py) to ``m``'s objective: ``watch_ticks`` per
-    forward op from the lowest to the highest op that a plan's replays run or read (at least the
+                  watch_ticks: list[int]) -> int:
+    """Add the executor's watch window (planner/core/watch.py) to ``m``'s objective: ``watch_ticks[j]``
+    for each forward op ``j`` from the lowest to the highest op that a plan's replays run or read (at least the
     ``spans`` of its rebuilt tensors' closures). Per op ``j``: ``a_j`` (the window starts at or before
     ``j``, non-decreasing, 1 from each rebuilt tensor's lowest op on), ``c_j`` (it ends at or after ``j``,
     non-increasing, 1 up to each one's highest op), ``a_j + c_j >= 1``, and ``w_j >= a_j + c_j - 1``
     (``j`` is in the window: exact when the window is not empty, 0 otherwise). ``a``, ``c`` and ``w`` are
     constant between span ends, so one variable stands for each such segment. Returns the constant to
     take off the objective (0)."""
-    if not watch_ticks or not r:
+    if not any(watch_ticks) or not r:
         return 0
     cuts = sorted({0, n, *(lo for lo, _ in spans.values()), *(hi + 1 for _, hi in spans.values())})
     segments = list(zip(cuts[:-1], cuts[1:], strict=True))
@@ -185,7 +188,7 @@ def _watch_window(m: LinearModel, r: dict[int, int], spans: dict[int, tuple[int,
         if k:
             m.row(lin(0, (a[k], 1), (a[k - 1], -1)), lo=0)
             m.row(lin(0, (c[k - 1], 1), (c[k], -1)), lo=0)
-        m.objective[w[k]] = watch_ticks * (segments[k][1] - segments[k][0])
+        m.objective[w[k]] = sum(watch_ticks[segments[k][0]:segments[k][1]])
     for u, (lo, hi) in spans.items():
         first, last = seg_of[lo], seg_of[cuts[cuts.index(hi + 1) - 1]]
         m.row(lin(0, (a[first], 1), (r[u], -1)), lo=0)
