@@ -27,6 +27,7 @@ decision); a divergence inside it, or a tracked tensor of another shape, is refu
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import difflib
 import functools
@@ -176,6 +177,13 @@ class Executor:
         self.recorded_calls = bool(graph.module_calls)
         self.next_real = _next_real(graph)
         self.concerns = self._concerns(static_facts(graph).d2h_after)
+        self.concern_count = list(itertools.accumulate((p in self.concerns for p in range(len(graph.ops))),
+                                                       initial=0))  # concerns before each position
+        self.call_end = _call_ends(graph) if self.recorded_calls else [0] * len(graph.ops)
+        self.by_name: dict[str, list[int]] = {}
+        for op in graph.ops:
+            if op.name != "aten.detach.default":
+                self.by_name.setdefault(op.name, []).append(op.id)
         # the device the graph was profiled on, as this machine has it (a CUDA graph needs a GPU or the
         # emulation): how it charges bytes, its copy stream, its generators
         self.device = device_of(graph.device)
@@ -250,6 +258,23 @@ class Executor:
             if made and p not in out:
                 out[p] = (made[0], "is re-created by a replay that re-runs")
         return out
+
+    def op_at(self, name: str, k: int) -> int | None:
+        """The first graph op named ``name`` at or after position ``k`` that the innermost module call
+        running op ``k`` runs itself (not a call inside it); None if there is none among the first few
+        ops of that name, or the graph did not record its module calls."""
+        ids = self.by_name.get(name)
+        if not ids:
+            return None
+        end = self.call_end[k]
+        module = self.graph.ops[k].module
+        i = bisect.bisect_left(ids, k)
+        for q in ids[i:i + 8]:
+            if q >= end:
+                return None
+            if self.call_end[q] == end and self.graph.ops[q].module == module:
+                return q
+        return None
 
     def signature_id(self, op: int, signature: tuple) -> int:
         """A number for recorded op ``op``'s recipe signature (recipes.recipe_signature), the same for
@@ -451,6 +476,15 @@ class Executor:
     @property
     def host_pool_bytes(self) -> int:
         return self.pool.bytes
+
+
+def _call_ends(graph: Graph) -> list[int]:
+    """Position -> the end of the innermost recorded module call that runs it (the graph's end outside
+    every call: the loss)."""
+    out = [len(graph.ops)] * len(graph.ops)
+    for call in graph.module_calls:  # in the order they began: a nested call after the one around it
+        out[call.start:call.end] = [call.end] * (call.end - call.start)
+    return out
 
 
 def _next_real(graph: Graph) -> list[int]:

@@ -11,7 +11,11 @@ branches on a flag. A step therefore does not stop at the first op that differs:
 * **Re-synchronised.** At the next module boundary the graph knows (module path, call number, begin or
   end; :mod:`memplan.planner.core.boundaries`) at or after the op where it diverged, the step is back at
   the graph's position there (:meth:`at_boundary`). A step that reaches a boundary the graph reached
-  later (the model skipped ops: an unpadded batch builds no mask) re-synchronises the same way.
+  later (the model skipped ops: an unpadded batch builds no mask) re-synchronises the same way. Inside
+  one module call, the model running the graph's next op of that name (:meth:`resync_at_op`) is back at
+  it too: ops inserted (transformers' ``sdpa`` turns a padded batch's mask into a float one before the
+  attention op) or left out before it are the difference; left out only where the plan decides nothing
+  in them (else the op is taken for one the model inserted, and the step looks further).
 * **Refused** only where the plan decides something in the graph ops that did not run (:meth:`skip`,
   ``Executor.concerns``): a tensor the plan recomputes or offloads is made or saved there, a replay
   re-runs one of those ops, an offloaded tensor is written there last; or a moved tensor was saved by
@@ -49,17 +53,32 @@ class Resync:
     diverged: tuple[int, str] | None   # (graph position where the ops began to differ, what differed)
     unbound: dict[int, str]            # tensor id a replay reads, made where ops differed -> that difference
     stray_saves: list[int]             # moved tensors the model's own ops saved while diverged
+    pending_saves: list[int]           # moved tensors packed while diverged, since the last op dispatched
+    moved_packs: list[tuple[int, int]]  # (moved tensor, len(log) then) per pack while not diverged
+
+    # Autograd packs the inputs an op saves before the op reaches the dispatch mode, and its outputs after:
+    # a pack is judged at the next op dispatched. Packed while diverged, it is the model's own ops' save
+    # unless the next op is the graph's op the step re-synchronises at and the graph has it save the tensor.
 
     def diverge(self, k: int, why: str) -> None:
         """The model's ops differ from the graph's from position ``k`` on (``why`` says how)."""
         if self.ex.fused is not None:  # fused updates are checked op by op against the graph's modules
             self._fail(f"{why}; re-profile and re-solve for this model and batch")
+        g = self.g
+        prev = k - 1
+        while prev >= 0 and g.ops[prev].name == "aten.detach.default":
+            prev -= 1
+        n = len(self.log)  # packed since the last op matched: its output saves, or the op that differs saves
+        self.stray_saves += [t for t, at in self.moved_packs if at == n and (prev < 0 or t not in g.ops[prev].saved)]
         self.diverged = (k, why)
         self.n_fast = -1  # every op to the full handler, which runs it as it is
 
     def stray(self, func, args, kwargs):
         """An op of a diverged region: run as the model has it. The first step knows every storage (a
         later op's new storage is one it has not seen), so it registers these as no graph tensor."""
+        if self.pending_saves:
+            self.stray_saves += self.pending_saves
+            self.pending_saves.clear()
         if not self.fast:
             for t in tensors_in((args, kwargs)):
                 self._see(t, -1)
@@ -68,6 +87,22 @@ class Resync:
             for t in tensors_in(out):
                 self._see(t, -1)
         return out
+
+    def resync_at_op(self, func) -> bool:
+        """While diverged: is ``func`` the graph's next op of its name in the module call where the ops
+        began to differ? Then the step is back there (True), and the op runs as the graph's."""
+        ex = self.ex
+        k, why = self.diverged
+        at = ex.op_at(str(func), k)
+        if at is None or ex.concern_count[at] != ex.concern_count[k]:
+            # none; or the ops left out before it would touch the plan: this op may be one the model adds
+            # before the graph's (an insertion), so the step looks further (refused at the boundary if not)
+            return False
+        if self.pending_saves:  # packed for this op: fine if the graph's op saves them too
+            self.stray_saves += [t for t in self.pending_saves if t not in self.g.ops[at].saved]
+            self.pending_saves.clear()
+        self.skip(k, at, f"op {at} ({self.g.ops[at].name}), the same op later in the same module call", why)
+        return True
 
     def at_boundary(self, key: Boundary) -> None:
         """The step, watched, meets module boundary ``key``: re-synchronise there if its ops differed, or
@@ -80,7 +115,9 @@ class Resync:
             k, why = self.diverged
             if j < k:  # a boundary the graph passed before the ops differed: not where the step is
                 return
-            self.skip(k, j, key, why)
+            self.stray_saves += self.pending_saves
+            self.pending_saves.clear()
+            self.skip(k, j, where(key), why)
             return
         c = self.cursor
         if j <= c or not ex.recorded_calls:
@@ -89,13 +126,13 @@ class Resync:
             while self.cursor < j:
                 self._passed_detach()
             return
-        self.skip(c, j, key, f"the model reached {where(key)} after {c} forward ops, the profiled graph after "
+        self.skip(c, j, where(key), f"the model reached {where(key)} after {c} forward ops, the profiled graph after "
                              f"{j}: ops {c}..{j - 1} ({self.g.ops[c].name}, module {self.g.ops[c].module or '?'}, "
                              f"...) did not run")
 
-    def skip(self, k: int, j: int, key: Boundary | None, why: str) -> None:
-        """Graph ops ``k``..``j - 1`` did not run as profiled and the step is at position ``j`` (boundary
-        ``key``; None: the forward ended): refuse if the plan decides something there (module docstring),
+    def skip(self, k: int, j: int, at: str, why: str) -> None:
+        """Graph ops ``k``..``j - 1`` did not run as profiled and the step is at position ``j`` (``at`` says
+        where that is: a module boundary, an op, the end of the forward): refuse if the plan decides something there (module docstring),
         else note the tensors made there that a replay reads, for :meth:`bind_inputs`."""
         ex, g = self.ex, self.g
         concerns = ex.concerns
@@ -103,10 +140,10 @@ class Resync:
             hit = concerns.get(p)
             if hit is not None:
                 tid, relation = hit
-                self._refuse(tid, f"{relation} op {p} ({g.ops[p].name})", p, why, key)
+                self._refuse(tid, f"{relation} op {p} ({g.ops[p].name})", p, why, at)
         if self.stray_saves:
             tid = self.stray_saves[0]
-            self._refuse(tid, "is saved by the model's own ops there", self.g.tensors[tid].producer, why, key)
+            self._refuse(tid, "is saved by the model's own ops there", self.g.tensors[tid].producer, why, at)
         tracked = ex.watch_plan.tracked
         for p in range(k, j):
             for t in g.ops[p].outputs:
@@ -116,14 +153,15 @@ class Resync:
         self.n_fast = ex.last_real_op + 1
         self.cursor = max(self.cursor, j)
 
-    def _refuse(self, tid: int, relation: str, op: int | None, why: str, key: Boundary | None) -> None:
+    def _refuse(self, tid: int, relation: str, op: int | None, why: str, at: str | None) -> None:
         g = self.g
         info = g.tensors[tid]
         module = g.ops[op].module if op is not None else ""
         action = self.ex.actions.get(tid)
         role = f"which the plan marks {action.value}" if action is not None else "which a replay reads"
         self._fail(f"module {module or '(the model)'}: tensor {tid} ({info.dtype}{info.shape}, {role}) {relation}, "
-                   f"which did not run as profiled: {why}; the step re-synchronised at {where(key)}; "
+                   f"which did not run as profiled: {why}"
+                   f"{f'; the step re-synchronised at {at}' if at else ''}; "
                    f"re-profile and re-solve for this model and batch")
 
     def bind_inputs(self, k: int, op: Any, args: Any, kwargs: Any) -> None:

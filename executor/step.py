@@ -147,6 +147,8 @@ class Step(Offloading, Replaying, Resync):
         self.diverged = None                                   # (position, why) while ops differ (resync.py)
         self.unbound: dict[int, str] = {}
         self.stray_saves: list[int] = []
+        self.pending_saves: list[int] = []
+        self.moved_packs: list[tuple[int, int]] = []
         self.failed = False
         self.released = False                                  # release() ran: the step is over
         self.shapes = ShapeMatcher(ex.family, self.g) if ex.family is not None else None
@@ -249,7 +251,7 @@ class Step(Offloading, Replaying, Resync):
             if not self.fast and not self.failed:
                 self.ex.learn()
             return func(*args, **kwargs)
-        if self.diverged is not None:
+        if self.diverged is not None and not self.resync_at_op(func):
             return self.stray(func, args, kwargs)
         ex = self.ex
         k = self.cursor
@@ -260,8 +262,10 @@ class Step(Offloading, Replaying, Resync):
             if name is None:
                 name = _NAMES[func] = str(func)
             k = self._match(name)
-            if k is None:
+            if k is None and not self.resync_at_op(func):
                 return self.stray(func, args, kwargs)
+            if k is None:  # the graph's op a little further on
+                k = self._match(name)
         self.log.append(k)
         op = self.g.ops[k]
         positions = ex.new_positions[k] if self.fast else None
@@ -422,9 +426,10 @@ class Step(Offloading, Replaying, Resync):
         action = self.ex.actions.get(tid, Action.KEEP)
         if action == Action.KEEP:
             return held(t, self.ex)
-        if self.diverged is not None:  # saved by ops that are not the graph's: refused at re-synchronising
-            self.stray_saves.append(tid)
-            return held(t, self.ex)
+        if self.diverged is not None:  # judged at the next op (resync.py): the graph's saver, or refused
+            self.pending_saves.append(tid)
+        else:
+            self.moved_packs.append((tid, len(self.log)))
         if action == Action.OFFLOAD:
             s = t.untyped_storage()
             writer = self.d2h_after.get(tid)
