@@ -52,6 +52,7 @@ class Resync:
 
     diverged: tuple[int, str] | None   # (graph position where the ops began to differ, what differed)
     unbound: dict[int, str]            # tensor id a replay reads, made where ops differed -> that difference
+    resyncs: int                       # times the step re-synchronised after ops that differed
     stray_saves: list[int]             # moved tensors the model's own ops saved while diverged
     pending_saves: list[int]           # moved tensors packed while diverged, since the last op dispatched
     moved_packs: list[tuple[int, int]]  # (moved tensor, len(log) then) per pack while not diverged
@@ -150,6 +151,7 @@ class Resync:
                 if t in tracked:
                     self.unbound[t] = why
         self.diverged = None
+        self.resyncs += 1
         self.n_fast = ex.last_real_op + 1
         self.cursor = max(self.cursor, j)
 

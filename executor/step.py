@@ -146,6 +146,7 @@ class Step(Offloading, Replaying, Resync):
         self.ended: dict[str, int] = {}                        # module path -> calls ended
         self.diverged = None                                   # (position, why) while ops differ (resync.py)
         self.unbound: dict[int, str] = {}
+        self.resyncs = 0
         self.stray_saves: list[int] = []
         self.pending_saves: list[int] = []
         self.moved_packs: list[tuple[int, int]] = []

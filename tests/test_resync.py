@@ -116,6 +116,7 @@ def _train(model: Net, steps: list[dict], executor=None) -> list[torch.Tensor]:
             losses.append(loss.detach())
             if ex is not None:
                 assert ex.last_step.replays > 0  # the plan's recomputation ran
+                assert (ex.last_step.resyncs > 0) == model.mask.alt  # the ops differed, and only then
     finally:
         if ex is not None:
             ex.remove()
@@ -150,3 +151,50 @@ def test_a_planned_tensor_made_another_way_is_refused_naming_module_and_tensor()
     _train(planned, steps, (graph, plan))
     _train(plain, [{}] * len(steps))
     assert all(torch.equal(a, b) for a, b in zip(planned.parameters(), plain.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("profiled", ["unpadded", "padded"])
+def test_padded_and_unpadded_batches_under_sdpa_share_one_plan(profiled):
+    """transformers' ``sdpa`` attention skips the mask for an unpadded batch and, with a padded one, builds
+    it and turns it into a float mask inside every attention (other ops than the profiled step's, before
+    and between the tensors the plan recomputes). Profiled on either, a tiny GPT-2 (dropout on) trains a
+    mix of both under one plan bitwise like plain training, replaying in every step."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from memplan.solvers import keep_all_report, solve
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     attn_implementation="sdpa")
+    base = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    padded = torch.ones_like(ids)
+    padded[1, 10:] = 0
+    masks = {"unpadded": torch.ones_like(ids), "padded": padded}
+
+    def loss_fn(model, mask):
+        return model(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+    graph = profile(copy.deepcopy(base), masks[profiled], loss_fn, repeats=1, progress=False, measure=False)
+    plan = solve(graph, int(keep_all_report(graph).peak_bytes * 0.85), "dp", time_limit_s=1.0).plan
+    assert plan.count(Action.RECOMPUTE) > 0
+
+    def train(model, planned: bool) -> list[torch.Tensor]:
+        torch.manual_seed(5)  # dropout draws the same numbers in both runs
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ex = apply(model, plan, graph=graph, optimizer=opt) if planned else None
+        losses = []
+        for which in ("unpadded", "padded", "padded", "unpadded"):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, masks[which])
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+            assert ex is None or ex.last_step.replays > 0
+            assert ex is None or (ex.last_step.resyncs > 0) == (which != profiled)  # the ops differed
+        if ex is not None:
+            ex.remove()
+        return losses
+
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    assert all(torch.equal(x, y) for x, y in zip(train(a, True), train(b, False), strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
