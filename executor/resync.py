@@ -141,10 +141,11 @@ class Resync:
             hit = concerns.get(p)
             if hit is not None:
                 tid, relation = hit
-                self._refuse(tid, f"{relation} op {p} ({g.ops[p].name})", p, why, at)
+                self._refuse(tid, f"{relation} op {p} ({g.ops[p].name}), which did not run as profiled", p, why, at)
         if self.stray_saves:
             tid = self.stray_saves[0]
-            self._refuse(tid, "is saved by the model's own ops there", self.g.tensors[tid].producer, why, at)
+            self._refuse(tid, "is saved by ops of the model the profiled step did not run",
+                         self.g.tensors[tid].producer, why, at)
         tracked = ex.watch_plan.tracked
         for p in range(k, j):
             for t in g.ops[p].outputs:
@@ -161,31 +162,33 @@ class Resync:
         module = g.ops[op].module if op is not None else ""
         action = self.ex.actions.get(tid)
         role = f"which the plan marks {action.value}" if action is not None else "which a replay reads"
-        self._fail(f"module {module or '(the model)'}: tensor {tid} ({info.dtype}{info.shape}, {role}) {relation}, "
-                   f"which did not run as profiled: {why}"
+        self._fail(f"module {module or '(the model)'}: tensor {tid} ({info.dtype}{info.shape}, {role}) {relation}: "
+                   f"{why}"
                    f"{f'; the step re-synchronised at {at}' if at else ''}; "
                    f"re-profile and re-solve for this model and batch")
 
     def bind_inputs(self, k: int, op: Any, args: Any, kwargs: Any) -> None:
         """Graph op ``k`` reads tensors made where the ops differed: the model's op reads its own in their
         place, in the same order (the graph's inputs are the op's tensor arguments' storages, each once,
-        as the tracer met them). Each becomes that graph tensor, if its bytes are the graph's."""
+        as the tracer met them). Each becomes that graph tensor, if its bytes are the graph's; an op run
+        with another number of tensor arguments binds none (:meth:`check_bound` refuses what stays unbound)."""
         real: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
         for t in tensors_in((args, kwargs)):
             s = storage_of(t)
             if s is not None and s._cdata not in real:
                 real[s._cdata] = (t, s)
         found = list(real.values())
+        if len(found) != len(op.inputs):  # not read here as the graph reads it: a later reader may bind it
+            return
         for i, tid in enumerate(op.inputs):
             why = self.unbound.get(tid)
-            if why is None:
-                continue
-            if len(found) != len(op.inputs):
-                self._refuse(tid, f"is read by op {k} ({op.name}) with {len(op.inputs)} tensor arguments, which "
-                                  f"the model ran with {len(found)}; it is made by", self.g.tensors[tid].producer,
-                             why, None)
-            t, s = found[i]
-            self._bind(tid, t, s, k, op, why)
+            if why is not None:
+                t, s = found[i]
+                self._bind(tid, t, s, k, op, why)
+
+    def _made(self, tid: int) -> str:
+        p = self.g.tensors[tid].producer
+        return f"is made by op {p} ({self.g.ops[p].name}), which did not run as profiled, and"
 
     def _bind(self, tid: int, t: torch.Tensor, s: torch.UntypedStorage, k: int, op: Any, why: str) -> None:
         info = self.g.tensors[tid]
@@ -194,10 +197,10 @@ class Resync:
         fits = nbytes == info.bytes or (self.shapes is not None and nbytes <= info.bytes)
         entry = self.by_key.get(s._cdata)
         if not fits:
-            self._refuse(tid, f"is read by op {k} ({op.name}) as {raw} B, not the profiled {info.bytes} B; it is "
-                              f"made by", info.producer, why, None)
+            self._refuse(tid, f"{self._made(tid)} read by op {k} ({op.name}) as {raw} B, not the profiled "
+                              f"{info.bytes} B", info.producer, why, None)
         if entry is not None and entry[0] >= 0 and entry[0] != tid:
-            self._refuse(tid, f"is read by op {k} ({op.name}) as tensor {entry[0]} of the graph; it is made by",
+            self._refuse(tid, f"{self._made(tid)} read by op {k} ({op.name}) as tensor {entry[0]} of the graph",
                          info.producer, why, None)
         if entry is not None:
             del self.by_key[s._cdata]
@@ -210,5 +213,5 @@ class Resync:
         """The plan's last decision is behind: every tensor a replay reads is the model's own by now."""
         if self.unbound:
             tid, why = next(iter(self.unbound.items()))
-            self._refuse(tid, "is read by no op that ran as profiled after it; it is made by",
+            self._refuse(tid, f"{self._made(tid)} read by no op that ran as profiled after it",
                          self.g.tensors[tid].producer, why, None)

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.executor import apply
+from memplan.planner.core.boundaries import boundary_positions
 from memplan.planner.core.errors import PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
@@ -26,17 +27,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Mask(nn.Module):
-    """A causal mask, as ``tril`` of ones or (``alt``) as a comparison of positions: equal values."""
+    """A causal mask, as ``tril`` of ones or (``alt``) as a comparison of positions: equal values; with
+    ``alt="batched"`` one copy per sequence (the same products, four times the bytes)."""
 
     def __init__(self):
         super().__init__()
-        self.alt = False
+        self.alt: bool | str = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
         if self.alt:
             i = torch.arange(t)
-            return (i[:, None] >= i[None, :]).to(x.dtype)
+            m = (i[:, None] >= i[None, :]).to(x.dtype)
+            return m.expand(x.shape[0], t, t).contiguous() if self.alt == "batched" else m
         return torch.ones(t, t, dtype=x.dtype).tril()
 
 
@@ -123,10 +126,34 @@ def _train(model: Net, steps: list[dict], executor=None) -> list[torch.Tensor]:
     return losses
 
 
-def test_mask_built_another_way_trains_bitwise_like_plain_training():
+def _without_module_calls(graph: Graph) -> Graph:
+    """The graph as a file from before graphs recorded their module calls has it."""
+    data = graph.model_dump()
+    del data["module_calls"]
+    return Graph.from_dict(data)
+
+
+def test_a_graph_without_module_calls_loads_and_derives_them_from_its_ops():
+    """Each module of the model runs its ops in one call (no module is called back to back), so the calls
+    derived from the ops' module paths are the recorded ones, and one more: the ``blocks`` list, which is
+    never called (its path is on its blocks' ops), whose boundaries a step never meets."""
+    _, graph, _ = _setup()
+    old = _without_module_calls(graph)
+    assert old.module_calls == [] and old.fingerprint == graph.fingerprint
+    assert len(graph.module_calls) == 1 + 1 + 1 + 3 * 2 + 1  # the root, emb, mask, blocks and their proj, head
+    recorded, derived = boundary_positions(graph), boundary_positions(old)
+    assert {key: derived.get(key) for key in recorded} == recorded
+    assert {path for path, _, _ in set(derived) - set(recorded)} == {"blocks"}
+
+
+@pytest.mark.parametrize("calls", ["recorded", "derived"])
+def test_mask_built_another_way_trains_bitwise_like_plain_training(calls):
     """The mask built another way than profiled, in the first step (which learns the fast path) and in
-    later ones: the replays read the model's own mask, and training is plain training's, bitwise."""
+    later ones: the replays read the model's own mask, and training is plain training's, bitwise; with a
+    graph that recorded its module calls, or one from before they were recorded."""
     model, graph, plan = _setup()
+    if calls == "derived":
+        graph = _without_module_calls(graph)
     steps = [{"mask": True}, {}, {"mask": True}, {"mask": True}]
     planned, plain = copy.deepcopy(model), copy.deepcopy(model)
     losses = _train(planned, steps, (graph, plan))
@@ -137,16 +164,23 @@ def test_mask_built_another_way_trains_bitwise_like_plain_training():
 
 def test_a_planned_tensor_made_another_way_is_refused_naming_module_and_tensor():
     """Blocks computing their (recomputed) activation another way: refused, in the first step and on the
-    fast path, naming the block and the tensor; the retried step trains, and training ends where plain
-    training on the profiled path ends."""
+    fast path, naming the block and the tensor; so is a mask of other bytes, which the replays read. The
+    retried step trains, and training ends where plain training on the profiled path ends."""
     model, graph, plan = _setup()
     tanh = next(op for op in graph.ops if op.name == "aten.tanh.default")
+    mask = next(op for op in graph.ops if op.name == "aten.tril.default").outputs[0]
+    other_bytes = (rf"module mask: tensor {mask} \(float32\[8, 8\], which a replay reads\) is made by op \d+ "
+                   rf"\(aten\.tril\.default\), which did not run as profiled, and read by op \d+ "
+                   rf"\(aten\.mul\.Tensor\) as 1024 B, not the profiled 256 B: forward op 1 differs from the "
+                   rf"profiled graph: the plan expects aten\.ones\.default \(module mask\), the model ran "
+                   rf"aten\.arange\.default; re-profile")
     refused = (rf"module blocks\.0: tensor {tanh.outputs[0]} \(float32\[4, 8, 16\], which the plan marks "
                rf"recompute\) is made by op {tanh.id} \(aten\.tanh\.default\), which did not run as profiled: "
                rf"forward op \d+ differs from the profiled graph: the plan expects aten\.tanh\.default "
                rf"\(module blocks\.0\), the model ran aten\.mul\.Tensor; the step re-synchronised at the end "
                rf"of module blocks\.0 \(call 0\)")
-    steps = [{"block": True, "refused": refused}, {}, {"block": True, "mask": True, "refused": refused}, {}]
+    steps = [{"block": True, "refused": refused}, {}, {"block": True, "mask": True, "refused": refused},
+             {"mask": "batched", "refused": other_bytes}, {}]
     planned, plain = copy.deepcopy(model), copy.deepcopy(model)
     _train(planned, steps, (graph, plan))
     _train(plain, [{}] * len(steps))
