@@ -127,14 +127,16 @@ class Resync:
             while self.cursor < j:
                 self._passed_detach()
             return
-        self.skip(c, j, where(key), f"the model reached {where(key)} after {c} forward ops, the profiled graph after "
-                             f"{j}: ops {c}..{j - 1} ({self.g.ops[c].name}, module {self.g.ops[c].module or '?'}, "
-                             f"...) did not run")
+        op = self.g.ops[c]
+        self.skip(c, j, where(key), f"the model reached {where(key)} after {c} forward ops, the profiled graph "
+                                    f"after {j}: ops {c}..{j - 1} ({op.name}, module {op.module or '?'}, ...) did "
+                                    f"not run")
 
     def skip(self, k: int, j: int, at: str, why: str) -> None:
         """Graph ops ``k``..``j - 1`` did not run as profiled and the step is at position ``j`` (``at`` says
-        where that is: a module boundary, an op, the end of the forward): refuse if the plan decides something there (module docstring),
-        else note the tensors made there that a replay reads, for :meth:`bind_inputs`."""
+        where that is: a module boundary, an op, the end of the forward): refuse if the plan decides
+        something there (module docstring), else note the tensors made there that a replay reads, for
+        :meth:`bind_inputs`."""
         ex, g = self.ex, self.g
         concerns = ex.concerns
         for p in range(k, j):
