@@ -27,6 +27,7 @@ decision); a divergence inside it, or a tracked tensor of another shape, is refu
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import difflib
 import functools
@@ -45,6 +46,7 @@ from memplan.executor.optim import FusedOptimizer
 from memplan.executor.recipes import SIGNATURES_PER_OP, Segment
 from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order, release_order
 from memplan.executor.transfers import HostPool
+from memplan.planner.core.boundaries import BEGIN, END, Boundary, boundary_positions
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
@@ -162,13 +164,29 @@ class Executor:
         self.needed = [k in self.watch_plan.needed for k in range(len(graph.ops))]
         # learned by the first watched step (``Step.fast`` steps use them): op k's ATen overload, the
         # positions of its new storages among its flattened outputs, and the op position at each module
-        # boundary (the order of forward pre- and post-hooks), where a later step enters the mode
+        # boundary it met (module path, call number, begin or end), where a later step enters the mode
         self.funcs: list = [None] * len(graph.ops)
         self.new_positions: list[tuple[int, ...] | None] = [None] * len(graph.ops)
-        self.boundaries: list[int] = []
+        self.boundaries: list[tuple[Boundary, int]] = []
         self.learned = False
-        self.enter_at: int | None = None  # the boundary at which a fast step enters the mode (None: at once)
+        self.enter_at: Boundary | None = None  # where a fast step enters the mode (None: at once)
+        self.enter_cursor = 0
         self.last_real_op = max((op.id for op in graph.ops if op.name != "aten.detach.default"), default=-1)
+        # where a step whose ops differ from the graph's is back at the graph's position
+        # (planner/core/boundaries.py; executor/resync.py): the graph's module boundaries, whether the
+        # graph recorded them (or they are derived, and used only once the ops differed), the first op
+        # after each position that is not autograd's detach, and what the plan decides at each op
+        self.positions = boundary_positions(graph)
+        self.recorded_calls = bool(graph.module_calls)
+        self.next_real = _next_real(graph)
+        self.concerns = self._concerns(static_facts(graph).d2h_after)
+        self.concern_count = list(itertools.accumulate((p in self.concerns for p in range(len(graph.ops))),
+                                                       initial=0))  # concerns before each position
+        self.call_end = _call_ends(graph) if self.recorded_calls else [0] * len(graph.ops)
+        self.by_name: dict[str, list[int]] = {}
+        for op in graph.ops:
+            if op.name != "aten.detach.default":
+                self.by_name.setdefault(op.name, []).append(op.id)
         # the device the graph was profiled on, as this machine has it (a CUDA graph needs a GPU or the
         # emulation): how it charges bytes, its copy stream, its generators
         self.device = device_of(graph.device)
@@ -199,9 +217,9 @@ class Executor:
         # there: the mode and the hooks must not outlive it into the loop's recovery code
         self._forward_shadow = _forward_guard(model, self)
         if self.watch and fuse is None:
-            for module in model.modules():
-                self._handles.append(module.register_forward_pre_hook(self._boundary))
-                self._handles.append(module.register_forward_hook(self._boundary))
+            for path, module in model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._boundary, path, BEGIN)))
+                self._handles.append(module.register_forward_hook(functools.partial(self._boundary, path, END)))
         if self.fused is not None and fuse == "forward":
             for module in self.fused.module_buckets:
                 if module is not model:
@@ -225,6 +243,41 @@ class Executor:
             optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
             self._step_shadow = step
             self._zero_grad_shadow = zero_grad
+
+    def _concerns(self, d2h_after: dict[int, int]) -> dict[int, tuple[int, str]]:
+        """Forward op -> (tensor, how the op touches it) where the plan decides something at the op: it makes
+        or saves a tensor the plan moves, writes an offloaded one last, or a replay re-runs it. A step whose
+        ops differ from the graph's is refused where such an op did not run as profiled (resync.py)."""
+        g = self.graph
+        out: dict[int, tuple[int, str]] = {}
+        for t, action in sorted(self.actions.items()):
+            out.setdefault(g.tensors[t].producer, (t, "is made by"))
+            for s in g.savers.get(t, ()):
+                out.setdefault(s, (t, "is saved by"))
+            if action == Action.OFFLOAD and t in d2h_after:
+                out.setdefault(d2h_after[t], (t, "is written last by"))
+        for p in sorted(self.recorded_ops):
+            made = g.ops[p].outputs or g.ops[p].inputs
+            if made and p not in out:
+                out[p] = (made[0], "is re-created by a replay that re-runs")
+        return out
+
+    def op_at(self, name: str, k: int) -> int | None:
+        """The first graph op named ``name`` at or after position ``k`` that the innermost module call
+        running op ``k`` runs itself (not a call inside it); None if there is none among the first few
+        ops of that name, or the graph did not record its module calls."""
+        ids = self.by_name.get(name)
+        if not ids:
+            return None
+        end = self.call_end[k]
+        module = self.graph.ops[k].module
+        i = bisect.bisect_left(ids, k)
+        for q in ids[i:i + 8]:
+            if q >= end:
+                return None
+            if self.call_end[q] == end and self.graph.ops[q].module == module:
+                return q
+        return None
 
     def signature_id(self, op: int, signature: tuple) -> int:
         """A number for recorded op ``op``'s recipe signature (recipes.recipe_signature), the same for
@@ -269,11 +322,13 @@ class Executor:
             self._mode.__enter__()
             self._mode_entered = True
 
-    def _boundary(self, *_args) -> None:
-        """At a module boundary (a forward pre- or post-hook of any module). The first watched step, watched
-        from its first op, records the op position at each boundary; a later step enters the mode at the
-        last boundary before ``watch.first`` (counting boundaries to find it). Once forward has passed
-        ``watch_until``, the mode is left for the rest of the step. The saved-tensor hooks stay on all
+    def _boundary(self, path: str, side: int, *_args) -> None:
+        """At a module boundary (a forward pre- or post-hook of module ``path``; ``side``: BEGIN or END). Each
+        step counts the calls of each module, which names the boundary (path, call number, side). The
+        first watched step, watched from its first op, records the op position at each boundary; a later
+        step enters the mode at the last boundary before ``watch.first``. Inside the mode the step
+        re-synchronises with the graph there if its ops differed (``Step.at_boundary``). Once forward has
+        passed ``watch_until``, the mode is left for the rest of the step. The saved-tensor hooks stay on all
         forward (their pack returns a kept tensor as is): with hooks installed autograd keeps saved tensors
         as the profiled graph's lifetimes have them (leaving the hooks too measured 12% below the predicted
         peak on GPT-2 under a DP plan)."""
@@ -285,21 +340,24 @@ class Executor:
                                               # the mode's window
         if step.forward_done:
             return
-        if not step.fast:
-            if self._mode_entered:
-                self.boundaries.append(step.cursor)
-        else:
-            i = step.boundary
-            step.boundary = i + 1
-            if i == self.enter_at and not self._mode_entered:
-                step.enter(self.boundaries[i])
+        counts = step.ended if side else step.begun
+        n = counts.get(path, 0)
+        counts[path] = n + 1
+        key = (path, n, side)
+        if not self._mode_entered:
+            if step.fast and key == self.enter_at:
+                step.enter(self.enter_cursor)
                 self._mode.__enter__()
                 self._mode_entered = True
-                return
-        if (not self._mode_entered or step.cursor <= self.watch_until
+            return
+        step.at_boundary(key)
+        if not step.fast and step.diverged is None:
+            self.boundaries.append((key, step.cursor))
+        if (step.cursor <= self.watch_until or step.diverged is not None
                 or _get_current_dispatch_mode() is not self._mode):
             return
         step.resolve_pending()
+        step.check_bound()
         step.unwatched_from = step.cursor
         step.forward_done = True
         if not step.fast and not step.failed:
@@ -312,8 +370,8 @@ class Executor:
         the fast path, entering the mode at the last recorded boundary before the window."""
         self.learned = True
         first = self.watch_plan.first
-        before = [i for i, c in enumerate(self.boundaries) if c <= first]
-        self.enter_at = before[-1] if before and first > 0 else None
+        before = [(key, c) for key, c in self.boundaries if c <= first]
+        self.enter_at, self.enter_cursor = before[-1] if before and first > 0 else (None, 0)
 
     def begin_step(self, module: nn.Module) -> None:
         """Start a step now, as the pre-hook on ``module``'s forward does: for a caller that applies the plan
@@ -321,10 +379,11 @@ class Executor:
         whose step does not begin with the module's forward (a Lightning ``training_step``)."""
         self._begin(module, ())
         if self.watch and self.fused is None and any(m is module for m in self.model.modules()):
-            # its boundary pre-hook did not run this call either: record that boundary as it would have,
-            # or the first step's boundaries are one short of a later step's and the fast path enters
-            # its window one boundary early (HF's Trainer applies the plan from the model's pre-hook)
-            self._boundary()
+            # its boundary pre-hook did not run this call either: count that boundary as it would have,
+            # or the first step's calls of it are one short of a later step's and the fast path enters
+            # its window at the wrong call (HF's Trainer applies the plan from the model's pre-hook)
+            path = next(name for name, m in self.model.named_modules() if m is module)
+            self._boundary(path, BEGIN)
 
     def _before_module(self, module: nn.Module, _args) -> None:
         with self.internal():
@@ -420,6 +479,23 @@ class Executor:
     @property
     def host_pool_bytes(self) -> int:
         return self.pool.bytes
+
+
+def _call_ends(graph: Graph) -> list[int]:
+    """Position -> the end of the innermost recorded module call that runs it (the graph's end outside
+    every call: the loss)."""
+    out = [len(graph.ops)] * len(graph.ops)
+    for call in graph.module_calls:  # in the order they began: a nested call after the one around it
+        out[call.start:call.end] = [call.end] * (call.end - call.start)
+    return out
+
+
+def _next_real(graph: Graph) -> list[int]:
+    """Position -> the first op at or after it that is not autograd's detach (``len(ops)`` if none)."""
+    out = [len(graph.ops)] * (len(graph.ops) + 1)
+    for k in range(len(graph.ops) - 1, -1, -1):
+        out[k] = k if graph.ops[k].name != "aten.detach.default" else out[k + 1]
+    return out
 
 
 def _forward_guard(model: nn.Module, ex: Executor) -> Any:

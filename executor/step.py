@@ -6,8 +6,11 @@ How a step runs (see docs/model.md for the model it reproduces):
 * **Ops.** A ``TorchDispatchMode`` (:class:`StepMode`) counts forward ATen ops with the profiler's rules
   (the same helpers: a tensor is its storage; an output storage not seen before is a new tensor;
   ``lift_fresh`` reads nothing). Op *k* must carry the name of the graph's op *k*, and create as many new
-  storages, of the graph's bytes as the device's allocator charges them, or the step stops with
-  :class:`PlanMismatch` naming the first divergent op. One difference is expected and skipped: with
+  storages, of the graph's bytes as the device's allocator charges them. Where the ops differ (another
+  op, another number of new storages) the step runs the model's ops as they are up to the next module
+  boundary and re-synchronises there, and stops with :class:`PlanMismatch` only where the plan decides
+  something in what differed, naming the module and the tensor (:mod:`memplan.executor.resync`); a
+  tensor of another shape is refused naming the op. One difference is expected and skipped: with
   ``saved_tensors_hooks`` installed, autograd no longer dispatches the ``aten.detach`` it runs when it
   saves an op's output, and those detaches (no new storage, nothing saved) are in the graph.
 * **Fast path.** The first step runs every op through the full handler above and learns each op's
@@ -44,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.executor.recipes import Recipe, Ref, activation_slots, storage_key, storage_view
 from memplan.executor.replaying import Replaying
+from memplan.executor.resync import Resync
 from memplan.executor.transfers import Offloading
 from memplan.planner.core.errors import MemplanError, PlanMismatch
 from memplan.planner.core.plan import Action
@@ -106,9 +110,10 @@ class StepMode(TorchDispatchMode):
         return step.forward_op(func, args, kwargs)
 
 
-class Step(Offloading, Replaying):
+class Step(Offloading, Replaying, Resync):
     """One forward and its backward under the plan. Offload is :class:`Offloading`'s, recompute
-    :class:`Replaying`'s; this class matches forward ops to the graph and packs and unpacks saved tensors."""
+    :class:`Replaying`'s, re-synchronising after ops that differ from the graph's :class:`Resync`'s; this
+    class matches forward ops to the graph and packs and unpacks saved tensors."""
 
     def __init__(self, ex: Any):
         self.ex = ex
@@ -138,7 +143,14 @@ class Step(Offloading, Replaying):
         # tracked tensors (planner/core/watch.py) are mapped to the graph
         self.fast = ex.learned
         self.n_fast = ex.last_real_op + 1
-        self.boundary = 0                                      # module boundaries passed (fast steps)
+        self.begun: dict[str, int] = {}                        # module path -> calls begun (boundaries)
+        self.ended: dict[str, int] = {}                        # module path -> calls ended
+        self.diverged = None                                   # (position, why) while ops differ (resync.py)
+        self.unbound: dict[int, str] = {}
+        self.resyncs = 0
+        self.stray_saves: list[int] = []
+        self.pending_saves: list[int] = []
+        self.moved_packs: list[tuple[int, int]] = []
         self.failed = False
         self.released = False                                  # release() ran: the step is over
         self.shapes = ShapeMatcher(ex.family, self.g) if ex.family is not None else None
@@ -203,7 +215,9 @@ class Step(Offloading, Replaying):
         return ref() if ref is not None else None
 
     # ---- forward -----------------------------------------------------------------------------
-    def _match(self, name: str) -> int:
+    def _match(self, name: str) -> int | None:
+        """The graph position of the op the model runs now (named ``name``), or None when it is not the
+        graph's op there: the step has diverged (:meth:`Resync.diverge`)."""
         ops = self.g.ops
         while self.cursor < len(ops) and ops[self.cursor].name != name and ops[self.cursor].name == _DETACH:
             self._passed_detach()  # the detach autograd runs when saving an output is gone under hooks
@@ -212,9 +226,9 @@ class Step(Offloading, Replaying):
             self._fail(f"the model ran more forward ops than the profiled graph's {len(ops)}: "
                        f"{name} has no counterpart; re-profile and re-solve for this model and batch")
         if ops[k].name != name:
-            self._fail(f"forward op {k} differs from the profiled graph: the plan expects "
-                       f"{ops[k].name} (module {ops[k].module or '?'}), the model ran {name}; "
-                       f"re-profile and re-solve for this model and batch")
+            self.diverge(k, f"forward op {k} differs from the profiled graph: the plan expects "
+                            f"{ops[k].name} (module {ops[k].module or '?'}), the model ran {name}")
+            return None
         self.cursor += 1
         return k
 
@@ -236,9 +250,13 @@ class Step(Offloading, Replaying):
             # every op of the graph has run: what follows (backward's seed ``ones_like``, metrics) is
             # not the model's step
             self.forward_done = True
+            if not self.failed:
+                self.check_bound()
             if not self.fast and not self.failed:
                 self.ex.learn()
             return func(*args, **kwargs)
+        if self.diverged is not None and not self.resync_at_op(func):
+            return self.stray(func, args, kwargs)
         ex = self.ex
         k = self.cursor
         if self.fast and k < self.n_fast and func is ex.funcs[k]:
@@ -248,9 +266,18 @@ class Step(Offloading, Replaying):
             if name is None:
                 name = _NAMES[func] = str(func)
             k = self._match(name)
+            if k is None and not self.resync_at_op(func):
+                return self.stray(func, args, kwargs)
+            if k is None:  # the graph's op a little further on
+                k = self._match(name)
         self.log.append(k)
         op = self.g.ops[k]
         positions = ex.new_positions[k] if self.fast else None
+        if positions is None and self.fast and not ex.needed[k]:
+            # an op the first step did not run (its ops differed there) and the plan decides nothing about
+            return func(*args, **kwargs)
+        if self.unbound:
+            self.bind_inputs(k, op, args, kwargs)
         learn = positions is None
         record = k in ex.recorded_ops  # only the ops a replay of the schedule runs
         fused = ex.fused is not None and ex.fused.pending_keys
@@ -272,6 +299,8 @@ class Step(Offloading, Replaying):
         outs = tensors_in(out)
         if learn:
             new = self._new_outputs(k, op, outs)
+            if new is None:  # not the graph's op after all: the step diverged at it
+                return out
             if not self.fast:
                 ex.funcs[k] = func
                 ex.new_positions[k] = tuple(pos for pos, _ in new)
@@ -290,27 +319,29 @@ class Step(Offloading, Replaying):
             self.pending_outs = (k, outs)
         return out
 
-    def _new_outputs(self, k: int, op, outs: list[torch.Tensor]) -> list[tuple[int, int]]:
+    def _new_outputs(self, k: int, op, outs: list[torch.Tensor]) -> list[tuple[int, int]] | None:
         """Map op ``k``'s new output storages (not seen before) to its graph outputs, in order; checked
-        against the graph (count, bytes, shape, dtype). Returns (position in ``outs``, tensor id) pairs."""
+        against the graph (count, bytes, shape, dtype). Returns (position in ``outs``, tensor id) pairs,
+        or None when it created another number of them than the graph's op: the step diverged there."""
         ex = self.ex
-        new: list[tuple[int, int]] = []
+        fresh: dict[int, tuple[int, torch.Tensor, torch.UntypedStorage]] = {}
         for pos, t in enumerate(outs):
             s = storage_of(t)
-            if s is None or s._cdata in self.by_key:
-                continue
-            if len(new) >= len(op.outputs):
-                self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) created more new "
-                           f"tensors than the profiled graph's {len(op.outputs)}; re-profile")
-            tid = op.outputs[len(new)]
+            if s is not None and s._cdata not in self.by_key and s._cdata not in fresh:
+                fresh[s._cdata] = (pos, t, s)
+        if len(fresh) != len(op.outputs):
+            for _, t, _s in fresh.values():
+                self._see(t, -1)
+            self.diverge(k, f"forward op {k} ({op.name}, module {op.module or '?'}) created {len(fresh)} new "
+                            f"tensors, the profiled graph {len(op.outputs)}")
+            return None
+        new: list[tuple[int, int]] = []
+        for (pos, t, s), tid in zip(fresh.values(), op.outputs, strict=True):
             self._check_output(k, op, t, s, tid)
             self._see(t, tid)
             new.append((pos, tid))
             if tid in ex.pins:  # cannot be rebuilt, and a replay reads it: hold it (docs/model.md, pinning)
                 self.pinned[tid] = s
-        if len(new) != len(op.outputs):
-            self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) created {len(new)} new "
-                       f"tensors, the profiled graph {len(op.outputs)}; re-profile")
         return new
 
     def _check_output(self, k: int, op, t: torch.Tensor, s: torch.UntypedStorage, tid: int) -> None:
@@ -399,6 +430,10 @@ class Step(Offloading, Replaying):
         action = self.ex.actions.get(tid, Action.KEEP)
         if action == Action.KEEP:
             return held(t, self.ex)
+        if self.diverged is not None:  # judged at the next op (resync.py): the graph's saver, or refused
+            self.pending_saves.append(tid)
+        else:
+            self.moved_packs.append((tid, len(self.log)))
         if action == Action.OFFLOAD:
             s = t.untyped_storage()
             writer = self.d2h_after.get(tid)
@@ -479,14 +514,19 @@ class Step(Offloading, Replaying):
         self.resolve_pending()
         self.forward_done = True
         ops = self.g.ops
-        rest = [k for k in range(self.cursor, len(ops)) if ops[k].name != _DETACH]
-        while not rest and self.cursor < len(ops):
-            self._passed_detach()
-        if rest:
-            k = rest[0]
-            raise PlanMismatch(f"the forward ended after {self.cursor} ops, but the profiled graph has "
-                               f"{len(ops)}: op {k} ({ops[k].name}, module {ops[k].module or '?'}) never ran; "
-                               f"re-profile and re-solve for this model and batch")
+        if self.diverged is not None:
+            start, why = self.diverged
+        else:
+            start = self.cursor
+            rest = [k for k in range(start, len(ops)) if ops[k].name != _DETACH]
+            while not rest and self.cursor < len(ops):
+                self._passed_detach()
+            why = (f"the forward ended after {start} ops, the profiled graph has {len(ops)}: op {rest[0]} "
+                   f"({ops[rest[0]].name}, module {ops[rest[0]].module or '?'}) never ran") if rest else ""
+        if self.diverged is not None or self.cursor < len(ops):
+            self.skip(start, len(ops), None, why)
+        if not self.failed:
+            self.check_bound()
         if not self.fast and not self.failed and self.ex.watch:
             self.ex.learn()
 

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.planner.core.errors import GraphError, first_validation_error
-from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
+from memplan.planner.core.graph import FixedMemory, Graph, ModuleCall, Op, TensorInfo
 
 NOMINAL_HOST_BANDWIDTH_BYTES_PER_S = 12e9  # on CPU offload is a logical move (see docs/model.md)
 
@@ -90,6 +90,8 @@ class Trace:
     optimizer_scratch_bytes: int = 0                                 # allocator high-water mark of step()
     optimizer_survivors_bytes: int = 0
     optimizer_time_s: float = 0.0
+    # forward module calls as [path, first op, end op (exclusive; -1 until the call returns)], in call order
+    module_calls: list[list] = field(default_factory=list)
 
 
 def backward_figures(trace: Trace) -> tuple[list[int], list[int], list[int], dict[int, int]]:
@@ -281,7 +283,9 @@ def build_graph(trace: Trace, *, name: str = "graph", device: str = "cpu", fixed
         "mutated_by": {str(t): ops_ for t, ops_ in mutated_by.items()},
     })
     try:
+        calls = [ModuleCall(path=p, start=a, end=b) for p, a, b in trace.module_calls if b >= a]
         return Graph(name=name, device=device, model_fingerprint=fingerprint, tensors=tensors, ops=ops,
+                     module_calls=calls,
                      fixed=fixed, optimizer_time_s=trace.optimizer_time_s if optimizer_time_s is None
                      else optimizer_time_s, host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s, meta=meta)
     except ValidationError as e:

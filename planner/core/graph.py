@@ -122,6 +122,16 @@ class Op(_Strict):
                     "bytes (analytic wherever any of its calls was)")
 
 
+class ModuleCall(_Strict):
+    """One call of a module in the profiled forward: its path (as ``named_modules`` names it, ``""`` for
+    the root) and the forward ops it ran, ``start`` to ``end`` (exclusive; its submodules' ops included).
+    Listed in the order the calls began; the n-th entry of a path is that module's n-th call."""
+
+    path: str
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
 class FixedMemory(_Strict):
     """Memory that no plan changes. Parameter gradients are not here: the simulator allocates each one
     when backward first produces it (the step starts with ``grad=None``)."""
@@ -169,6 +179,10 @@ class Graph(_Strict):
         default=12e9, gt=0, allow_inf_nan=False,
         description="device<->host copy bandwidth for offload (measured on CUDA, nominal on CPU)")
     measured: Measured = Field(default_factory=Measured)
+    module_calls: list[ModuleCall] = Field(
+        default_factory=list,
+        description="each module call of the forward and its ops (where the executor re-synchronises a step "
+                    "whose ops differ from these); empty in graphs from before it was recorded")
     meta: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("format")
@@ -305,6 +319,10 @@ def _check_graph(g: Graph) -> None:
             if g.tensors[t].producer != op.id:
                 raise ValueError(f"op {op.id} ({op.name}) lists tensor {t} as an output, but that tensor "
                                  f"names producer {g.tensors[t].producer}")
+    for c in g.module_calls:
+        if not c.start <= c.end <= n_o:
+            raise ValueError(f"module call {c.path!r} runs ops {c.start}..{c.end}, not a range of the graph's "
+                             f"{n_o} ops")
     # Cycles: Kahn's algorithm over producer -> consumer edges.
     succ: dict[int, set[int]] = defaultdict(set)
     indeg = [0] * n_o

@@ -257,18 +257,30 @@ class Tracer(TorchDispatchMode):
 
 @contextlib.contextmanager
 def module_stack(model: nn.Module, stack: list[str], tracer_ref: list[Tracer | None]) -> Iterator[None]:
-    """Keep ``stack`` equal to the path of the module running now (forward pre/post hooks)."""
+    """Keep ``stack`` equal to the path of the module running now (forward pre/post hooks), and record each
+    module call of a traced forward (its path and the ops it ran) in the tracer's ``trace.module_calls``."""
     handles = []
+    opened: list[list | None] = []  # per module on the stack: its trace.module_calls entry, if recorded
 
     def pre(name: str):
         def hook(_module, _args):
             stack.append(name)
+            tracer = tracer_ref[0]
+            call = None
+            if isinstance(tracer, Tracer) and tracer.phase == "forward":
+                call = [name, len(tracer.trace.ops), -1]
+                tracer.trace.module_calls.append(call)
+            opened.append(call)
         return hook
 
     def post(_module, _args, _out):
         stack.pop()
-        if not stack and tracer_ref[0] is not None:
-            tracer_ref[0].model_called = True
+        call = opened.pop() if opened else None
+        tracer = tracer_ref[0]
+        if call is not None and isinstance(tracer, Tracer):
+            call[2] = len(tracer.trace.ops)
+        if not stack and tracer is not None:
+            tracer.model_called = True
 
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(pre(name)))
