@@ -6,12 +6,16 @@ like every other method. The chain baselines (``rotor``, ``chen``, ``revolve``) 
 The exact chain DP itself (the chain model, its engines, the least budget) lives in
 :mod:`memplan.solvers.chain`; its docstring says what ``dp`` is exact for and how the table is filled.
 
-**Its space.** The chain DP keeps or recomputes each activation; ``recompute_each`` (a replay for another
-target frees the tensor again: multi-level replays) can be faster at the same budget and fits budgets
-below every keep / recompute plan. So its ``optimal`` and bound hold over keep / recompute plans, and the
-result says so (``space``: ``keep/recompute``); where no keep / recompute plan fits, the faster of the
-multilevel family's plan and recompute_each-everything that fits is returned (``feasible``) rather than
-an Infeasible beside it, and :func:`dp_frontier` reads the same.
+**Its space.** On a chain of at most :data:`~memplan.solvers.chain.each.MAX_EACH_OPS` ops, ``dp`` solves
+:mod:`memplan.solvers.chain.each`: the exact DP over keep / recompute / recompute_each (``recompute_each``: a
+replay for another target frees the tensor again, multi-level replays), every plan the executor runs without
+offload; its plan is scored by the simulator, and its ``optimal`` and bound hold over every plan
+(``space``: ``all``; with ``per_use=False``, the keep / recompute DP below and ``keep/recompute``). Longer
+chains (or that DP out of time) get the keep / recompute DP of :mod:`memplan.solvers.chain`, whose
+``optimal`` and bound hold over keep / recompute plans, and the result says so (``space``:
+``keep/recompute``); where no keep / recompute plan fits there, the faster of the multilevel family's plan
+and recompute_each-everything that fits is returned (``feasible``) rather than an Infeasible beside it.
+:func:`dp_frontier` reads the same.
 
 **DAGs.** The graph DP of Kusumoto et al. 2019 enumerates lower sets, exponential in the graph's width,
 and the simulator's lazy replay on a DAG does not decompose into runs; the exact method on DAGs is the
@@ -40,21 +44,22 @@ from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import Report, default_prefetch_at, simulate_actions
 from memplan.solvers.baselines import chen_candidates
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
+from memplan.solvers.chain.each import MAX_EACH_OPS, EachTable, TooLarge, each_min_budget_bytes, each_table
 from memplan.solvers.chain.model import OpChain, op_chain
 from memplan.solvers.chain.scorer import Scorer
 from memplan.solvers.chain.solve import chain_min_budget_bytes, engine_for, read_plan, solve_chain
 from memplan.solvers.chain.stages import chain_elements, element_actions, stage_chain, stage_model
-from memplan.solvers.chain.table import full_spare
+from memplan.solvers.chain.table import OutOfTime, full_spare
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
 from memplan.solvers.multilevel import multilevel_search, per_use_everything
-from memplan.solvers.registry import Proposal, plan_space, register
+from memplan.solvers.registry import ALL_PLANS, Proposal, plan_space, register
 
 Actions = dict[int, Action]
 
 _PAIR_MOVES_UP_TO = 16       # offload refinement tries pairs of changes on graphs this small
 _PER_USE_FRONTIER_S = 10.0  # dp_frontier's searches for recompute_each plans below the DP's minimum, together
-#: the space of the chain DP's claims: it keeps or recomputes each activation (single-level replays)
+#: the space of the keep / recompute chain DP's claims (single-level replays)
 KEEP_RECOMPUTE = plan_space(per_use=False, offload=False)
 _OFFLOAD_REFINE_S = 10.0     # at most this long (or the time limit) refining offloads
 
@@ -177,21 +182,77 @@ def _prefetch(graph: Graph, actions: Actions, bw: float) -> dict[int, int]:
     return {t: default_prefetch_at(graph, t, bw) for t, a in actions.items() if a == Action.OFFLOAD}
 
 
+# ---- chains: every plan without offload (solvers/chain/each.py) -------------------------------------------
+def _each_table(graph: Graph, ch: OpChain, budget: int, deadline: float) -> EachTable | None:
+    """The keep / recompute / recompute_each DP filled up to ``budget``; None past its size limit or
+    ``deadline`` (the keep / recompute DP answers then)."""
+    if ch.n > MAX_EACH_OPS:
+        return None
+    try:
+        return each_table(graph, ch, budget - ch.fixed_bytes, deadline=deadline)
+    except (OutOfTime, TooLarge):
+        return None
+
+
+def _each_proposal(graph: Graph, ch: OpChain, table: EachTable, budget: int) -> Proposal | None:
+    """The table's plan at ``budget``, checked by the simulator: ``optimal`` when its simulated time is the
+    DP's optimum, which bounds every plan without offload (the executor's watch of forward ops, which the
+    DP does not model, only adds time: then ``feasible`` with that bound). None when no plan fits; the
+    simulator disagreeing with the DP's model (never seen) gives None too, after which the keep / recompute
+    DP answers."""
+    extra = table.extra_s(budget - ch.fixed_bytes) if budget >= ch.const_peak_bytes else None
+    if extra is None:
+        return None
+    actions = table.actions(budget - ch.fixed_bytes)
+    report = simulate_actions(graph, actions)
+    bound = keep_all_report(graph).time_s + extra
+    if report.peak_bytes > budget or abs(report.time_s - report.watch_time_s - bound) > 1e-9 * max(bound, 1e-300):
+        return None
+    optimal = report.time_s <= bound * (1 + 1e-12)
+    return Proposal(actions, status="optimal" if optimal else "feasible", lower_bound_s=min(bound, report.time_s),
+                    space=ALL_PLANS, stats={"model": "chain", "engine": "each", "predicted_time_s": report.time_s})
+
+
+def _solve_chain_each(graph: Graph, ch: OpChain, budget: int, deadline: float) -> Proposal | None:
+    """``dp`` on a chain over every plan without offload; None where the keep / recompute DP answers instead.
+    Raises Infeasible with the exact least budget when no plan fits."""
+    table = _each_table(graph, ch, budget, deadline)
+    if table is None:
+        return None
+    found = _each_proposal(graph, ch, table, budget)
+    if found is not None or (budget >= ch.const_peak_bytes and table.extra_s(budget - ch.fixed_bytes) is not None):
+        return found
+    try:
+        least = each_min_budget_bytes(graph, ch, deadline=deadline)
+    except (OutOfTime, TooLarge):
+        return None
+    raise Infeasible(f"dp: no plan of chain {graph.name!r} fits {budget} B; the least budget any plan without "
+                     f"offload fits is exactly {least} B", budget_bytes=budget, min_feasible_bytes=least)
+
+
 # ---- the dp method -------------------------------------------------------------------------------------
-@register("dp", description="optimal keep/recompute DP on chains (exact for linear chains; on DAGs over "
-                            "the coarsened module chain, feasible); offload by DP plus simulator refinement",
+@register("dp", description=f"optimal DP on chains (keep/recompute/recompute_each up to {MAX_EACH_OPS} ops, "
+                            "keep/recompute beyond; on DAGs over the coarsened module chain, feasible); offload by DP plus "
+                            "simulator refinement",
           graphs="chain", exact=True, offload=True)
 def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
-             host_budget_bytes: int | None = None, **options: object) -> Proposal:
+             host_budget_bytes: int | None = None, per_use: bool = True, **options: object) -> Proposal:
     """Least simulated step time within ``budget_bytes``. On a chain graph (module docstring) without
     offload: the exact DP, status ``optimal`` (``feasible`` with a lower bound if memory had to be
-    rounded). On a DAG: the chain DP on ``coarsen(graph)`` scored in the simulator, ``feasible``. With
-    ``offload``: the DP's plans refined with offloads in the simulator, ``feasible``."""
+    rounded), over every plan (``per_use``, chains of up to ``MAX_EACH_OPS`` ops) or over keep / recompute
+    plans (``space`` says which). On a DAG: the chain DP on ``coarsen(graph)`` scored in the simulator,
+    ``feasible``. With ``offload``: the DP's plans refined with offloads in the simulator, ``feasible``."""
     if options:
         raise MemplanError(f"dp: unknown option(s) {', '.join(sorted(options))}")
+    if not isinstance(per_use, bool):
+        raise MemplanError(f"dp: option per_use must be true or false, got {per_use!r}")
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     ch = op_chain(graph)
+    if ch is not None and not offload and per_use:
+        found = _solve_chain_each(graph, ch, budget_bytes, deadline)
+        if found is not None:
+            return found
     if ch is not None and not offload:
         sol = solve_chain(graph, ch, budget_bytes)
         if sol is None:
@@ -261,6 +322,18 @@ def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | Non
     floor = memory_lower_bound(graph)
     ch = op_chain(graph)
     out: list[tuple[int, float | None]] = []
+    table = _each_table(graph, ch, max(budgets), time.perf_counter() + 60.0) if ch is not None else None
+    if table is not None:
+        # one table read at every budget, as solve_dp reads its own (the same answer: clipping at the
+        # larger budget only drops points above the smaller)
+        for b in budgets:
+            try:
+                p = _each_proposal(graph, ch, table, b) or solve_dp(graph, b)  # (None: the DP's model disagreed)
+            except Infeasible:
+                p = None
+            time_s = None if p is None else simulate_actions(graph, p.actions).time_s
+            out.append((b, None if time_s is None else (time_s / base - 1.0 if base > 0 else 0.0)))
+        return out
     if ch is not None:
         # the one table for the largest budget when it is exact (its answer at a smaller budget is then the
         # optimum there, as solve's own table gives); a rounded one's unit could differ from the table a
