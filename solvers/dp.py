@@ -310,11 +310,11 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
                     stats={"model": "chain" if ch else "stages", "plans_scored": len(scorer.seen), "source": source})
 
 
-def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | None]]:
+def dp_frontier(graph: Graph, budgets: list[int], *, per_use: bool = True) -> list[tuple[int, float | None]]:
     """(budget, predicted overhead) for each budget: on a chain graph the exact optimum at every budget
     from one engine (one pass, then one read per budget, when the engine is exact); on a DAG, ``dp`` run
     at each budget. Overhead = step time / keep-everything's - 1; None where no plan fits. Equal to
-    ``solve(graph, b, "dp")`` at each budget by construction: both read the same code path."""
+    ``solve(graph, b, "dp", per_use=per_use)`` at each budget by construction: both read the same code path."""
     base = keep_all_report(graph).time_s
     budgets = list(budgets)
     if not budgets:
@@ -322,15 +322,17 @@ def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | Non
     floor = memory_lower_bound(graph)
     ch = op_chain(graph)
     out: list[tuple[int, float | None]] = []
-    table = _each_table(graph, ch, max(budgets), time.perf_counter() + 60.0) if ch is not None else None
+    table = _each_table(graph, ch, max(budgets), time.perf_counter() + 60.0) if ch is not None and per_use else None
     if table is not None:
         # one table read at every budget, as solve_dp reads its own (the same answer: clipping at the
         # larger budget only drops points above the smaller)
         for b in budgets:
-            try:
-                p = _each_proposal(graph, ch, table, b) or solve_dp(graph, b)  # (None: the DP's model disagreed)
-            except Infeasible:
-                p = None
+            p = _each_proposal(graph, ch, table, b)
+            if p is None and b >= ch.const_peak_bytes and table.extra_s(b - ch.fixed_bytes) is not None:
+                try:  # the DP's model disagreed with the simulator (never seen): as solve_dp answers then
+                    p = solve_dp(graph, b)
+                except Infeasible:
+                    p = None
             time_s = None if p is None else simulate_actions(graph, p.actions).time_s
             out.append((b, None if time_s is None else (time_s / base - 1.0 if base > 0 else 0.0)))
         return out

@@ -68,8 +68,8 @@ def test_dp_equals_the_oracle_on_chains(case):
     g = _chain(seed, n, workspace=workspace, fixed_share=fixed_share, params=params)
     lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
     budget = max(0, lo + int(frac * (hi - lo)))
-    best = _solve_or_none(g, budget, "oracle")  # keep / recompute: the DP's space
-    got = _solve_or_none(g, budget, "dp")
+    best = _solve_or_none(g, budget, "oracle")  # keep / recompute: the keep / recompute DP's space
+    got = _solve_or_none(g, budget, "dp", per_use=False)  # (what answers past each.MAX_EACH_OPS ops)
     if best is None:
         # no keep / recompute plan fits: a recompute_each plan, when one fits, is returned (issue #25)
         if got is not None:
@@ -110,16 +110,17 @@ def test_frontier_from_one_table_equals_solving_each_budget(case):
 
 
 def test_below_the_minimum_is_infeasible_and_names_the_minimum():
+    # the keep / recompute DP (what answers past each.MAX_EACH_OPS ops)
     g = _chain(7, 9, workspace=True)
     floor = oracle_min_peak(g)
-    assert solve(g, floor, "dp").report.peak_bytes <= floor  # the exact minimum is reachable
+    assert solve(g, floor, "dp", per_use=False).report.peak_bytes <= floor  # the exact minimum is reachable
     per_use = simulate_actions(g, per_use_everything(g)).peak_bytes
     if per_use < floor:  # below the keep / recompute minimum a recompute_each plan fits: it is returned
-        r = solve(g, floor - 1, "dp")
+        r = solve(g, floor - 1, "dp", per_use=False)
         assert r.report.peak_bytes < floor and r.plan.count(Action.RECOMPUTE_EACH) > 0
     below = min(floor, per_use) - 1
     with pytest.raises(Infeasible) as info:
-        solve(g, below, "dp")
+        solve(g, below, "dp", per_use=False)
     e = info.value
     # the minimum feasible budget named: at most the DP's exact keep / recompute minimum, never below the least
     # peak of any plan
@@ -150,7 +151,7 @@ def test_rounded_memory_stays_sound(monkeypatch):
         lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
         budget = lo + (hi - lo) // 2
         best = solve(g, budget, "oracle")
-        r = _solve_or_none(g, budget, "dp")
+        r = _solve_or_none(g, budget, "dp", per_use=False)  # the keep / recompute DP's engines
         if r is None:
             continue  # rounding up may lose the last plans near the minimum: allowed, never a wrong fit
         if r.stats.get("source") == "recompute_each":  # ... then a recompute_each plan that fits stands in
@@ -201,11 +202,11 @@ def test_dp_is_exact_at_and_one_byte_below_every_trade_off_point(seed, n, scale)
     g = _scaled_chain(seed, n, scale)
     points = _trade_off_points(g)
     budgets = sorted({b for p in points for b in (p, p - 1)})
-    frontier = dict(dp_frontier(g, budgets))
+    frontier = dict(dp_frontier(g, budgets, per_use=False))
     base = keep_all_report(g).time_s
     for b in budgets:
-        best = _solve_or_none(g, b, "oracle")  # keep / recompute: the DP's space
-        got = _solve_or_none(g, b, "dp")
+        best = _solve_or_none(g, b, "oracle")  # keep / recompute: the keep / recompute DP's space
+        got = _solve_or_none(g, b, "dp", per_use=False)
         assert (frontier[b] is None) == (got is None)
         if best is None:  # below the DP's space: a recompute_each plan or none (issue #25)
             assert got is None or (got.status == "feasible" and got.plan.count(Action.RECOMPUTE_EACH) > 0)
@@ -224,7 +225,7 @@ def test_refusals_name_the_exact_least_budget_of_a_long_chain():
     """Past the oracle's size the minimum memplan quotes was the heuristics' (too high on most chains):
     now it is the DP's exact minimum over keep / recompute plans, or, lower, the recompute_each plan's
     peak (multi-level replays, outside the DP's plan space), whether the budget is below the sound lower
-    bound or not."""
+    bound or not. (The keep / recompute DP: what answers on chains past each.MAX_EACH_OPS ops.)"""
     rng = random.Random(0)
     n = 40
     g = linear_chain(n, activation_bytes=[rng.randint(1, 300) for _ in range(n)])
@@ -232,13 +233,13 @@ def test_refusals_name_the_exact_least_budget_of_a_long_chain():
         op.workspace_bytes = rng.randint(0, 120)
     g.invalidate()
     exact = chain_solve.chain_min_budget_bytes(g)
-    assert solve(g, exact, "dp").report.peak_bytes <= exact
+    assert solve(g, exact, "dp", per_use=False).report.peak_bytes <= exact
     floor = min(exact, simulate_actions(g, per_use_everything(g)).peak_bytes)
     if floor < exact:  # a recompute_each plan fits below the keep / recompute minimum: it is returned
-        assert solve(g, exact - 1, "dp").report.peak_bytes < exact
+        assert solve(g, exact - 1, "dp", per_use=False).report.peak_bytes < exact
     for budget in (floor - 1, memory_lower_bound(g) - 1):
         with pytest.raises(Infeasible) as info:
-            solve(g, budget, "dp")
+            solve(g, budget, "dp", per_use=False)
         # at most that floor: the least-peak search may combine both kinds of plan and go lower still
         assert memory_lower_bound(g) <= info.value.min_feasible_bytes <= floor
 
@@ -327,7 +328,7 @@ def test_offload_fits_never_beats_the_oracle_and_never_loses_to_recompute_only(c
     assert host is None or got.report.host_peak_bytes <= host
     assert got.report.time_s >= best.report.time_s * (1 - REL)
     assert got.status == "feasible"  # a refinement, not a proof
-    plain = _solve_or_none(g, budget, "dp")
+    plain = _solve_or_none(g, budget, "dp", per_use=False)  # the keep / recompute plans it starts from
     if plain is not None:
         assert got.report.time_s <= plain.report.time_s * (1 + REL)
     for d in got.plan.decisions:

@@ -1,4 +1,7 @@
-"""The exact chain DP: memplan's keep / recompute optimum on chains, read at any budget.
+"""The exact chain DPs: memplan's optimum on chains over every plan without offload (:mod:`.each`: keep /
+recompute / recompute_each, chains of up to ``each.MAX_EACH_OPS`` ops) and over keep / recompute plans (the
+rest of this package, any length), read at any budget. What follows is the keep / recompute DP; :mod:`.each`
+states what the simulator makes of ``recompute_each`` on a chain and its own recurrence.
 
 Read from the top down: :mod:`.solve` (pick an engine for a chain, read its plan at a budget, the least
 budget), the engines :mod:`.grid` (memory in units of bytes, exact or rounded) and :mod:`.pareto` (exact
