@@ -60,15 +60,19 @@ class TooLarge(Exception):
 
 def _prune(req: np.ndarray, t: np.ndarray, owner: np.ndarray, limit: float) -> Front:
     """The non-dominated points with requirement at most ``limit``: requirement ascending, time strictly
-    descending (ties: the first in the given order, so a larger table reads the same)."""
+    descending (ties: the first in the given order, so a larger table reads the same). The candidates
+    come as a few runs already sorted by requirement (one per frontier they continue): a stable sort by
+    requirement alone merges them fast."""
     fit = req <= limit
     req, t, owner = req[fit], t[fit], owner[fit]
-    order = np.lexsort((t, req))
+    order = np.argsort(req, kind="stable")
     req, t, owner = req[order], t[order], owner[order]
     if len(t) > 1:
         before = np.concatenate([[np.inf], np.minimum.accumulate(t)[:-1]])
-        keep = t < before
-        req, t, owner = req[keep], t[keep], owner[keep]
+        keep = np.nonzero(t < before)[0]
+        # of the kept points with one requirement (each faster than those before it), the last
+        last = keep[np.append(req[keep[1:]] != req[keep[:-1]], True)]
+        req, t, owner = req[last], t[last], owner[last]
     return req, t, owner
 
 
@@ -180,8 +184,11 @@ def each_table(graph: Graph, ch: OpChain, spare: float, *, times: bool = True,
         if lo > e:
             continue
         lift = int(G[s]) + (int(b[n - 1]) if kp == n - 1 else 0)
-        # the anchor pool: points of Mid[p'] for p' in (p, e), requirement lifted by b_p'
+        # the anchor pool: points of Mid[p'] for p' in (p, e), requirement lifted by b_p', in runs of
+        # ascending p' (``owners``, ``counts``)
         pool_r, pool_t, pool_o = np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
+        owners: list[int] = []
+        counts: list[int] = []
         for p in range(e, lo - 1, -1):
             check_deadline(deadline)
             row = p + 1
@@ -189,10 +196,10 @@ def each_table(graph: Graph, ch: OpChain, spare: float, *, times: bool = True,
                         lift + sp.fl[row, q_top] if q_top > p else NEG_BYTES, 0)
             top_t = sp.time[row, e] if e > p else 0.0
             if len(pool_o):
-                cost_r = np.maximum(np.maximum(lift + sp.fl[row, pool_o], sp.steps[row, pool_o]),
-                                    sp.each[row, pool_o])
-                req = np.concatenate([[top_r], np.maximum(pool_r, cost_r)])
-                tt = np.concatenate([[top_t], pool_t + sp.time[row, pool_o]])
+                cols = np.array(owners)
+                cost_r = np.maximum(np.maximum(lift + sp.fl[row, cols], sp.steps[row, cols]), sp.each[row, cols])
+                req = np.concatenate([[top_r], np.maximum(pool_r, np.repeat(cost_r, counts))])
+                tt = np.concatenate([[top_t], pool_t + np.repeat(sp.time[row, cols], counts)])
                 ow = np.concatenate([[_TOP], pool_o])
             else:
                 req, tt, ow = np.array([top_r], np.int64), np.array([top_t]), np.array([_TOP], np.int64)
@@ -205,6 +212,8 @@ def each_table(graph: Graph, ch: OpChain, spare: float, *, times: bool = True,
                 pool_r = np.concatenate([front[0] + b[p], pool_r])
                 pool_t = np.concatenate([front[1], pool_t])
                 pool_o = np.concatenate([np.full(len(front[0]), p, np.int64), pool_o])
+                owners.insert(0, p)
+                counts.insert(0, len(front[0]))
     D: list[Front] = [None] * (n + 1)  # type: ignore[list-item]
     D[n] = (np.zeros(1, np.int64), np.zeros(1), np.full(1, n, np.int64))  # above kept a_{n-1}: nothing
     for k in range(n - 2, -2, -1):
