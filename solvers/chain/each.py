@@ -93,6 +93,7 @@ class Spans:
 
 
 def spans(ch: OpChain, cost_s: np.ndarray) -> Spans:
+    """The :class:`Spans` of ``ch`` with ``cost_s[q]`` the time a replay of op ``q`` costs."""
     n = ch.n
     b, G = ch.bytes_, ch.grads_before
     bc = ch.bwd_step - ch.prefix[:n]
