@@ -20,7 +20,8 @@ from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
 from memplan.planner.core.synthetic import linear_chain
 from memplan.solvers import dp as dp_module
-from memplan.solvers import keep_all_report, solve
+from memplan.solvers import keep_all_report, memory_lower_bound, smallest_known_peak, solve
+from memplan.solvers.chain.each import chain_each_min_budget_bytes
 
 
 def test_the_issue_shape_a_strict_chain_the_keep_recompute_dp_called_optimal():
@@ -105,3 +106,20 @@ def test_solve_json_reports_the_space(tmp_path):
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
     assert summary["space"] == "all" and summary["status"] == "optimal"
+
+
+def test_the_least_budget_quoted_is_the_dp_s_exact_minimum():
+    # a 12-op chain: the least peak memplan knew was 893 B (its heuristics' and the keep / recompute DP's);
+    # every plan without offload needs 824 B, which the DP proves and reaches
+    rng = random.Random(4)
+    g = linear_chain(12, activation_bytes=[rng.randint(1, 300) for _ in range(12)])
+    for op in g.ops:
+        op.workspace_bytes = rng.randint(0, 120)
+    g.invalidate()
+    least = smallest_known_peak(g)
+    assert least == chain_each_min_budget_bytes(g) == 824
+    assert solve(g, least, "dp").report.peak_bytes <= least
+    for below in (least - 1, memory_lower_bound(g) - 1):  # the dp's own refusal, and the entry's
+        with pytest.raises(Infeasible) as info:
+            solve(g, below, "dp")
+        assert info.value.min_feasible_bytes == least

@@ -42,8 +42,8 @@ import numpy as np
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
 from memplan.planner.core.schedule import replay_op_cost_s
-from memplan.solvers.chain.model import NEG_BYTES, OpChain
-from memplan.solvers.chain.table import check_deadline
+from memplan.solvers.chain.model import NEG_BYTES, OpChain, op_chain
+from memplan.solvers.chain.table import OutOfTime, check_deadline
 
 #: the DP runs on chains of at most this many ops (O(n^3) frontier merges); longer chains get the keep /
 #: recompute DP, and their results say so
@@ -259,3 +259,15 @@ def each_min_budget_bytes(graph: Graph, ch: OpChain, *, deadline: float | None =
     """The least budget any plan without offload fits, exactly (the DP with every op free)."""
     low = each_table(graph, ch, float("inf"), times=False, deadline=deadline).min_requirement()
     return None if low is None else max(ch.const_peak_bytes, ch.fixed_bytes + low)
+
+
+def chain_each_min_budget_bytes(graph: Graph, *, deadline: float | None = None) -> int | None:
+    """:func:`each_min_budget_bytes` when ``graph`` is a chain of at most :data:`MAX_EACH_OPS` ops whose DP
+    finishes by ``deadline``; None otherwise."""
+    ch = op_chain(graph)
+    if ch is None or ch.n > MAX_EACH_OPS:
+        return None
+    try:
+        return each_min_budget_bytes(graph, ch, deadline=deadline)
+    except (OutOfTime, TooLarge):
+        return None
