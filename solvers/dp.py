@@ -1,6 +1,6 @@
 """The ``dp`` method: memplan's exact chain DP on chains, the chain DP over stages on DAGs, and offloads
-refined in the simulator; translated into keep / recompute (/ offload) actions and scored by the simulator
-like every other method. The chain baselines (``rotor``, ``chen``, ``revolve``) are in
+refined in the simulator; translated into keep / recompute / recompute_each (/ offload) actions and scored
+by the simulator like every other method. The chain baselines (``rotor``, ``chen``, ``revolve``) are in
 :mod:`memplan.solvers.baselines`.
 
 The exact chain DP itself (the chain model, its engines, the least budget) lives in
