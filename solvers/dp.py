@@ -13,7 +13,10 @@ offload; its plan is scored by the simulator, and its ``optimal`` and bound hold
 (``space``: ``all``; with ``per_use=False``, the keep / recompute DP below and ``keep/recompute``). Longer
 chains (or that DP out of time) get the keep / recompute DP of :mod:`memplan.solvers.chain`, whose
 ``optimal`` and bound hold over keep / recompute plans, and the result says so (``space``:
-``keep/recompute``); where no keep / recompute plan fits there, the faster of the multilevel family's plan
+``keep/recompute``). That DP prices each replayed op as the simulator does (its time and the replay
+dispatch) but not the executor's watch of forward ops, which only adds time: its plan is simulated, and
+it is ``optimal`` only when the simulated time is the DP's optimum, else ``feasible`` with that optimum as
+its bound (:func:`keep_recompute_proposal`). Where no keep / recompute plan fits there, the faster of the multilevel family's plan
 and recompute_each-everything that fits is returned (``feasible``) rather than an Infeasible beside it.
 :func:`dp_frontier` reads the same.
 
@@ -47,7 +50,13 @@ from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 from memplan.solvers.chain.each import MAX_EACH_OPS, EachTable, TooLarge, each_min_budget_bytes, each_table
 from memplan.solvers.chain.model import OpChain, op_chain
 from memplan.solvers.chain.scorer import Scorer
-from memplan.solvers.chain.solve import chain_min_budget_bytes, engine_for, read_plan, solve_chain
+from memplan.solvers.chain.solve import (
+    ChainSolution,
+    chain_min_budget_bytes,
+    engine_for,
+    read_plan,
+    solve_chain,
+)
 from memplan.solvers.chain.stages import chain_elements, element_actions, stage_chain, stage_model
 from memplan.solvers.chain.table import OutOfTime, full_spare
 from memplan.solvers.every_k import every_k_search
@@ -163,6 +172,23 @@ def _offload_refine(graph: Graph, scorer: Scorer, budget: int, starts: list[Acti
                     break
 
 
+def keep_recompute_proposal(graph: Graph, sol: ChainSolution) -> Proposal:
+    """The keep / recompute DP's plan with only the claims the simulator confirms. The DP prices every
+    replayed op as the simulator does (its time and the replay dispatch) but not the executor's watch of
+    forward ops, which depends on where the replays fall and only adds time. So: ``optimal`` when the plan's
+    simulated time is the DP's optimum; else ``feasible``, with the DP's bound when the simulated time less
+    the watch is the DP's value (the model held, the watch came on top), and with no bound when it is not
+    (the simulator contradicts the model: never seen)."""
+    report = simulate_actions(graph, sol.actions)
+    tol = 1e-9 * max(abs(sol.time_s), 1e-300)
+    priced = abs(report.time_s - report.watch_time_s - sol.time_s) <= tol
+    optimal = sol.status == "optimal" and abs(report.time_s - sol.time_s) <= tol
+    bound = None if not priced or sol.lower_bound_s is None else min(sol.lower_bound_s, report.time_s)
+    return Proposal(sol.actions, status="optimal" if optimal else "feasible", lower_bound_s=bound,
+                    space=KEEP_RECOMPUTE, stats={"model": "chain", "predicted_time_s": report.time_s,
+                                                 "dp_time_s": sol.time_s, **sol.stats})
+
+
 def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Actions, Report] | None:
     """The faster of the multilevel family's plan (:func:`memplan.solvers.multilevel.multilevel_search`)
     and recompute_each-everything (the least memory replays reach) that fits ``budget``, for a chain no
@@ -274,8 +300,7 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
                              min_feasible_bytes=least)
         # exact over keep / recompute: a recompute_each plan may be faster (multi-level replays), so its
         # status and bound say which space they hold over
-        return Proposal(sol.actions, status=sol.status, lower_bound_s=sol.lower_bound_s, space=KEEP_RECOMPUTE,
-                        stats={"model": "chain", "predicted_time_s": sol.time_s, **sol.stats})
+        return keep_recompute_proposal(graph, sol)
     if ch is None and not offload and has_blocks(graph):
         # a real model: the hierarchical solver (exact block menus, chain DP over blocks)
         p = solve_hierarchical(graph, budget_bytes, time_limit_s=time_limit_s)
@@ -345,7 +370,8 @@ def dp_frontier(graph: Graph, budgets: list[int], *, per_use: bool = True) -> li
         for b in budgets:
             engine = top if top.exact else engine_for(ch, b - ch.fixed_bytes)
             sol = read_plan(graph, ch, engine, b, base) if b >= floor else None
-            time_s = None if sol is None else sol.time_s
+            # the plan's simulated time, as solve reports it (the DP's value leaves out the executor's watch)
+            time_s = None if sol is None else simulate_actions(graph, sol.actions).time_s
             if sol is None and b >= floor:  # as solve_dp: a recompute_each plan where no keep / recompute one fits
                 found = per_use_fallback(graph, b, per_use_until)
                 time_s = None if found is None else found[1].time_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from memplan.planner.core.errors import Infeasible, MemplanError
@@ -125,6 +125,84 @@ def test_below_the_minimum_is_infeasible_and_names_the_minimum():
     # the minimum feasible budget named: at most the DP's exact keep / recompute minimum, never below the least
     # peak of any plan
     assert oracle_min_peak(g, per_use=True) <= e.min_feasible_bytes <= floor
+
+
+# ---- replay dispatch and the executor's watch (what answers past each.MAX_EACH_OPS ops) ------------------
+def _dispatch_chain(seed: int, n: int, device: str, replay_s: float, watch_s: float):
+    """A chain whose op times span two decades (so a dispatch per replayed op reorders plans) with, at
+    random, workspaces and activations that cannot be recomputed; the given device and dispatch figures."""
+    rng = random.Random(seed)
+    g = linear_chain(n, time_s=[10 ** rng.uniform(-2, 0) for _ in range(n)], backward_time_s=1.0,
+                     activation_bytes=[rng.randint(1, 300) for _ in range(n)])
+    if rng.random() < 0.5:
+        for op in g.ops:
+            op.workspace_bytes = rng.randint(0, 120)
+    for t in g.saved_activations:
+        g.tensors[t].recomputable = rng.random() > 0.1
+    g.device, g.replay_op_dispatch_s, g.watch_op_dispatch_s = device, replay_s, watch_s
+    return g.invalidate()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 8), device=st.sampled_from(["cpu", "cuda"]),
+       replay_s=st.sampled_from([0.0, 0.05, 0.3, 1.0]), watch_s=st.sampled_from([0.0, 0.03, 0.3]),
+       frac=st.floats(-0.05, 1.0))
+@example(seed=26, n=7, device="cpu", replay_s=0.3, watch_s=0.0, frac=0.5)
+def test_keep_recompute_claims_with_dispatch_hold_against_the_oracle(seed, n, device, replay_s, watch_s, frac):
+    """The keep / recompute DP with a replay dispatch (CPU: paid on top of each replayed op; CUDA: the larger
+    of the two) and the executor's watch (which no DP term models): "optimal" is the exhaustive optimum over
+    keep / recompute, the bound is at most it, and without a watch the DP is exact. (The example is a chain
+    where dp, pricing replays at the op time alone, called a plan optimal that the oracle beats.)"""
+    g = _dispatch_chain(seed, n, device, replay_s, watch_s)
+    lo, hi = oracle_min_peak(g), keep_all_report(g).peak_bytes
+    budget = max(0, lo + int(frac * (hi - lo)))
+    best = _solve_or_none(g, budget, "oracle")  # every keep / recompute plan, scored by the simulator
+    if best is None:
+        return  # no keep / recompute plan fits (test_dp_equals_the_oracle_on_chains covers what dp does then)
+    got = solve(g, budget, "dp", per_use=False)
+    assert got.space == "keep/recompute" and got.report.peak_bytes <= budget
+    assert got.report.time_s >= best.report.time_s * (1 - REL)
+    assert got.lower_bound_s is not None and got.lower_bound_s <= best.report.time_s * (1 + REL)
+    if got.status == "optimal":
+        assert got.report.time_s == pytest.approx(best.report.time_s, rel=REL)
+    if watch_s == 0:  # the DP prices every replay as the simulator does: exact
+        assert got.status == "optimal" and got.report.time_s == pytest.approx(best.report.time_s, rel=REL)
+
+
+def _long_chain(device: str, shift_to_replay_cost: bool = False):
+    """80 ops (past each.MAX_EACH_OPS) of 1-100 us with a CPU profile's 37 us replay dispatch; with
+    ``shift_to_replay_cost``, each op's time is its replay cost instead and there is no dispatch."""
+    rng = random.Random(5)
+    times = [rng.uniform(1e-6, 100e-6) for _ in range(80)]
+    sizes = [rng.randint(1, 300) for _ in range(80)]
+    dispatch = 37e-6
+    if shift_to_replay_cost:
+        times = [max(t, dispatch) if device == "cuda" else t + dispatch for t in times]
+    g = linear_chain(80, time_s=times, backward_time_s=2e-4, activation_bytes=sizes)
+    g.device, g.replay_op_dispatch_s = device, (0.0 if shift_to_replay_cost else dispatch)
+    return g.invalidate()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_past_the_each_limit_replays_are_priced_with_their_dispatch(device):
+    """dp once priced a replay at the op's time alone and called a slower plan optimal on such a chain.
+    The witness: the same chain with each op's time raised to its replay cost and no dispatch. Every plan's
+    simulated time there differs from its time here by one constant (every forward op pays the same extra;
+    no watch), so its DP, which is exact when replays cost the op time, finds the best plan here."""
+    g = _long_chain(device)
+    budget = keep_all_report(g).peak_bytes // 2
+    witness = simulate_actions(g, solve(_long_chain(device, True), budget, "dp").plan.actions())
+    assert witness.peak_bytes <= budget
+    r = solve(g, budget, "dp")
+    assert r.space == "keep/recompute" and r.status == "optimal"
+    assert r.report.time_s == pytest.approx(witness.time_s, rel=REL) == r.lower_bound_s
+    # the executor's watch (30 us per watched op) comes on top of the DP's model: a bound, not a claim
+    g.watch_op_dispatch_s = 30e-6
+    g.invalidate()
+    w = solve(g, budget, "dp")
+    assert w.report.watch_time_s > 0 and w.status == "feasible"
+    # the bound is the watch-free optimum: below every plan's time with the watch, the returned one's included
+    assert w.lower_bound_s == pytest.approx(r.report.time_s, rel=REL) and w.lower_bound_s < w.report.time_s
 
 
 @pytest.mark.parametrize("frac", [0.1, 0.3, 0.5, 0.7])
