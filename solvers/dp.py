@@ -34,7 +34,9 @@ which the run decomposition above cannot carry exactly. ``dp`` therefore solves 
 DP at the budget and at larger budgets (the same table), then turns kept or recomputed activations into
 offloads while the simulator says the transfer fits the device and host budgets and lowers the step time
 (prefetch at the simulator's default points, which hide the copy behind backward compute when it can):
-a sound relaxation plus a simulator-checked refinement, status ``feasible``.
+a sound relaxation plus a simulator-checked refinement, status ``feasible``. On a chain, ``dp``'s own plan
+without offload (recompute_each included) is a candidate too, so allowing offload never makes a plan
+slower; its ``optimal`` and bound are dropped, as they cover no plan that offloads.
 """
 
 from __future__ import annotations
@@ -204,6 +206,16 @@ def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Action
     return min(fitting, key=lambda f: f[1].time_s) if fitting else None
 
 
+def _without_offload(graph: Graph, budget: int, deadline: float, per_use: bool) -> Actions | None:
+    """``dp``'s plan at ``budget`` without offload (recompute_each included with ``per_use``); None when it
+    has none. Its claims are left behind: offload may beat it."""
+    try:
+        p = solve_dp(graph, budget, time_limit_s=max(deadline - time.perf_counter(), 1e-3), per_use=per_use)
+    except Infeasible:
+        return None
+    return None if p.status == "infeasible" else p.actions
+
+
 def _prefetch(graph: Graph, actions: Actions, bw: float) -> dict[int, int]:
     return {t: default_prefetch_at(graph, t, bw) for t, a in actions.items() if a == Action.OFFLOAD}
 
@@ -267,7 +279,8 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
     offload: the exact DP, status ``optimal`` (``feasible`` with a lower bound if memory had to be
     rounded), over every plan (``per_use``, chains of up to ``MAX_EACH_OPS`` ops) or over keep / recompute
     plans (``space`` says which). On a DAG: the chain DP on ``coarsen(graph)`` scored in the simulator,
-    ``feasible``. With ``offload``: the DP's plans refined with offloads in the simulator, ``feasible``."""
+    ``feasible``. With ``offload``: the DP's plans refined with offloads in the simulator, and on a chain
+    ``dp``'s plan without offload, the fastest that fits: ``feasible``, never slower than without offload."""
     if options:
         raise MemplanError(f"dp: unknown option(s) {', '.join(sorted(options))}")
     if not isinstance(per_use, bool):
@@ -320,6 +333,9 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
                 starts.append(sol.actions)
         if len(starts) == 1:
             starts.append({t: Action.RECOMPUTE for t in ch.tensors if graph.tensors[t].recomputable})
+        plain = _without_offload(graph, budget_bytes, deadline, per_use)
+        if plain is not None:  # with offload allowed as well, never slower than dp without it
+            scorer.add(plain, "dp")
     else:
         _stage_candidates(graph, scorer, [budget_bytes], deadline)
         if offload:
