@@ -1,17 +1,24 @@
 """The ``dp`` method: memplan's exact chain DP on chains, the chain DP over stages on DAGs, and offloads
-refined in the simulator; translated into keep / recompute (/ offload) actions and scored by the simulator
-like every other method. The chain baselines (``rotor``, ``chen``, ``revolve``) are in
+refined in the simulator; translated into keep / recompute / recompute_each (/ offload) actions and scored
+by the simulator like every other method. The chain baselines (``rotor``, ``chen``, ``revolve``) are in
 :mod:`memplan.solvers.baselines`.
 
 The exact chain DP itself (the chain model, its engines, the least budget) lives in
 :mod:`memplan.solvers.chain`; its docstring says what ``dp`` is exact for and how the table is filled.
 
-**Its space.** The chain DP keeps or recomputes each activation; ``recompute_each`` (a replay for another
-target frees the tensor again: multi-level replays) can be faster at the same budget and fits budgets
-below every keep / recompute plan. So its ``optimal`` and bound hold over keep / recompute plans, and the
-result says so (``space``: ``keep/recompute``); where no keep / recompute plan fits, the faster of the
-multilevel family's plan and recompute_each-everything that fits is returned (``feasible``) rather than
-an Infeasible beside it, and :func:`dp_frontier` reads the same.
+**Its space.** On a chain of at most :data:`~memplan.solvers.chain.each.MAX_EACH_OPS` ops, ``dp`` solves
+:mod:`memplan.solvers.chain.each`: the exact DP over keep / recompute / recompute_each (``recompute_each``: a
+replay for another target frees the tensor again, multi-level replays), every plan the executor runs without
+offload; its plan is scored by the simulator, and its ``optimal`` and bound hold over every plan
+(``space``: ``all``; with ``per_use=False``, the keep / recompute DP below and ``keep/recompute``). Longer
+chains (or that DP out of time) get the keep / recompute DP of :mod:`memplan.solvers.chain`, whose
+``optimal`` and bound hold over keep / recompute plans, and the result says so (``space``:
+``keep/recompute``). That DP prices each replayed op as the simulator does (its time and the replay
+dispatch) but not the executor's watch of forward ops, which only adds time: its plan is simulated, and
+it is ``optimal`` only when the simulated time is the DP's optimum, else ``feasible`` with that optimum as
+its bound (:func:`keep_recompute_proposal`). Where no keep / recompute plan fits there, the faster of the multilevel family's plan
+and recompute_each-everything that fits is returned (``feasible``) rather than an Infeasible beside it.
+:func:`dp_frontier` reads the same.
 
 **DAGs.** The graph DP of Kusumoto et al. 2019 enumerates lower sets, exponential in the graph's width,
 and the simulator's lazy replay on a DAG does not decompose into runs; the exact method on DAGs is the
@@ -27,7 +34,9 @@ which the run decomposition above cannot carry exactly. ``dp`` therefore solves 
 DP at the budget and at larger budgets (the same table), then turns kept or recomputed activations into
 offloads while the simulator says the transfer fits the device and host budgets and lowers the step time
 (prefetch at the simulator's default points, which hide the copy behind backward compute when it can):
-a sound relaxation plus a simulator-checked refinement, status ``feasible``.
+a sound relaxation plus a simulator-checked refinement, status ``feasible``. On a chain, ``dp``'s own plan
+without offload (recompute_each included) is a candidate too, so allowing offload never makes a plan
+slower; its ``optimal`` and bound are dropped, as they cover no plan that offloads.
 """
 
 from __future__ import annotations
@@ -40,21 +49,28 @@ from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import Report, default_prefetch_at, simulate_actions
 from memplan.solvers.baselines import chen_candidates
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
+from memplan.solvers.chain.each import MAX_EACH_OPS, EachTable, TooLarge, each_min_budget_bytes, each_table
 from memplan.solvers.chain.model import OpChain, op_chain
 from memplan.solvers.chain.scorer import Scorer
-from memplan.solvers.chain.solve import chain_min_budget_bytes, engine_for, read_plan, solve_chain
+from memplan.solvers.chain.solve import (
+    ChainSolution,
+    chain_min_budget_bytes,
+    engine_for,
+    read_plan,
+    solve_chain,
+)
 from memplan.solvers.chain.stages import chain_elements, element_actions, stage_chain, stage_model
-from memplan.solvers.chain.table import full_spare
+from memplan.solvers.chain.table import OutOfTime, full_spare
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
 from memplan.solvers.multilevel import multilevel_search, per_use_everything
-from memplan.solvers.registry import Proposal, plan_space, register
+from memplan.solvers.registry import ALL_PLANS, Proposal, plan_space, register
 
 Actions = dict[int, Action]
 
 _PAIR_MOVES_UP_TO = 16       # offload refinement tries pairs of changes on graphs this small
 _PER_USE_FRONTIER_S = 10.0  # dp_frontier's searches for recompute_each plans below the DP's minimum, together
-#: the space of the chain DP's claims: it keeps or recomputes each activation (single-level replays)
+#: the space of the keep / recompute chain DP's claims (single-level replays)
 KEEP_RECOMPUTE = plan_space(per_use=False, offload=False)
 _OFFLOAD_REFINE_S = 10.0     # at most this long (or the time limit) refining offloads
 
@@ -158,6 +174,23 @@ def _offload_refine(graph: Graph, scorer: Scorer, budget: int, starts: list[Acti
                     break
 
 
+def keep_recompute_proposal(graph: Graph, sol: ChainSolution) -> Proposal:
+    """The keep / recompute DP's plan with only the claims the simulator confirms. The DP prices every
+    replayed op as the simulator does (its time and the replay dispatch) but not the executor's watch of
+    forward ops, which depends on where the replays fall and only adds time. So: ``optimal`` when the plan's
+    simulated time is the DP's optimum; else ``feasible``, with the DP's bound when the simulated time less
+    the watch is the DP's value (the model held, the watch came on top), and with no bound when it is not
+    (the simulator contradicts the model: never seen)."""
+    report = simulate_actions(graph, sol.actions)
+    tol = 1e-9 * max(abs(sol.time_s), 1e-300)
+    priced = abs(report.time_s - report.watch_time_s - sol.time_s) <= tol
+    optimal = sol.status == "optimal" and abs(report.time_s - sol.time_s) <= tol
+    bound = None if not priced or sol.lower_bound_s is None else min(sol.lower_bound_s, report.time_s)
+    return Proposal(sol.actions, status="optimal" if optimal else "feasible", lower_bound_s=bound,
+                    space=KEEP_RECOMPUTE, stats={"model": "chain", "predicted_time_s": report.time_s,
+                                                 "dp_time_s": sol.time_s, **sol.stats})
+
+
 def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Actions, Report] | None:
     """The faster of the multilevel family's plan (:func:`memplan.solvers.multilevel.multilevel_search`)
     and recompute_each-everything (the least memory replays reach) that fits ``budget``, for a chain no
@@ -173,25 +206,92 @@ def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Action
     return min(fitting, key=lambda f: f[1].time_s) if fitting else None
 
 
+def _without_offload(graph: Graph, budget: int, deadline: float, per_use: bool) -> Actions | None:
+    """``dp``'s plan at ``budget`` without offload (recompute_each included with ``per_use``); None when it
+    has none. Its claims are left behind: offload may beat it."""
+    try:
+        p = solve_dp(graph, budget, time_limit_s=max(deadline - time.perf_counter(), 1e-3), per_use=per_use)
+    except Infeasible:
+        return None
+    return None if p.status == "infeasible" else p.actions
+
+
 def _prefetch(graph: Graph, actions: Actions, bw: float) -> dict[int, int]:
     return {t: default_prefetch_at(graph, t, bw) for t, a in actions.items() if a == Action.OFFLOAD}
 
 
+# ---- chains: every plan without offload (solvers/chain/each.py) -------------------------------------------
+def _each_table(graph: Graph, ch: OpChain, budget: int, deadline: float) -> EachTable | None:
+    """The keep / recompute / recompute_each DP filled up to ``budget``; None past its size limit or
+    ``deadline`` (the keep / recompute DP answers then)."""
+    if ch.n > MAX_EACH_OPS:
+        return None
+    try:
+        return each_table(graph, ch, budget - ch.fixed_bytes, deadline=deadline)
+    except (OutOfTime, TooLarge):
+        return None
+
+
+def _each_proposal(graph: Graph, ch: OpChain, table: EachTable, budget: int) -> Proposal | None:
+    """The table's plan at ``budget``, checked by the simulator: ``optimal`` when its simulated time is the
+    DP's optimum, which bounds every plan without offload (the executor's watch of forward ops, which the
+    DP does not model, only adds time: then ``feasible`` with that bound). None when no plan fits; the
+    simulator disagreeing with the DP's model (never seen) gives None too, after which the keep / recompute
+    DP answers."""
+    extra = table.extra_s(budget - ch.fixed_bytes) if budget >= ch.const_peak_bytes else None
+    if extra is None:
+        return None
+    actions = table.actions(budget - ch.fixed_bytes)
+    report = simulate_actions(graph, actions)
+    bound = keep_all_report(graph).time_s + extra
+    if report.peak_bytes > budget or abs(report.time_s - report.watch_time_s - bound) > 1e-9 * max(bound, 1e-300):
+        return None
+    optimal = report.time_s <= bound * (1 + 1e-12)
+    return Proposal(actions, status="optimal" if optimal else "feasible", lower_bound_s=min(bound, report.time_s),
+                    space=ALL_PLANS, stats={"model": "chain", "engine": "each", "predicted_time_s": report.time_s})
+
+
+def _solve_chain_each(graph: Graph, ch: OpChain, budget: int, deadline: float) -> Proposal | None:
+    """``dp`` on a chain over every plan without offload; None where the keep / recompute DP answers instead.
+    Raises Infeasible with the exact least budget when no plan fits."""
+    table = _each_table(graph, ch, budget, deadline)
+    if table is None:
+        return None
+    found = _each_proposal(graph, ch, table, budget)
+    if found is not None or (budget >= ch.const_peak_bytes and table.extra_s(budget - ch.fixed_bytes) is not None):
+        return found
+    try:
+        least = each_min_budget_bytes(graph, ch, deadline=deadline)
+    except (OutOfTime, TooLarge):
+        return None
+    raise Infeasible(f"dp: no plan of chain {graph.name!r} fits {budget} B; the least budget any plan without "
+                     f"offload fits is exactly {least} B", budget_bytes=budget, min_feasible_bytes=least)
+
+
 # ---- the dp method -------------------------------------------------------------------------------------
-@register("dp", description="optimal keep/recompute DP on chains (exact for linear chains; on DAGs over "
-                            "the coarsened module chain, feasible); offload by DP plus simulator refinement",
+@register("dp", description=f"optimal DP on chains (keep/recompute/recompute_each up to {MAX_EACH_OPS} ops, "
+                            "keep/recompute beyond; on DAGs over the coarsened module chain, feasible); offload by DP plus "
+                            "simulator refinement",
           graphs="chain", exact=True, offload=True)
 def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
-             host_budget_bytes: int | None = None, **options: object) -> Proposal:
+             host_budget_bytes: int | None = None, per_use: bool = True, **options: object) -> Proposal:
     """Least simulated step time within ``budget_bytes``. On a chain graph (module docstring) without
     offload: the exact DP, status ``optimal`` (``feasible`` with a lower bound if memory had to be
-    rounded). On a DAG: the chain DP on ``coarsen(graph)`` scored in the simulator, ``feasible``. With
-    ``offload``: the DP's plans refined with offloads in the simulator, ``feasible``."""
+    rounded), over every plan (``per_use``, chains of up to ``MAX_EACH_OPS`` ops) or over keep / recompute
+    plans (``space`` says which). On a DAG: the chain DP on ``coarsen(graph)`` scored in the simulator,
+    ``feasible``. With ``offload``: the DP's plans refined with offloads in the simulator, and on a chain
+    ``dp``'s plan without offload, the fastest that fits: ``feasible``, never slower than without offload."""
     if options:
         raise MemplanError(f"dp: unknown option(s) {', '.join(sorted(options))}")
+    if not isinstance(per_use, bool):
+        raise MemplanError(f"dp: option per_use must be true or false, got {per_use!r}")
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     ch = op_chain(graph)
+    if ch is not None and not offload and per_use:
+        found = _solve_chain_each(graph, ch, budget_bytes, deadline)
+        if found is not None:
+            return found
     if ch is not None and not offload:
         sol = solve_chain(graph, ch, budget_bytes)
         if sol is None:
@@ -213,8 +313,7 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
                              min_feasible_bytes=least)
         # exact over keep / recompute: a recompute_each plan may be faster (multi-level replays), so its
         # status and bound say which space they hold over
-        return Proposal(sol.actions, status=sol.status, lower_bound_s=sol.lower_bound_s, space=KEEP_RECOMPUTE,
-                        stats={"model": "chain", "predicted_time_s": sol.time_s, **sol.stats})
+        return keep_recompute_proposal(graph, sol)
     if ch is None and not offload and has_blocks(graph):
         # a real model: the hierarchical solver (exact block menus, chain DP over blocks)
         p = solve_hierarchical(graph, budget_bytes, time_limit_s=time_limit_s)
@@ -234,6 +333,9 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
                 starts.append(sol.actions)
         if len(starts) == 1:
             starts.append({t: Action.RECOMPUTE for t in ch.tensors if graph.tensors[t].recomputable})
+        plain = _without_offload(graph, budget_bytes, deadline, per_use)
+        if plain is not None:  # with offload allowed as well, never slower than dp without it
+            scorer.add(plain, "dp")
     else:
         _stage_candidates(graph, scorer, [budget_bytes], deadline)
         if offload:
@@ -249,11 +351,11 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
                     stats={"model": "chain" if ch else "stages", "plans_scored": len(scorer.seen), "source": source})
 
 
-def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | None]]:
+def dp_frontier(graph: Graph, budgets: list[int], *, per_use: bool = True) -> list[tuple[int, float | None]]:
     """(budget, predicted overhead) for each budget: on a chain graph the exact optimum at every budget
     from one engine (one pass, then one read per budget, when the engine is exact); on a DAG, ``dp`` run
     at each budget. Overhead = step time / keep-everything's - 1; None where no plan fits. Equal to
-    ``solve(graph, b, "dp")`` at each budget by construction: both read the same code path."""
+    ``solve(graph, b, "dp", per_use=per_use)`` at each budget by construction: both read the same code path."""
     base = keep_all_report(graph).time_s
     budgets = list(budgets)
     if not budgets:
@@ -261,6 +363,20 @@ def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | Non
     floor = memory_lower_bound(graph)
     ch = op_chain(graph)
     out: list[tuple[int, float | None]] = []
+    table = _each_table(graph, ch, max(budgets), time.perf_counter() + 60.0) if ch is not None and per_use else None
+    if table is not None:
+        # one table read at every budget, as solve_dp reads its own (the same answer: clipping at the
+        # larger budget only drops points above the smaller)
+        for b in budgets:
+            p = _each_proposal(graph, ch, table, b)
+            if p is None and b >= ch.const_peak_bytes and table.extra_s(b - ch.fixed_bytes) is not None:
+                try:  # the DP's model disagreed with the simulator (never seen): as solve_dp answers then
+                    p = solve_dp(graph, b)
+                except Infeasible:
+                    p = None
+            time_s = None if p is None else simulate_actions(graph, p.actions).time_s
+            out.append((b, None if time_s is None else (time_s / base - 1.0 if base > 0 else 0.0)))
+        return out
     if ch is not None:
         # the one table for the largest budget when it is exact (its answer at a smaller budget is then the
         # optimum there, as solve's own table gives); a rounded one's unit could differ from the table a
@@ -270,7 +386,8 @@ def dp_frontier(graph: Graph, budgets: list[int]) -> list[tuple[int, float | Non
         for b in budgets:
             engine = top if top.exact else engine_for(ch, b - ch.fixed_bytes)
             sol = read_plan(graph, ch, engine, b, base) if b >= floor else None
-            time_s = None if sol is None else sol.time_s
+            # the plan's simulated time, as solve reports it (the DP's value leaves out the executor's watch)
+            time_s = None if sol is None else simulate_actions(graph, sol.actions).time_s
             if sol is None and b >= floor:  # as solve_dp: a recompute_each plan where no keep / recompute one fits
                 found = per_use_fallback(graph, b, per_use_until)
                 time_s = None if found is None else found[1].time_s

@@ -14,6 +14,7 @@ from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.bounds import memory_lower_bound
 from memplan.solvers.capuchin import pick_capuchin
+from memplan.solvers.chain.each import chain_each_min_budget_bytes
 from memplan.solvers.chain.solve import chain_min_budget_bytes
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.evict import Actions, Facts, Site, candidates, graph_facts, peak_site, shrink, simulate
@@ -292,11 +293,15 @@ def least_peak(graph: Graph, *, offload: bool = False, deadline: float | None = 
     if in_time():
         actions, prefetch_at = min_memory_actions(graph, offload=offload, deadline=deadline, scores=scores)
         best = min(best, scores(actions, prefetch_at).peak_bytes)
-    # a chain: the DP knows the exact least keep/recompute budget
-    exact = chain_min_budget_bytes(graph, deadline=deadline) if in_time() else None
-    if exact is not None:
-        best = min(best, exact)
-    proven = best <= memory_lower_bound(graph)
+    # a chain: the DP knows the exact least keep/recompute budget, and on short chains the exact least
+    # budget of every plan without offload (then proven, unless offload could go lower)
+    proven = False
+    for least_of in (chain_min_budget_bytes, chain_each_min_budget_bytes):
+        exact = least_of(graph, deadline=deadline) if in_time() else None
+        if exact is not None:
+            best = min(best, exact)
+            proven = proven or (least_of is chain_each_min_budget_bytes and not offload and best == exact)
+    proven = proven or best <= memory_lower_bound(graph)
     if len(saved) <= MAX_EXACT_SAVED:  # small enough to know the exact minimum (with recompute_each when
         # that space is small; else without it; with offload, perhaps only at default prefetch)
         for prefetch, per_use in (("choose", True), ("choose", False), ("default", False)):

@@ -112,8 +112,9 @@ def budget_at(g: Graph, frac: float) -> int:
 # ---- the examples -------------------------------------------------------------------------
 def test_gpu_chain_where_recompute_each_beats_every_keep_recompute_plan():
     # 7 ops, 7 saved activations of 0.5-4 GiB; at 16.2 GB the best keep / recompute plan takes 20.912 s,
-    # running two tensors recompute_each 20.759 s. ilp and auto once claimed the first optimal (the dp
-    # still finds it: its claim now says it holds over keep / recompute plans).
+    # running two tensors recompute_each 20.759 s. ilp, auto and dp once claimed the first optimal; the
+    # keep / recompute DP (per_use=False, or past each.MAX_EACH_OPS ops) still finds it and says over which
+    # plans its claim holds.
     g = gpu_chain(36)
     b = budget_at(g, 0.6)
     plans = every_plan(g)
@@ -124,7 +125,11 @@ def test_gpu_chain_where_recompute_each_beats_every_keep_recompute_plan():
         assert r.status == "optimal" and r.space == "all" and r.report.time_s == pytest.approx(best, rel=REL)
         assert r.plan.count(Action.RECOMPUTE_EACH) > 0
     dp = check(g, b, "dp", plans)
-    assert dp.status == "optimal" and dp.space == KEEP_RECOMPUTE and dp.plan.solver.space == KEEP_RECOMPUTE
+    assert dp.status == "optimal" and dp.space == "all" == dp.plan.solver.space
+    assert dp.report.time_s == pytest.approx(best, rel=REL) and dp.plan.count(Action.RECOMPUTE_EACH) > 0
+    narrow = solve(g, b, "dp", per_use=False)
+    assert narrow.status == "optimal" and narrow.space == KEEP_RECOMPUTE == narrow.plan.solver.space
+    assert narrow.report.time_s == pytest.approx(best_kr, rel=REL)
 
 
 def test_dp_returns_a_recompute_each_plan_where_no_keep_recompute_plan_fits():
@@ -135,7 +140,10 @@ def test_dp_returns_a_recompute_each_plan_where_no_keep_recompute_plan_fits():
     plans = every_plan(g)
     assert optimum(plans, b, per_use=False) is None and optimum(plans, b) is not None
     r = check(g, b, "dp", plans)
-    assert r.status == "feasible" and r.plan.count(Action.RECOMPUTE_EACH) > 0
+    assert r.status == "optimal" and r.space == "all" and r.plan.count(Action.RECOMPUTE_EACH) > 0
+    # the keep / recompute DP: the multilevel family's plan stands in, feasible, never an Infeasible
+    r = solve(g, b, "dp", per_use=False)
+    assert r.status == "feasible" and r.report.peak_bytes <= b and r.plan.count(Action.RECOMPUTE_EACH) > 0
     assert r.stats["keep_recompute_min_bytes"] > b
     for method in ("ilp", "auto"):
         assert check(g, b, method, plans).status == "optimal"

@@ -1,4 +1,7 @@
-"""The exact chain DP: memplan's keep / recompute optimum on chains, read at any budget.
+"""The exact chain DPs: memplan's optimum on chains over every plan without offload (:mod:`.each`: keep /
+recompute / recompute_each, chains of up to ``each.MAX_EACH_OPS`` ops) and over keep / recompute plans (the
+rest of this package, any length), read at any budget. What follows is the keep / recompute DP; :mod:`.each`
+states what the simulator makes of ``recompute_each`` on a chain and its own recurrence.
 
 Read from the top down: :mod:`.solve` (pick an engine for a chain, read its plan at a budget, the least
 budget), the engines :mod:`.grid` (memory in units of bytes, exact or rounded) and :mod:`.pareto` (exact
@@ -12,13 +15,16 @@ the shape of :func:`memplan.planner.core.synthetic.linear_chain`), the simulator
 single-level checkpointing: with ``K`` the kept activations, backward step ``s`` that finds ``a_{s-1}``
 missing replays the run of recomputed ops above the nearest kept ``a_k``, and every replayed tensor stays
 resident until its own backward (its saver is still to come), so each recomputed op runs exactly once.
-Hence step time = keep-everything time + the forward time of the recomputed ops, and every peak the
+Hence step time = keep-everything time + the replay cost of the recomputed ops (op time and the executor's
+replay dispatch, :func:`memplan.planner.core.schedule.replay_op_cost_s`) + the executor's watch of forward
+ops, which depends on where the replays fall and no DP term models (it only adds time: the DP's optimum is
+then a lower bound, and ``dp`` checks its plan in the simulator before it claims more); every peak the
 simulator records is ``F + S(k) + C(k, k')`` for two consecutive kept activations ``k < k'`` (``F`` fixed
 bytes, ``S(k)`` the kept bytes up to ``k``, ``C`` the forward, replay and backward peaks of the run between
 them: see :meth:`.model.OpChain.run_costs`), plus peaks no plan changes. Rewriting ``S(k) + C(k, k') <= B - F``
 from the top down gives a budget-free table:
 
-    ``D[k][r]`` = the most forward time saved by keeping activations above ``k`` (``k`` kept, ``-1`` = the
+    ``D[k][r]`` = the most replay time saved by keeping activations above ``k`` (``k`` kept, ``-1`` = the
     input), over the suffixes whose memory requirement ``R(k) = max(C(k, k'), b_k' + R(k'))`` is at most
     ``r`` memory units; ``-inf`` when none is.
 

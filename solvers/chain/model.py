@@ -10,6 +10,7 @@ from functools import reduce
 import numpy as np
 
 from memplan.planner.core.graph import Graph
+from memplan.planner.core.schedule import replay_op_cost_s
 
 NEG_BYTES = -(1 << 60)      # "no constraint" in the integer cost arrays
 
@@ -18,8 +19,9 @@ NEG_BYTES = -(1 << 60)      # "no constraint" in the integer cost arrays
 class OpChain:
     """Per-element figures of a chain, as the simulator sees them (see the package docstring).
 
-    Element ``i`` is activation ``a_i`` produced by op ``i``: ``bytes_[i]``, ``time_s[i]`` (its producer's
-    forward time, paid again when it is recomputed). ``fixed_bytes`` is live throughout; ``const_peak_bytes``
+    Element ``i`` is activation ``a_i`` produced by op ``i``: ``bytes_[i]``, ``time_s[i]`` (what a replay of
+    its producer costs the step when it is recomputed: the op's time and the executor's replay dispatch,
+    :func:`memplan.planner.core.schedule.replay_op_cost_s`). ``fixed_bytes`` is live throughout; ``const_peak_bytes``
     is the highest peak no plan changes (start, backward of op 0, optimizer step).
     """
 
@@ -95,7 +97,7 @@ def op_chain(graph: Graph) -> OpChain | None:
         if freed is not None and freed > min(i + 1, n - 1):
             return None
     return chain_model(
-        tensors=tuple(outs), bytes_=[tensors[t].bytes for t in outs], time_s=[op.time_s for op in ops],
+        tensors=tuple(outs), bytes_=[tensors[t].bytes for t in outs], time_s=[replay_op_cost_s(graph, op) for op in ops],
         recomputable=[tensors[t].recomputable for t in outs], ws=[op.workspace_bytes for op in ops],
         bws=[op.backward_workspace_bytes for op in ops], alloc=[op.backward_grad_alloc_bytes for op in ops],
         free=[op.backward_grad_free_bytes for op in ops], fixed=graph.fixed.resident_bytes,

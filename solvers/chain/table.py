@@ -17,7 +17,7 @@ from memplan.solvers.chain.model import OpChain
 
 class Engine:
     """One DP over a chain, read at any spare memory ``s`` (bytes beyond the fixed memory) up to the spare
-    it was built for: :meth:`saved_time_s` is the most forward time saved by keeping activations (None if
+    it was built for: :meth:`saved_time_s` is the most replay time saved by keeping activations (None if
     no plan fits), :meth:`kept` the kept elements of such a plan. ``exact``: the answer is the optimum under
     the chain model; otherwise memory was rounded up (the plan still fits) and ``lower`` (a table rounded
     down) bounds the saved time from above."""
