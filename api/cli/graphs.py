@@ -80,7 +80,7 @@ def profile(
         emit_json(summary)
         return
     out.print(f"wrote [bold]{output}[/bold]: {summary['ops']} ops, {summary['saved_activations']} saved "
-              f"activations, fixed memory {format_bytes(summary['fixed_bytes'])}")
+              f"activations, fixed memory {format_bytes(summary['fixed_bytes'])}", soft_wrap=True)
 
 
 # ---- simulate -----------------------------------------------------------------------------------

@@ -101,4 +101,4 @@ def maxbatch(
               + (f" within {overhead:.0%} overhead" if overhead is not None else "")
               + f": {summary['solver']} plan, predicted peak {format_bytes(report.peak_bytes)}, "
               f"{report.time_s * 1e3:.1f} ms ({answer.overhead:+.1%}); {dim} {nxt.value}: {why}; "
-              f"wrote {graph_output} and {output}")
+              f"wrote {graph_output} and {output}", soft_wrap=True)

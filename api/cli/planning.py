@@ -161,7 +161,7 @@ def frontier(
                     for n in names))
     out.print(t)
     if plot is not None:
-        out.print(f"wrote [bold]{plot}[/bold]")
+        out.print(f"wrote [bold]{plot}[/bold]", soft_wrap=True)
 
 
 # ---- solvers ------------------------------------------------------------------------------------

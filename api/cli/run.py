@@ -125,4 +125,4 @@ def run_workload(
     print_run(report)
     written = [str(p) for p in (output, save_plan, save_graph) if p is not None]
     if written:
-        out.print(f"wrote [bold]{', '.join(written)}[/bold]")
+        out.print(f"wrote [bold]{', '.join(written)}[/bold]", soft_wrap=True)

@@ -103,4 +103,4 @@ def show(
         for r in summary["largest_moved"]:
             t.add_row(str(r["tensor"]), r["action"], format_bytes(r["bytes"]), r["producer"], r["module"])
         out.print(t)
-    out.print(f"wrote [bold]{output}[/bold]")
+    out.print(f"wrote [bold]{output}[/bold]", soft_wrap=True)
