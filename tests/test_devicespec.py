@@ -87,3 +87,20 @@ def test_the_analytic_time_uses_the_rates_of_the_calls_class():
     assert analytic_time_s(mm, spec) == pytest.approx(spec.op_overhead_s + max(2 * 64 * 128 * 32 / 51.88e12,
                                                                                  moved / 2.49e12))
     assert analytic_time_s(relu, spec) == pytest.approx(spec.op_overhead_s + 2 * 64 * 128 * 4 / 2.49e12)
+
+
+def test_the_cpu_attention_kernel_counts_the_flops_of_the_gpu_kernel_it_stands_in_for():
+    """A fake trace for CUDA without a GPU runs the CPU's op choices; torch counts no FLOPs for its flash
+    kernel, so an H100's attention cost only its bytes. It is counted as the GPU flash kernel is."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    q, k, v = (torch.rand(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+    call = record_call(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v), {}, out)
+    assert call.flops == sdpa_flop_count(q.shape, k.shape, v.shape) > 0
+    assert op_class(call.name) == "attention"
+    grad = torch.ones_like(out[0])
+    args = (grad, q, k, v, out[0], out[1], 0.0, False)
+    back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(*args)
+    call = record_call(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, args, {}, back)
+    assert call.flops == sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape) > 0
