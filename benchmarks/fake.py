@@ -2,11 +2,13 @@
 
 1. Per built-in: the real profile and the fake one (op times alone on this CPU, a fresh op-time cache each
    repeat, so the fake profile's time includes timing every distinct op once), interleaved ``--repeats``
-   times (which goes first alternates): structure equal (every field but times), bytes equal, the
-   keep-everything simulated step time of the fake graph against the real graph's (median error and
-   spread over the repeats), and per op name the forward + backward seconds of each (where the error
-   is). Then the plans solved from each graph at 50% run in turn (``--repeats`` times, interleaved): the
-   fake plan's measured peak against its prediction, and its measured step time against the real plan's.
+   times (which goes first alternates), each repeat between two runs of MEASURED_STEPS plain eager steps
+   timed with the device's clock: the fake graph's keep-everything simulated step time against that
+   measured step (issue 21's target: within 15% in every repeat) and against the real graph's;
+   structure equal (every field but times), bytes equal, and per op name the forward + backward seconds
+   of each graph (where they differ). Then (unless ``--skip-plans``) the plans solved from each graph at
+   50% run in turn (``--repeats`` times, interleaved): the fake plan's measured peak against its
+   prediction, and its measured step time against the real plan's.
 
 On a machine shared with other jobs two things make wall-clock figures unreadable, and the benchmark
 removes both: torch runs one thread (two threads on two busy cores spin at their barriers: a step took
@@ -19,7 +21,7 @@ memory time.
 3. ``memplan run --fake`` on an MLP whose keep-everything peak is more than twice the budget: the
    allocator's peak while profiling and while training under the plan.
 
-    python benchmarks/fake.py [--repeats 3] [--skip-1b] [--update-doc]
+    python benchmarks/fake.py [--repeats 3] [--skip-1b] [--skip-plans] [--models mlp,gpt2] [--update-doc]
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ def over_budget_row() -> dict:
 
 
 def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int) -> str:
-    lines = [f"Machine: {machine()}; shared with other jobs while it ran (load average 3 to 9 on its 2 cores). "
+    lines = [f"Machine: {machine()}; shared with other jobs while it ran (the load: see the notes below). "
              f"torch pinned to 1 thread and every clock read as this process's CPU time (see the script's "
              f"docstring: on the busy machine two threads and the wall clock made single steps vary 4x); medians "
              f"of {repeats} interleaved repeats, spread in brackets. `python benchmarks/fake.py --update-doc`.", "",
