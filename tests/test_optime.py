@@ -39,6 +39,18 @@ def test_arguments_are_cold_when_new_to_the_step_or_evicted_by_the_bytes_moved_s
     assert cold_arguments(calls, cache_bytes=10**6) == [{0}, set(), {0}, set()]
 
 
+def test_reuse_distance_counts_distinct_storages_not_traffic():
+    """A weight read by every step of an unrolled cell fills the cache once: between two reads of ``x``
+    five in-place updates of ``w`` move 10 x 400 bytes but touch 400 distinct bytes (the LRU stack
+    distance), so ``x`` stays hot in a 1,000-byte cache; a larger tensor in between evicts it."""
+    x, w, big = torch.rand(10), torch.rand(100), torch.rand(300)
+    touch_x = _call(torch.ops.aten.neg_.default, x)
+    updates = [_call(torch.ops.aten.neg_.default, w) for _ in range(5)]
+    assert cold_arguments([touch_x, *updates, touch_x], cache_bytes=1000)[-1] == set()
+    evict = _call(torch.ops.aten.neg_.default, big)  # 1,200 distinct bytes
+    assert cold_arguments([touch_x, *updates, evict, touch_x], cache_bytes=1000)[-1] == {0}
+
+
 def test_an_argument_read_twice_in_one_call_is_one_storage():
     x = torch.rand(8, 8)
     call = _call(torch.ops.aten.mm.default, x, x.t())
@@ -85,10 +97,10 @@ def test_cold_runs_flush_the_cache_and_hot_ones_do_not(tmp_path, monkeypatch):
     first = _call(torch.ops.aten.relu.default, x)      # x new to the step: cold
     second = _call(torch.ops.aten.neg.default, x)      # x just read: hot
     flushes = []
-    timer = OpTimer(CPU, cache_dir=tmp_path, min_runs=3, target_s=0.0)
+    timer = OpTimer(CPU, cache_dir=tmp_path, min_runs=3, target_s=0.0, sweeps=2)
     monkeypatch.setattr(timer, "flush_caches", lambda: flushes.append(1))
     timer.time([first])
-    assert len(flushes) == 3  # one per timed run
+    assert len(flushes) == 6  # one per timed run, in each of the two sweeps
     flushes.clear()
     timer.time([first, second])  # the relu is cached now; the neg finds x hot
     assert timer.stats.cache_hits == 1 and not flushes
@@ -100,3 +112,48 @@ def test_the_flush_buffer_outsizes_the_last_level_cache(tmp_path):
     timer = _timer(tmp_path)
     assert timer.flush_bytes == 2 * cache_bytes
     timer.flush_caches()  # allocates and writes it
+
+
+def test_a_burst_of_load_in_one_sweep_does_not_move_a_calls_time(tmp_path, monkeypatch):
+    """Each distinct call is timed once per sweep and its time is the median of the sweeps: a figure
+    spoiled while the machine was busy (the 100 s below) is outvoted, however many calls share the key."""
+    x = torch.rand(64)
+    relu, neg = _call(torch.ops.aten.relu.default, x), _call(torch.ops.aten.neg.default, x)
+    figures = {str(relu.func): iter([1.0, 100.0, 1.2]), str(neg.func): iter([2.0, 2.0, 100.0])}
+    order = []
+
+    def timed(call, cold=frozenset()):
+        order.append(str(call.func))
+        return next(figures[str(call.func)])
+
+    timer = _timer(tmp_path, sweeps=3, cold=False)  # warm: one key per operator here
+    monkeypatch.setattr(timer, "_run_timed", timed)
+    times = [t.time_s for t in timer.time([relu, neg, relu, relu])]
+    assert times == [1.2, 2.0, 1.2, 1.2]
+    assert order == [str(relu.func), str(neg.func)] * 3  # sweeps over the calls, not runs in a row
+
+
+def test_runs_are_timed_with_the_devices_clock(tmp_path, monkeypatch):
+    """The timer reads the device layer's clock (with one torch thread on a CPU, the thread's CPU time,
+    as the real profile's plain step is timed), not the wall clock: a clock that advances 0.5 s per read
+    gives every run 0.5 s."""
+    ticks = iter(range(1000))
+    timer = _timer(tmp_path, sweeps=2, cold=False)
+    monkeypatch.setattr(timer.layer, "clock", lambda: lambda: 0.5 * next(ticks))
+    (timing,) = timer.time([_call(torch.ops.aten.relu.default, torch.rand(8))])
+    assert timing.time_s == 0.5
+
+
+def test_one_torch_thread_on_a_cpu_times_with_thread_cpu_time():
+    import time
+
+    from memplan.planner.probe.device import Device
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert Device().clock() is time.thread_time
+        torch.set_num_threads(2)
+        assert Device().clock() is time.perf_counter
+    finally:
+        torch.set_num_threads(before)

@@ -7,8 +7,19 @@ RTX 4090; any file of the same shape works)::
      "peak_flops_per_s": {"float32": 67e12, "bfloat16": 989.4e12, ...},
      "memory_bandwidth_bytes_per_s": 3.35e12, "host_bandwidth_bytes_per_s": 50e9, "op_overhead_s": 4e-6}
 
-An op's analytic time is the roofline ``op_overhead_s + max(flops / peak_flops_per_s[dtype],
-bytes_moved / memory_bandwidth_bytes_per_s)`` (:mod:`memplan.planner.probe.optime`). Torch-free: pydantic only.
+A peak is what no training step reaches: dense matrix products get a fraction of it, attention and
+elementwise kernels less, and memory-bound ops a fraction of the bandwidth. So a spec may carry what each
+class of op (:mod:`memplan.planner.core.opclass`: matmul, attention, convolution, normalization,
+reduction, elementwise, copy) *achieves*, each entry with the source of its figures::
+
+    "achieved": {"matmul": {"flops_per_s": {"float32": 51.88e12, ...}, "source": "..."},
+                 "copy": {"bytes_per_s": 2.49e12, "source": "..."}}
+
+An op's analytic time is the roofline ``op_overhead_s + max(flops / FLOP/s, bytes_moved / bytes/s)`` with
+the rates of its class (:meth:`DeviceSpec.rates`): the class's own figure, else that of the class it
+falls back to (:data:`CLASS_FALLBACK`: attention and convolution to matmul, normalization to reduction
+to elementwise to copy), else the peak FLOP/s and the copy class's bandwidth or the peak bandwidth
+(:mod:`memplan.planner.probe.optime`). Torch-free: pydantic only.
 """
 
 from __future__ import annotations
@@ -17,19 +28,46 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.files import parse_json_object, read_file_bytes
+from memplan.planner.core.opclass import OpClass
 
 PositiveRate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize), and
 # torch.cuda.memory_allocated counts the rounded size.
 CUDA_BLOCK_BYTES = 512
+PEAK_MARGIN = 1.25  # how far above a listed peak an achieved figure may be (boost clocks) before it is refused
 
 
 class DeviceSpecError(MemplanError):
     """A ``--device-spec`` that is neither a shipped name nor a valid spec file."""
+
+
+# Where a class with no figure of its own (for the dtype asked) takes it from; None: the spec's peak FLOP/s
+# and memory bandwidth. Attention and convolution kernels are matrix products at heart; normalizations
+# and reductions stream their inputs as elementwise kernels do, and those stream like copies.
+CLASS_FALLBACK: dict[str, str | None] = {"matmul": None, "attention": "matmul", "convolution": "matmul",
+                                         "normalization": "reduction", "reduction": "elementwise",
+                                         "elementwise": "copy", "copy": None}
+
+
+class Achieved(BaseModel):
+    """What one class of op achieves on the device, and where the figures come from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    flops_per_s: dict[str, PositiveRate] = Field(default_factory=dict,
+                                                 description="achieved FLOP/s per dtype name")
+    bytes_per_s: PositiveRate | None = Field(default=None, description="achieved bytes read + written per second")
+    source: str = Field(min_length=1, description="where the figures come from (a citation or a measurement)")
+
+    @model_validator(mode="after")
+    def _has_a_figure(self) -> Achieved:
+        if not self.flops_per_s and self.bytes_per_s is None:
+            raise ValueError("gives neither flops_per_s nor bytes_per_s")
+        return self
 
 
 class DeviceSpec(BaseModel):
@@ -51,11 +89,46 @@ class DeviceSpec(BaseModel):
         default=0, ge=0, le=2**50,
         description="device memory a training step's libraries hold that no tensor owns (cuBLAS workspaces: "
                     "one per handle and stream, for forward's thread and autograd's device thread)")
+    achieved: dict[OpClass, Achieved] = Field(
+        default_factory=dict, description="achievable throughput per op class (opclass.OP_CLASSES), with sources")
+
+    @model_validator(mode="after")
+    def _achieved_within_peak(self) -> DeviceSpec:
+        """An achieved figure well above the peak it is a fraction of is a unit or copying mistake. Boost
+        clocks run past a datasheet's (an RTX 4090 measured 168 TFLOP/s in float16 against 165 listed),
+        hence the margin."""
+        for name, entry in self.achieved.items():
+            for dtype, rate in entry.flops_per_s.items():
+                peak = self.peak_flops_per_s.get(dtype)
+                if peak is not None and rate > PEAK_MARGIN * peak:
+                    raise ValueError(f"achieved.{name}.flops_per_s.{dtype}: {rate:.4g} is above the peak {peak:.4g}")
+            if entry.bytes_per_s is not None and entry.bytes_per_s > PEAK_MARGIN * self.memory_bandwidth_bytes_per_s:
+                raise ValueError(f"achieved.{name}.bytes_per_s: {entry.bytes_per_s:.4g} is above the memory "
+                                 f"bandwidth {self.memory_bandwidth_bytes_per_s:.4g}")
+        return self
 
     def flops_per_s(self, dtype: str) -> float:
         """The peak for ``dtype`` ("float32", ...); float32's when the spec has none for it (integer ops)."""
         return self.peak_flops_per_s.get(dtype) or self.peak_flops_per_s.get("float32") or \
             min(self.peak_flops_per_s.values())
+
+    def rates(self, op_class: str, dtype: str) -> tuple[float, float]:
+        """``(FLOP/s, bytes/s)`` an op of ``op_class`` in ``dtype`` achieves: each the first figure found
+        along the class's fallback chain (:data:`CLASS_FALLBACK`); else the peak for ``dtype``
+        (:meth:`flops_per_s`), and for bytes the ``copy`` class's figure (the achieved memory
+        bandwidth), else the peak bandwidth."""
+        flops = bandwidth = None
+        name: str | None = op_class
+        while name is not None and (flops is None or bandwidth is None):
+            entry = self.achieved.get(name)
+            if entry is not None:
+                flops = flops if flops is not None else entry.flops_per_s.get(dtype)
+                bandwidth = bandwidth if bandwidth is not None else entry.bytes_per_s
+            name = CLASS_FALLBACK.get(name)
+        if bandwidth is None and "copy" in self.achieved:  # the device's achieved memory bandwidth
+            bandwidth = self.achieved["copy"].bytes_per_s
+        return (flops if flops is not None else self.flops_per_s(dtype),
+                bandwidth if bandwidth is not None else self.memory_bandwidth_bytes_per_s)
 
     def allocated_bytes(self, nbytes: int) -> int:
         """What the device's allocator charges for a block of ``nbytes``."""

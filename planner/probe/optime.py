@@ -22,9 +22,12 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
   profiler turns into workspace as it does for a real step. Results go to an on-disk cache keyed by the
   call (operator, argument metadata), its cold arguments, the timing method (cold or warm), the device
   and the torch version: repeated layers and later profiles run nothing.
-* **analytic**: the roofline ``op_overhead_s + max(flops / peak FLOP/s of its dtype, bytes moved /
-  memory bandwidth)``. FLOPs come from ``torch.utils.flop_counter``'s formulas (0 for ops it does not
-  count), bytes moved are the distinct argument bytes read plus the bytes written (0 for views). The
+* **analytic**: the roofline ``op_overhead_s + max(flops / FLOP/s, bytes moved / bytes/s)`` at the rates
+  the call's op class (matmul, attention, elementwise, copy...: :mod:`memplan.planner.core.opclass`)
+  achieves on the device, where the spec gives them, else at its peak FLOP/s for the dtype and its
+  memory bandwidth (:meth:`DeviceSpec.rates`). FLOPs come from ``torch.utils.flop_counter``'s formulas
+  (0 for ops it does not count), bytes moved are the distinct argument bytes read plus the bytes
+  written (0 for views). The
   figures come from a :class:`DeviceSpec`: a shipped or given one (a device you do not have), or this
   machine's, measured once by :func:`local_device_spec` (matmul FLOP/s per dtype, copy bandwidth, the
   cost of a tiny op) and cached. Calls that cannot run alone fall back to it.
@@ -51,11 +54,18 @@ from typing import Any
 import torch
 
 from memplan.planner.core.devicespec import DeviceSpec, parse_device_spec
+from memplan.planner.core.opclass import op_class
 from memplan.planner.probe.device import Device, device_here, device_of
 from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
 _MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
+# Sweeps over the distinct calls, each timing every call once; a call's time is the median of its sweeps'
+# figures. One distinct call stands for every repeat of a layer (the 129 addmm calls of the unrolled GRU
+# share a few keys), so a burst of load on a shared machine while one call alone was timed moved the whole
+# step with it (the rnn's prediction read 0.86x and 1.85x of the real step in two runs); across sweeps a
+# burst spoils one figure of many calls instead of every figure of one.
+_SWEEPS = 3
 _MAX_COLD_RUNS = 9  # each cold run also writes the flush buffer: fewer runs, still a median
 
 
@@ -100,6 +110,7 @@ class OpCall:
     # wrote; no part of the key: they say where the call stands in the step, not what it is
     storage_ids: tuple[int, ...] = ()
     output_storage_ids: tuple[int, ...] = ()
+    output_storage_bytes: tuple[int, ...] = ()  # bytes of each storage in output_storage_ids
     _key: str | None = field(default=None, repr=False)
 
     @property
@@ -121,6 +132,23 @@ class OpCall:
     def read_bytes(self) -> int:
         """Bytes of the distinct argument views (what a kernel reads, at most)."""
         return sum({(m.storage, m.offset, m.shape, m.stride): m.nbytes for m in self.tensors()}.values())
+
+    def argument_storage_bytes(self) -> tuple[int, ...]:
+        """Per argument storage (by its number in the call), the most bytes one view of it spans: what
+        the call touches of it."""
+        touched = [0] * len(self.storage_ids)
+        for m in self.tensors():
+            if m.storage < len(touched):
+                touched[m.storage] = max(touched[m.storage], m.nbytes)
+        return tuple(touched)
+
+    def output_bytes(self) -> tuple[int, ...]:
+        """Bytes of each storage in ``output_storage_ids`` (the bytes written, shared out, where the
+        call was recorded without them)."""
+        if len(self.output_storage_bytes) == len(self.output_storage_ids):
+            return self.output_storage_bytes
+        n = len(self.output_storage_ids)
+        return tuple([self.written_bytes // n] * n) if n else ()
 
     def dtype(self) -> str:
         """The first floating argument's dtype name ("float32"), else the first argument's."""
@@ -187,9 +215,17 @@ class StorageNumbers:
 storage_number = StorageNumbers()
 
 
+# Kernels torch's FLOP formulas do not know, counted with the formula of the op they stand in for (same
+# leading arguments). A fake trace for CUDA without a GPU here runs the CPU's op choices: its attention is
+# the CPU flash kernel, whose 0 FLOPs made the 1.1B Llama's 44 attention calls cost 8 ms on an H100.
+FLOP_ALIASES = {"_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward"}
+
+
 def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
     """An :class:`OpCall` of ``func(*args, **kwargs) -> out`` (fake tensors): metadata only, nothing of
-    the tensors is kept. FLOPs from ``torch.utils.flop_counter``'s formula for the operator (0 if none)."""
+    the tensors is kept. FLOPs from ``torch.utils.flop_counter``'s formula for the operator, or for the
+    one it stands in for (:data:`FLOP_ALIASES`); 0 if none."""
     from torch.utils.flop_counter import flop_registry
 
     storages: dict[int, int] = {}
@@ -209,7 +245,10 @@ def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
 
     margs, mkwargs = _replace(args, meta), _replace(kwargs, meta)
     flops = 0
-    formula = flop_registry.get(getattr(func, "overloadpacket", None))
+    packet = getattr(func, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None and packet is not None and packet.__name__ in FLOP_ALIASES:
+        formula = flop_registry.get(getattr(torch.ops.aten, FLOP_ALIASES[packet.__name__]))
     if formula is not None:
         with contextlib.suppress(Exception):  # a formula that does not know this overload: no FLOPs
             flops = int(formula(*args, **kwargs, out_val=out))
@@ -223,8 +262,9 @@ def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
             written += min(s.nbytes(), t.numel() * t.element_size())
     # step-wide identities (for cold_arguments): numbers, not addresses, which a later storage may reuse
     ids = tuple(storage_number(s) for s in objects)  # in index order
-    return OpCall(func, margs, mkwargs, device, flops, written, ids,
-                  tuple(dict.fromkeys(storage_number(t.untyped_storage()) for t in outs)))
+    written_storages = {storage_number(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}
+    return OpCall(func, margs, mkwargs, device, flops, written, ids, tuple(written_storages),
+                  tuple(written_storages.values()))
 
 
 def _collect_tensors(x: Any, out: list[torch.Tensor]) -> None:
@@ -242,29 +282,65 @@ def _mutates(func: Any) -> bool:
 
 def cold_arguments(calls: list[OpCall], cache_bytes: int) -> list[frozenset[int]]:
     """For each call of a step (in step order), the argument storages (numbered as in its
-    :class:`TensorMeta`) that the step reads from memory rather than from cache: those not touched
-    since more than ``cache_bytes`` went through the cache (each call moves its distinct argument
-    bytes and the bytes it writes), and those the step has not touched before (parameters, the batch
-    and optimizer state, last touched in the previous step). A reuse-distance model of an LRU cache."""
-    moved = 0
-    last: dict[int, int] = {}  # storage id -> bytes moved when it was last touched
+    :class:`TensorMeta`) that the step reads from memory rather than from cache: those the step has not
+    touched before (parameters, the batch and optimizer state, last touched in the previous step), and
+    those whose reuse distance is over ``cache_bytes``. A storage's reuse distance is the bytes of the
+    distinct storages touched since its last touch (arguments read and outputs written): the stack
+    distance of an LRU cache. Distinct, not the traffic: a weight that every step of an unrolled cell
+    reads occupies the cache once, however often it is read (counted per read, the 64-step GRU's hidden
+    states all looked evicted by backward and its weight-gradient products were timed cold: +45%)."""
+    total = sum(len(c.storage_ids) + len(c.output_storage_ids) for c in calls)
+    tree = _Fenwick(total)
+    position: dict[int, int] = {}  # storage id -> index of its last touch in the tree
+    size: dict[int, int] = {}      # storage id -> bytes charged at that touch
+    touches = 0
     out: list[frozenset[int]] = []
     for c in calls:
-        out.append(frozenset(i for i, sid in enumerate(c.storage_ids)
-                             if sid not in last or moved - last[sid] > cache_bytes))
-        moved += c.read_bytes() + c.written_bytes
-        for sid in (*c.storage_ids, *c.output_storage_ids):
-            last[sid] = moved
+        cold = frozenset(i for i, sid in enumerate(c.storage_ids)
+                         if sid not in position or tree.total - tree.prefix(position[sid]) > cache_bytes)
+        out.append(cold)
+        for sid, nbytes in (*zip(c.storage_ids, c.argument_storage_bytes(), strict=True),
+                            *zip(c.output_storage_ids, c.output_bytes(), strict=True)):
+            if sid in position:
+                tree.add(position[sid], -size[sid])
+            position[sid], size[sid] = touches, nbytes
+            tree.add(touches, nbytes)
+            touches += 1
     return out
 
 
+class _Fenwick:
+    """Prefix sums over touch positions (a binary indexed tree): bytes touched up to a position."""
+
+    def __init__(self, n: int):
+        self.sums = [0] * (n + 1)
+        self.total = 0
+
+    def add(self, index: int, value: int) -> None:
+        self.total += value
+        index += 1
+        while index < len(self.sums):
+            self.sums[index] += value
+            index += index & -index
+
+    def prefix(self, index: int) -> int:
+        """The sum of positions 0..index."""
+        index += 1
+        result = 0
+        while index > 0:
+            result += self.sums[index]
+            index -= index & -index
+        return result
+
+
 def analytic_time_s(call: OpCall, spec: DeviceSpec) -> float:
-    """Roofline time of ``call`` on ``spec``'s device (see the module docstring)."""
+    """Roofline time of ``call`` on ``spec``'s device at the rates its op class achieves there
+    (:meth:`DeviceSpec.rates`; see the module docstring)."""
     if getattr(call.func, "is_view", False):
         return spec.op_overhead_s
     moved = call.read_bytes() + call.written_bytes
-    return spec.op_overhead_s + max(call.flops / spec.flops_per_s(call.dtype()),
-                                    moved / spec.memory_bandwidth_bytes_per_s)
+    flops_per_s, bytes_per_s = spec.rates(op_class(call.name), call.dtype())
+    return spec.op_overhead_s + max(call.flops / flops_per_s, moved / bytes_per_s)
 
 
 # ---- real tensors for a call ---------------------------------------------------------------------------
@@ -417,17 +493,24 @@ class OpTimer:
     """Times :class:`OpCall` lists. ``spec``: time every call analytically for that device (nothing
     runs); None: run each call alone on ``device``, falling back to this machine's measured spec for
     calls that cannot run. ``cache_dir``: where the cache lives (None: :func:`default_cache_dir`).
-    ``min_runs`` timed runs at least per call, more while they total under ``target_s`` (at most 50;
-    at most 9 when ``cold``). ``cold``: flush the device's caches before each timed run (see the module
-    docstring); warm and cold times are cached apart."""
+    ``min_runs`` timed runs at least per call, more while they total under ``target_s / sweeps`` (at
+    most 50; at most 9 when ``cold``), in each of ``sweeps`` sweeps over the distinct calls (the median of the
+    sweeps is the call's time). ``cold``: flush the device's caches before each timed run (see the module
+    docstring); warm and cold times are cached apart. Runs are timed with the device's clock
+    (:meth:`Device.clock`: with one torch thread on a CPU, the thread's CPU time, as the real profile's
+    plain step is timed, so that other jobs' time slices land on neither). ``eager``: whether a fake
+    profile charges its calls what eager training pays beyond them (:func:`memplan.planner.probe.eager.
+    eager_charge_s`; False: nothing)."""
 
     def __init__(self, device: torch.device, *, spec: DeviceSpec | None = None,
                  cache_dir: str | Path | None = None, min_runs: int = _MIN_RUNS, target_s: float = _TARGET_S,
-                 cold: bool = True):
+                 cold: bool = True, sweeps: int = _SWEEPS, eager: bool = True):
         # an analytic timer for a GPU that is not here runs nothing: no device layer is needed for it
         self.layer = (device_here(device) if spec is not None else device_of(device)) or Device()
         self.device = self.layer.torch_device  # where calls run (an emulated GPU's tensors live on the CPU)
         self.min_runs, self.target_s = max(1, min_runs), target_s
+        self.sweeps = max(1, sweeps)
+        self.eager = eager
         self.spec = spec
         self.cold = cold
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -504,9 +587,17 @@ class OpTimer:
                     todo[key] = (c, cold)
             self.stats.cache_hits += len(distinct) - len(todo)
             highs, outputs, failed = self._high_water({key: c for key, (c, _) in todo.items()})
+            figures: dict[str, list[float]] = {key: [] for key in todo if key not in failed}
+            for _ in range(self.sweeps):
+                for key in list(figures):
+                    seconds = self._run_timed(*todo[key])
+                    if seconds is None:  # cannot run alone: analytic below
+                        del figures[key]
+                    else:
+                        figures[key].append(seconds)
             rows = []
             for key, (c, cold) in todo.items():
-                seconds = None if key in failed else self._run_timed(c, cold)
+                seconds = statistics.median(figures[key]) if key in figures else None
                 if seconds is None:
                     results[key] = Timing(analytic_time_s(c, self.local_spec()), 0, "analytic")
                     self.stats.analytic += 1
@@ -537,18 +628,20 @@ class OpTimer:
             if cold:
                 spare = {i: flat for i, flat in storages.items() if i not in cold}
                 spare_args, spare_kwargs = materialise(call, self.device, spare)
+            clock = self.layer.clock()
             times: list[float] = []
             most = _MAX_COLD_RUNS if cold else _MAX_RUNS
-            while len(times) < self.min_runs or (sum(times) < self.target_s and len(times) < most):
+            target_s = self.target_s / self.sweeps  # the sweeps share the call's time budget
+            while len(times) < self.min_runs or (sum(times) < target_s and len(times) < most):
                 if cold:
                     self.flush_caches()
                     out = call.func(*spare_args, **spare_kwargs)
                     self._sync()
                     del out
-                start = time.perf_counter()
+                start = clock()
                 out = call.func(*args, **kwargs)
                 self._sync()
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
                 del out  # one output at a time: the working set stays one call's
             return statistics.median(times)
         except Exception:  # noqa: BLE001 - any failure means "cannot run alone": analytic instead

@@ -77,6 +77,7 @@ from memplan.planner.probe.device import (
     device_of,
     fake_trace_device,
 )
+from memplan.planner.probe.eager import eager_charge_s
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
 from memplan.planner.probe.measure import max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpTimer
@@ -321,6 +322,9 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     timer = timer or OpTimer(layer.torch_device if layer is not None else device, spec=device_spec,
                              cache_dir=cache_dir)
     timings = timer.time([call for *_, call in tracer.calls])
+    # what eager training pays per call beyond the call alone (autograd's recording and engine, the
+    # dispatch among other ops' code): a real step has it, an isolated call does not
+    eager_forward_s, eager_backward_s = eager_charge_s(timer)
     forward = {rec.scope: k for k, rec in enumerate(first.ops)}
     analytic: set[int] = set()
     optimizer_time_s = 0.0
@@ -328,7 +332,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         tracer.high[number] = timing.high_bytes
         if phase == "forward" and number in forward:
             rec = first.ops[forward[number]]
-            rec.time_s = timing.time_s
+            rec.time_s = timing.time_s + eager_forward_s
             for tid, position in zip(rec.outputs, rec.positions, strict=True):
                 # a kernel may return a view of a larger buffer than its meta function says (CPU mse_loss):
                 # what the allocator holds is the real storage, seen when the call ran alone
@@ -336,7 +340,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                     st = first.storages[tid]
                     st.nbytes = max(st.nbytes, round_allocation(timing.output_bytes[position], kind))
         elif phase == "backward":
-            first.backward_time_s[clock] = first.backward_time_s.get(clock, 0.0) + timing.time_s
+            first.backward_time_s[clock] = first.backward_time_s.get(clock, 0.0) + timing.time_s + eager_backward_s
         elif phase == "optimizer":
             optimizer_time_s += timing.time_s
         if timing.source == "analytic" and phase in ("forward", "backward"):
@@ -353,7 +357,8 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         "lifetimes_aligned": lifetimes is not None,
         "op_timing": {"calls": stats.calls, "distinct": stats.distinct, "cache_hits": stats.cache_hits,
                       "isolated_runs": stats.isolated_runs, "analytic": stats.analytic,
-                      "cache_dir": str(timer.cache_dir)},
+                      "cache_dir": str(timer.cache_dir), "eager_forward_s": eager_forward_s,
+                      "eager_backward_s": eager_backward_s},
         "profile_peak_bytes": layer.max_memory_allocated() if counters else resident + stats.peak_bytes,
     }
     if layer is not None and layer.emulated:
