@@ -22,6 +22,10 @@ from memplan.planner.core.errors import Infeasible, MemplanError  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
+#: the solve's time limit (the default is 60 s): the plan is not what these tests are about, the callback,
+#: bitwise training and the peaks are
+LIMIT_S = 6.0
+
 
 @functools.cache
 def _base() -> GPT2LMHeadModel:
@@ -51,7 +55,7 @@ def _train(callback: MemplanCallback | None, tmp_path, **args):
 
 
 def _same_training(tmp_path, budget: str = "50%", **args) -> tuple[MemplanCallback, list[dict]]:
-    callback = MemplanCallback(budget=budget)
+    callback = MemplanCallback(budget=budget, time_limit_s=LIMIT_S)
     planned, planned_logs = _train(callback, tmp_path, **args)
     plain, plain_logs = _train(None, tmp_path, **args)
     for key in ("loss", "grad_norm"):
@@ -143,7 +147,7 @@ def test_trainer_with_dynamic_padding_runs_every_length_under_one_plan(tmp_path)
         trainer.train()
         return model, trainer.state.log_history
 
-    callback = MemplanCallback(budget="50%", max_seq_len=32)
+    callback = MemplanCallback(budget="50%", max_seq_len=32, time_limit_s=LIMIT_S)
     planned, planned_logs = train(callback)
     plain, plain_logs = train(None)
     assert len(set(lengths)) > 2  # the lengths really varied (the profile's own calls included)
@@ -166,7 +170,7 @@ def test_an_exception_out_of_train_leaves_the_model_plain(tmp_path, late):
     # the second step's forward (the first to start under the plan) raises: train() must give the model
     # and optimizer back without the plan's hooks, as on_train_end does after a normal end
     model = copy.deepcopy(_base())
-    callback = MemplanCallback(budget="50%")
+    callback = MemplanCallback(budget="50%", time_limit_s=LIMIT_S)
 
     def fail_under_the_plan(module, args, kwargs):
         if callback.planner.executor is not None and module.training and torch.is_grad_enabled():
