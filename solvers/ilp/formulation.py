@@ -92,8 +92,10 @@ class Builder:
         fwd_total = sum(op.time_s for op in ops)
         bwd_total = sum(op.backward_time_s for op in ops)
         base = max(fwd_total + bwd_total + graph.optimizer_time_s, 1e-12)
-        # HiGHS mis-solves the offload clock's big-M rows at 1e9 ticks per step (false optima): 1e6 there
-        per_step = 1e6 if offload and cfg.backend == "highs" else 1e9
+        # The LP-based backends mis-solve the offload clock's big-M rows at 1e9 ticks per step (coefficients
+        # ~1e10, past their float tolerances): HiGHS gave false optima, CBC's preprocessing a false
+        # "infeasible". 1e6 there; CP-SAT is exact in integers and keeps the finer tick
+        per_step = 1e6 if offload and cfg.backend in ("highs", "cbc") else 1e9
         self.tick = 10.0 ** math.floor(math.log10(base)) / per_step
         self.const_time_s = fwd_total + bwd_total + graph.optimizer_time_s
         starts, acc = [], 0.0
