@@ -102,10 +102,10 @@ class StepMode(TorchDispatchMode):
             # overload learned by the first step): count it and run it
             k = step.cursor
             if k < step.n_fast and func is ex.funcs[k] and not ex.needed[k]:
-                step.cursor = k + 1
-                step.log.append(k)
                 if step.release_queue and step.release_queue[0][1] <= k:  # offloaded tensors whose copy
                     step.release_copied(k)  # to host has ended on the schedule's clock leave here
+                step.cursor = k + 1
+                step.log.append(k)
                 return func(*args, **kwargs)
         return step.forward_op(func, args, kwargs)
 

@@ -111,7 +111,8 @@ class Offloading:
             q.pop(0)
             if tid in self.d2h_pending:
                 self._settle_d2h(tid)
-                self.log.append(ScheduleEvent("free", "backward" if in_backward else "forward", at, tid,
+                # logged where it happened (the schedule's position, when the step is where it should be)
+                self.log.append(ScheduleEvent("free", "backward" if backward else "forward", k, tid,
                                               reason=COPY_ENDED))
 
     def _settle_d2h(self, tid: int) -> None:
