@@ -157,7 +157,10 @@ class Executor:
             self.watch_plan = Watch(0, len(graph.ops), frozenset(range(len(graph.ops))), frozenset(), True)
         else:
             self.watch_plan = forward_watch(
-                graph, self.actions, self.recorded_ops, self.pins, self.schedule.prefetch_at.values(),
+                graph, self.actions, self.recorded_ops, self.pins,
+                # backward steps whose nodes are tagged: prefetches and releases start there
+                [*self.schedule.prefetch_at.values(),
+                 *(k for phase, k in self.schedule.released.values() if phase == "backward")],
                 static_facts(graph).d2h_after,
                 release_ops=[k for phase, k in self.schedule.released.values() if phase == "forward"])
         self.watch_until = self.watch_plan.last

@@ -237,6 +237,8 @@ class Step(Offloading, Replaying, Resync):
         creates nothing and saves nothing): the step has reached that position all the same."""
         self.log.append(-1 - self.cursor)  # (``events`` spells it out)
         self.cursor += 1
+        if self.release_queue and not self.backward_started:  # at the boundary before the next op, as the
+            self.release_copied(self.cursor)                   # schedule releases there
 
     def forward_op(self, func, args, kwargs):
         """The full handler: a needed op (planner/core/watch.py), or any op of the first watched step,

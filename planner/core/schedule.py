@@ -360,7 +360,9 @@ class _Lowering:
         if not self.emit:
             return
         # the executor's dispatch mode over the forward ops it watches, known once the replays are
-        watch = forward_watch(g, self.actions, self.replayed_ops, self.pins, self.prefetch_ops, self.st.d2h_after,
+        watch = forward_watch(g, self.actions, self.replayed_ops, self.pins,
+                              [*self.prefetch_ops, *(k for phase, k in self.released.values() if phase == "backward")],
+                              self.st.d2h_after,
                               release_ops=[k for phase, k in self.released.values() if phase == "forward"])
         if watch.ops:
             window = range(watch.first, watch.last + 1)
@@ -530,10 +532,13 @@ class _Lowering:
         is_activation = st.is_activation
         self.phase = "backward"
         pending = self.pending
+        # releases happen where the executor sees backward: before the step of an op with an autograd node
+        # (its prehook fires there); a graph that records none (hand-built) has every step seen
+        seen = [op.has_backward for op in g.ops] if any(op.has_backward for op in g.ops) else [True] * len(g.ops)
         for op in reversed(g.ops):
             i = op.id
             self.at = i
-            if pending and pending[0][0] <= self.now:
+            if pending and seen[i] and pending[0][0] <= self.now:
                 self._release_pending()  # at the boundary before step i
             for t in self.prefetch_ops.get(i, ()):
                 self._prefetch(t, f"scheduled at op {i}")

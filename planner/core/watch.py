@@ -57,7 +57,8 @@ def forward_watch(graph: Graph, actions: Mapping[int, Action], replayed_ops: Col
                   d2h_after: Mapping[int, int] | None = None, release_ops: Collection[int] = ()) -> Watch:
     """The :class:`Watch` of a plan: ``actions`` (tensor id -> action; KEEP may be left out),
     ``replayed_ops`` (every op a replay of its schedule runs), ``pins`` (tensors held for a replay),
-    ``prefetch_ops`` (backward steps at which prefetches start), ``d2h_after`` (saved activation written in
+    ``prefetch_ops`` (backward steps whose autograd nodes the executor tags: where prefetches start and
+    where offloaded tensors' device copies are released in backward), ``d2h_after`` (saved activation written in
     place after its first saver -> its last writer; the simulator's ``static_facts``), ``release_ops``
     (forward ops at whose boundary an offloaded tensor's device copy is released: ``Schedule.released``)."""
     moved = {t: a for t, a in actions.items() if a != Action.KEEP}
