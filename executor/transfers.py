@@ -128,6 +128,7 @@ class Offloading:
         s = self.available(tid)
         if s is not None:  # never released (its copy ran late, or the caller holds it): nothing moves, and
             self._settle_d2h(tid)  # the device copy is backward's now: freed where its last reader has run
+            self.cache[tid] = s  # held for its unpacks (the copy's entry held it until now)
             return s
         self.log.append(ScheduleEvent("h2d", "backward", at, tid, reason=why))
         src, device, nbytes = self.host[tid]

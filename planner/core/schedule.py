@@ -535,13 +535,18 @@ class _Lowering:
         # releases happen where the executor sees backward: before the step of an op with an autograd node
         # (its prehook fires there); a graph that records none (hand-built) has every step seen
         seen = [op.has_backward for op in g.ops] if any(op.has_backward for op in g.ops) else [True] * len(g.ops)
+        carried: list[int] = []  # prefetches scheduled at a step the executor does not see
         for op in reversed(g.ops):
             i = op.id
             self.at = i
-            if pending and seen[i] and pending[0][0] <= self.now:
-                self._release_pending()  # at the boundary before step i
-            for t in self.prefetch_ops.get(i, ()):
-                self._prefetch(t, f"scheduled at op {i}")
+            if not seen[i]:
+                carried.extend(self.prefetch_ops.get(i, ()))  # started at the next step the executor sees
+            else:
+                if pending and pending[0][0] <= self.now:
+                    self._release_pending()  # at the boundary before step i
+                for t in [*carried, *self.prefetch_ops.get(i, ())]:
+                    self._prefetch(t, f"scheduled at op {i}")
+                carried.clear()
             for t in st.unpack_order[i]:
                 if not is_activation[t]:
                     continue
