@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.replay import reads_mid_chain, replay
+from memplan.planner.core.schedule import replay_op_cost_s, watch_op_cost_s
 from memplan.planner.core.simulator import default_prefetch_at, static_facts
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.linear import ConstantlyViolated, Expr, LinearModel, choose_unit, lin
+from memplan.solvers.ilp.window import watch_window
 
 
 @dataclass
@@ -107,11 +109,15 @@ class Builder:
         self.fwd_start_up = [math.ceil(s / self.tick - 1e-6) for s in starts]  # a D2H copy's earliest start
         self.fwd_total = math.floor(fwd_total / self.tick + 1e-6)
         # a replayed op also re-runs the in-place initialisers of its output (TensorInfo.rebuilt_by: the
-        # profiler only allows them on single-output producers), as the simulator does
-        init_s = [sum(ops[m].time_s for u in op.outputs for m in graph.tensors[u].rebuilt_by) for op in ops]
+        # profiler only allows them on single-output producers), as the simulator does; each replayed op
+        # at the simulator's price (schedule.replay_op_cost_s: the executor's dispatch of it included)
+        self.replay_s = [replay_op_cost_s(graph, op) for op in ops]
+        init_s = [sum(self.replay_s[m] for u in op.outputs for m in graph.tensors[u].rebuilt_by) for op in ops]
         self.replay_ws = [max([op.workspace_bytes] + [ops[m].workspace_bytes for u in op.outputs
                                                       for m in graph.tensors[u].rebuilt_by]) for op in ops]
-        self.op_ticks = [math.floor((op.time_s + extra) / self.tick) for op, extra in zip(ops, init_s, strict=True)]
+        self.op_ticks = [math.floor((own + extra) / self.tick) for own, extra in zip(self.replay_s, init_s, strict=True)]
+        # the executor's watch window (solvers/ilp/window.py): trigger variable -> the forward ops it needs
+        self.watch_spans: dict[int, tuple[int, int]] = {}
         self.bwd_ticks = [round(op.backward_time_s / self.tick) for op in ops]
 
         # Decisions.
@@ -419,11 +425,31 @@ class Builder:
             self.obj_offset = -sum(self.bwd_ticks)  # the chain includes backward compute (a constant)
         else:
             m.objective = dict(objective.terms)
+        self._watch()
         # optimizer step: constant
         opt = self.fixed + self.held_bytes + self._units(max(grads_after[0], 0)) + self._units(
             g.fixed.optimizer_step_bytes)
         if opt > self.budget:
             raise ConstantlyViolated
+
+    def _watch(self) -> None:
+        """The executor's watch window in the objective (solvers/ilp/window.py), each op at its own cost
+        rounded down. Triggers: a recomputed tensor's producer, each replayed op with the producers of what
+        it reads (``_pass``); with offload the window starts at op 0 (planner/core/watch.py ``full``) and
+        reaches an offloaded tensor's last saver and a chosen prefetch point. The releases and pins that
+        may extend it further are left out: the model stays a relaxation."""
+        g = self.g
+        tensors = g.tensors
+        for u, v in [*self.r.items(), *self.each.items()]:
+            p = tensors[u].producer
+            self.watch_spans[v] = (p, p)
+        for u, v in self.o.items():
+            self.watch_spans[v] = (0, max([tensors[u].producer, *g.savers.get(u, [])]))
+            for sl in self.slots[u]:
+                if sl.start:
+                    self.watch_spans[sl.var] = (0, sl.step)
+        ticks = [math.floor(watch_op_cost_s(g, op) / self.tick) for op in g.ops]
+        watch_window(self.m, self.watch_spans, self.n, ticks, strengthen=[*self.r.values(), *self.each.values()])
 
     def _units(self, nbytes: int) -> int:
         """``nbytes`` in memory units, rounded down (the model is a relaxation; see ``__init__``)."""
@@ -504,6 +530,11 @@ class Builder:
         # the target: replayed when not on device (recomputed, not made by an earlier pass)
         miss = lin(1).plus(avail[t], -1)
         rp: dict[int, int] = {q: m.var(f"rp[{q},{s},{k}]") for q in rep_ops}
+        for q in rep_ops:  # a replayed op is watched in forward, and so are the producers of what it reads
+            run = [q, *(c for u in ops[q].outputs for c in tensors[u].rebuilt_by)]
+            lo = min([q, *(tensors[v].producer for c in run for v in ops[c].inputs
+                           if tensors[v].kind == "activation" and tensors[v].producer is not None)])
+            self.watch_spans[rp[q]] = (lo, max(run))
         if self.o:
             self.time_err_ticks += len(rep_ops)  # each replay rounded down by under a tick
         for u in closure:
@@ -545,7 +576,7 @@ class Builder:
                 else:
                     run += [(c, lin(-1, (sc, 1), (rp[q], 1))) for q in qs if q > c]
             definite = [c for c, e in run if len(e.terms) == 1 and e.const == 0]
-            scratch_time.add(sc, math.floor(sum(ops[c].time_s for c in definite) / self.tick))
+            scratch_time.add(sc, math.floor(sum(self.replay_s[c] for c in definite) / self.tick))
             if self.o:
                 self.time_err_ticks += 1
             for c, e in run:

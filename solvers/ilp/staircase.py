@@ -39,11 +39,10 @@ from memplan.planner.core.simulator import static_facts
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.intervals import IntervalModel, relaxation_units
 from memplan.solvers.ilp.linear import ConstantlyViolated, LinearModel, lin
+from memplan.solvers.ilp.window import watch_window
 
 #: the plans this module's bounds are lower bounds over (see the module docstring)
 SPACE = ("keep", "recompute", "recompute_each")
-#: spans over at most this many window segments get their per-segment strengthening rows
-SPAN_ROWS = 32
 
 
 def build_staircase(graph: Graph, budget: int, cfg: Config) -> IntervalModel:
@@ -157,43 +156,6 @@ def build_staircase(graph: Graph, budget: int, cfg: Config) -> IntervalModel:
     # the watch window at each op's own charge, rounded down (on CUDA an op's run hides its dispatch: the
     # charge is per op; a GPT-2 step's window was priced at the cheapest op's, zero, 35% under the plans')
     watch_ticks = [math.floor(watch_op_cost_s(graph, op) / tick) for op in ops]
-    const_s = base - _watch_window(m, r, spans, n, watch_ticks) * tick
+    watch_window(m, {r[u]: span for u, span in spans.items()}, n, watch_ticks, strengthen=r.values())
+    const_s = base
     return IntervalModel(m, r, tick, const_s, unit, exact)
-
-
-def _watch_window(m: LinearModel, r: dict[int, int], spans: dict[int, tuple[int, int]], n: int,
-                  watch_ticks: list[int]) -> int:
-    """Add the executor's watch window (planner/core/watch.py) to ``m``'s objective: ``watch_ticks[j]``
-    for each forward op ``j`` from the lowest to the highest op that a plan's replays run or read (at least the
-    ``spans`` of its rebuilt tensors' closures). Per op ``j``: ``a_j`` (the window starts at or before
-    ``j``, non-decreasing, 1 from each rebuilt tensor's lowest op on), ``c_j`` (it ends at or after ``j``,
-    non-increasing, 1 up to each one's highest op), ``a_j + c_j >= 1``, and ``w_j >= a_j + c_j - 1``
-    (``j`` is in the window: exact when the window is not empty, 0 otherwise). ``a``, ``c`` and ``w`` are
-    constant between span ends, so one variable stands for each such segment. Returns the constant to
-    take off the objective (0)."""
-    if not any(watch_ticks) or not r:
-        return 0
-    cuts = sorted({0, n, *(lo for lo, _ in spans.values()), *(hi + 1 for _, hi in spans.values())})
-    segments = list(zip(cuts[:-1], cuts[1:], strict=True))
-    seg_of = {start: k for k, (start, _) in enumerate(segments)}
-    a = [m.var(f"watch_a[{s}]") for s, _ in segments]
-    c = [m.var(f"watch_c[{s}]") for s, _ in segments]
-    # w[k]: segment k is in the window; at least a + c - 1 (exact when the window is not empty) and at
-    # least r[u] for each segment of u's own span (which any window holding u covers): the second family
-    # is implied for integers but makes the LP relaxation count the spans of fractional choices
-    w = [m.var(f"watch_w[{s}]") for s, _ in segments]
-    for k in range(len(segments)):
-        m.row(lin(0, (a[k], 1), (c[k], 1)), lo=1)
-        m.row(lin(0, (w[k], 1), (a[k], -1), (c[k], -1)), lo=-1)
-        if k:
-            m.row(lin(0, (a[k], 1), (a[k - 1], -1)), lo=0)
-            m.row(lin(0, (c[k - 1], 1), (c[k], -1)), lo=0)
-        m.objective[w[k]] = sum(watch_ticks[segments[k][0]:segments[k][1]])
-    for u, (lo, hi) in spans.items():
-        first, last = seg_of[lo], seg_of[cuts[cuts.index(hi + 1) - 1]]
-        m.row(lin(0, (a[first], 1), (r[u], -1)), lo=0)
-        m.row(lin(0, (c[last], 1), (r[u], -1)), lo=0)
-        if last - first < SPAN_ROWS:  # a span over many segments (rotary tables read by every layer) adds
-            for k in range(first, last + 1):  # rows quadratically and little strength: left out
-                m.row(lin(0, (w[k], 1), (r[u], -1)), lo=0)
-    return 0
