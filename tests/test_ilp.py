@@ -290,3 +290,21 @@ def test_the_model_prices_replay_dispatch_and_the_watch_window_as_the_simulator(
     b = _feasible_budget(g, 0.3)
     r = _agree(g, b, "cpsat")
     assert r.stats["model_mismatches"] == 0 and r.stats["time_cuts"] == 0, r.stats
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("seed", [2, 5])
+def test_with_offload_the_model_prices_the_window_up_to_the_copies_releases(device, seed):
+    """With offload the window runs from op 0 to the last saver, prefetch point or forward release of an
+    offloaded tensor (planner/core/watch.py): the model charges it through the copy-still-running
+    variables, so its plan is the simulator's in one round (seed 2 took 20 rounds and timed out without
+    the releases; releases in backward and pins are still left out of the model, where a round may be cut
+    and solved again: seed 1 takes 3)."""
+    g = random_dag(7, seed=seed)
+    g.device = device
+    mean = sum(op.time_s for op in g.ops) / len(g.ops)
+    g.replay_op_dispatch_s, g.watch_op_dispatch_s = 0.8 * mean, 0.5 * mean
+    g.host_bandwidth_bytes_per_s = sum(t.bytes for t in g.tensors) / sum(op.time_s for op in g.ops)
+    b = _feasible_budget(g, 0.3, offload=True)
+    r = _agree(g, b, "cpsat", offload=True)
+    assert r.stats["model_mismatches"] == 0 and r.stats["time_cuts"] == 0, r.stats

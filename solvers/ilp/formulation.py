@@ -269,6 +269,7 @@ class Builder:
                 # on device at op i unless its copy ended by the time op i starts
                 m.row(lin(0, (cf, 1), (zi, -big), (ou, big)), hi=self.fwd_start[i] + big)
         self.cf_last = prev
+        self.z = z
         produced = self._produced()
         for op in g.ops:
             i = op.id
@@ -436,15 +437,21 @@ class Builder:
         """The executor's watch window in the objective (solvers/ilp/window.py), each op at its own cost
         rounded down. Triggers: a recomputed tensor's producer, each replayed op with the producers of what
         it reads (``_pass``); with offload the window starts at op 0 (planner/core/watch.py ``full``) and
-        reaches an offloaded tensor's last saver and a chosen prefetch point. The releases and pins that
-        may extend it further are left out: the model stays a relaxation."""
+        reaches an offloaded tensor's last saver, a chosen prefetch point and the forward op before which its
+        device copy is released (the first boundary after its last forward use at which its copy has ended:
+        ``z[u][i]`` says it has not by op ``i``). Backward releases and pins, which may extend it further,
+        are left out: the model stays a relaxation."""
         g = self.g
         tensors = g.tensors
         for u, v in [*self.r.items(), *self.each.items()]:
             p = tensors[u].producer
             self.watch_spans[v] = (p, p)
+        last = self.n - 1
         for u, v in self.o.items():
-            self.watch_spans[v] = (0, max([tensors[u].producer, *g.savers.get(u, [])]))
+            self.watch_spans[v] = (0, max([tensors[u].producer, *g.savers.get(u, []),
+                                           min(self.st.fwd_free_at[u] + 1, last)]))
+            for i, zi in self.z[u].items():
+                self.watch_spans[zi] = (0, min(i + 1, last))
             for sl in self.slots[u]:
                 if sl.start:
                     self.watch_spans[sl.var] = (0, sl.step)
