@@ -235,10 +235,13 @@ class Step(Offloading, Replaying, Resync):
     def _passed_detach(self) -> None:
         """Step over a graph detach that autograd no longer dispatches under saved-tensor hooks (it
         creates nothing and saves nothing): the step has reached that position all the same."""
+        # releases at the boundaries before and after it, as the schedule orders them
+        if self.release_queue and not self.backward_started:
+            self.release_copied(self.cursor)
         self.log.append(-1 - self.cursor)  # (``events`` spells it out)
         self.cursor += 1
-        if self.release_queue and not self.backward_started:  # at the boundary before the next op, as the
-            self.release_copied(self.cursor)                   # schedule releases there
+        if self.release_queue and not self.backward_started:
+            self.release_copied(self.cursor)
 
     def forward_op(self, func, args, kwargs):
         """The full handler: a needed op (planner/core/watch.py), or any op of the first watched step,

@@ -82,8 +82,18 @@ class Offloading:
         if tid in self.host:
             return
         k = self.cursor
-        if self.release_queue and k < len(self.g.ops) and tid in self.saved_at[k] \
-                and tid not in self.g.ops[k].outputs:
+        ops = self.g.ops
+        j = k
+        while j < len(ops) and ops[j].name == "aten.detach.default" and tid not in self.saved_at[j]:
+            j += 1
+        if k < j < len(ops) and tid in self.saved_at[j] and tid not in ops[j].outputs:
+            # a saved input of op j, packed before op j reaches the dispatch mode, with only autograd's
+            # detaches between (never dispatched under the hooks: op j is being called): the step has
+            # passed them, as the schedule has when it copies the tensor at op j's start
+            while self.cursor < j:
+                self._passed_detach()
+            k = j
+        if self.release_queue and k < len(ops) and tid in self.saved_at[k] and tid not in ops[k].outputs:
             # a saved input of op k, packed by autograd before the op reaches the dispatch mode: the
             # releases at the boundary before op k come first, as the schedule orders them
             self.release_copied(k)

@@ -426,3 +426,53 @@ def test_offloaded_bytes_leave_where_the_schedule_releases_them_whatever_the_op_
         stayed += len(moved) - len(sched.released)
     # the draws reach every case
     assert after_detach and in_backward and unseen and stayed, (after_detach, in_backward, unseen, stayed)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "bert"])
+def test_random_plans_run_event_for_event_as_the_schedule_says(name, gpu):
+    """Random plans mixing recompute, recompute_each and offload (random prefetch points), over random op
+    times and link speeds, on the emulated GPU: the executor performs the schedule's events in its order
+    (every copy, release, prefetch and replay where the schedule has it), and the measured peak is the
+    predicted one within 0.1%, never over. Found by this test's loop: a saved input packed before the op
+    after an autograd detach was copied, and a release at the detach made, one position off.
+    (The prediction can sit up to two 512 B blocks above the measurement: one tiny tensor's timing at a
+    replay, conservative, not chased.)"""
+    import copy
+    import random
+
+    from memplan.planner.core.schedule import schedule
+
+    g0 = cuda_graph(name)
+    w = load_workload(name, **TINY[name])
+    for seed in range(6):
+        rng = random.Random(seed)
+        g = g0.model_copy(deep=True)
+        for op in g.ops:
+            op.time_s, op.backward_time_s = max(op.time_s, 1e-5) * rng.uniform(0.3, 3.0), \
+                op.backward_time_s * rng.uniform(0.3, 3.0)
+        saved = sum(g.tensors[t].bytes for t in g.saved_activations)
+        g.host_bandwidth_bytes_per_s = saved / (sum(op.time_s for op in g.ops) * rng.uniform(0.05, 3.0))
+        actions, prefetch_at = {}, {}
+        for t in g.saved_activations:
+            info, x = g.tensors[t], rng.random()
+            if info.held_by_caller:
+                continue
+            if x < 0.25 and info.recomputable:
+                actions[t] = Action.RECOMPUTE if x < 0.15 else Action.RECOMPUTE_EACH
+            elif 0.25 <= x < 0.5:
+                actions[t] = Action.OFFLOAD
+                if rng.random() < 0.5:
+                    prefetch_at[t] = rng.randint(max(g.savers[t]), len(g.ops) - 1)
+        plan = Plan.for_graph(g, actions, prefetch_at=prefetch_at)
+        sched = schedule(g, plan)
+        model = copy.deepcopy(w.model)
+        opt = adamw(model)
+        ex = apply(model, plan, graph=g, optimizer=opt)
+        try:
+            measured = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
+            events = [e.key() for e in ex.last_step.events]
+        finally:
+            ex.remove()
+        assert events == sched.executed(), seed
+        predicted = simulate(g, plan).peak_bytes
+        assert 0.999 * predicted <= measured <= predicted, (seed, measured, predicted)
