@@ -396,15 +396,14 @@ def test_offloaded_bytes_leave_where_the_schedule_releases_them_whatever_the_op_
     from memplan.planner.core.schedule import schedule
 
     g = _stretches_graph()
-    base = [(op.time_s, op.backward_time_s) for op in g.ops]
     tanh = [op.outputs[0] for op in g.ops if op.name == "aten.tanh.default"]
     moved = {t: Action.OFFLOAD for t in tanh[:2]}
     after_detach = in_backward = unseen = stayed = 0
     for seed in range(24):
         rng = random.Random(seed)
-        for op, (f, b) in zip(g.ops, base, strict=True):
-            # (a detach takes a few microseconds in a real step; a copy may end during it)
-            op.time_s, op.backward_time_s = max(f, 1e-5) * rng.uniform(0.3, 3.0), b * rng.uniform(0.3, 3.0)
+        for op in g.ops:  # drawn, not profiled: the same schedules on every machine (a detach takes a few
+            # microseconds in a real step; a copy may end during it)
+            op.time_s, op.backward_time_s = rng.uniform(1e-5, 1e-3), rng.uniform(0.0, 2e-3)
         forward_s = sum(op.time_s for op in g.ops)
         g.host_bandwidth_bytes_per_s = g.tensors[tanh[0]].bytes / (rng.uniform(0.05, 1.5) * forward_s)
         prefetch_at = {t: rng.randint(max(g.savers[t]), len(g.ops) - 1) for t in moved}
@@ -447,9 +446,8 @@ def test_random_plans_run_event_for_event_as_the_schedule_says(name, gpu):
     for seed in range(6):
         rng = random.Random(seed)
         g = g0.model_copy(deep=True)
-        for op in g.ops:
-            op.time_s, op.backward_time_s = max(op.time_s, 1e-5) * rng.uniform(0.3, 3.0), \
-                op.backward_time_s * rng.uniform(0.3, 3.0)
+        for op in g.ops:  # drawn, not profiled: the same plans and schedules on every machine
+            op.time_s, op.backward_time_s = rng.uniform(1e-5, 1e-3), rng.uniform(0.0, 2e-3)
         saved = sum(g.tensors[t].bytes for t in g.saved_activations)
         g.host_bandwidth_bytes_per_s = saved / (sum(op.time_s for op in g.ops) * rng.uniform(0.05, 3.0))
         actions, prefetch_at = {}, {}
