@@ -34,7 +34,13 @@ the simulator's boolean logic exactly, as linear constraints:
   second chain over backward (clock ``tau``, copy stream ``cf``), lower bounds only, so at the optimum
   they equal the simulator's max(...) recurrences;
 * objective: the simulated step time (replays + exposed waits; forward, backward and optimizer time
-  are constants). Host memory: ``sum(o[u] * bytes) <= host_budget_bytes``.
+  are constants). A replayed op costs what the simulator charges (``schedule.replay_op_cost_s``: the
+  executor's dispatch of it included), and the executor's watch window (:mod:`.window`) is charged per
+  forward op, from the lowest to the highest op a plan needs (a recomputed tensor's producer, each
+  replayed op and the producers of what it reads; with offload from op 0 to each offloaded tensor's
+  last saver, chosen prefetch point and forward release). Without them a profiled graph's every plan
+  was under-priced, cut and solved again (the built-in mlp: 16 rounds). Host memory:
+  ``sum(o[u] * bytes) <= host_budget_bytes``.
 
 The result's ``space`` (:func:`memplan.solvers.registry.plan_space`) says over which plans its status and
 bound hold: ``all`` with recompute_each in the model (by default on graphs of at most ``per_use_saved``,
