@@ -18,3 +18,10 @@ def update_section(name: str, heading: str, text: str, doc_path: Path = DOC) -> 
     else:
         doc = (doc.rstrip("\n") + "\n\n" if doc else "") + f"## {heading}\n\n{block}\n"
     doc_path.write_text(doc)
+
+
+def publish(text: str, update_doc: bool, name: str, heading: str) -> None:
+    """Print a benchmark's section and, with ``update_doc``, write it into docs/benchmarks.md."""
+    print(text)
+    if update_doc:
+        update_section(name, heading, text)

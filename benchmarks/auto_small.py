@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _doc import update_section  # noqa: E402
+from _doc import publish  # noqa: E402
 
 from memplan.solvers import activation_bytes, keep_all_report, solve  # noqa: E402
 
@@ -91,11 +91,8 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,resnet,unet,bert")
     ap.add_argument("--update-doc", action="store_true")
     a = ap.parse_args()
-    rows = run(a.models.split(","), a.repeats)
-    text = markdown(rows, a.repeats)
-    print(text)
-    if a.update_doc:
-        update_section("auto-small", "auto on the built-ins' real graphs", text)
+    publish(markdown(run(a.models.split(","), a.repeats), a.repeats), a.update_doc, "auto-small",
+            "auto on the built-ins' real graphs")
 
 
 if __name__ == "__main__":
