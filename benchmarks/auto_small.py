@@ -32,7 +32,6 @@ from memplan.planner.core.errors import Infeasible  # noqa: E402
 from memplan.planner.core.graph import Graph  # noqa: E402
 from memplan.solvers import activation_bytes, keep_all_report, solve  # noqa: E402
 
-
 CACHE = Path(os.environ.get("MEMPLAN_BENCH_CACHE", Path(__file__).resolve().parent / ".cache"))
 
 
