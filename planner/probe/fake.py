@@ -103,9 +103,9 @@ def _kernel_on_zeros(func: Any, args: tuple, kwargs: dict, tensors: list[torch.T
     checks are CUDA's (bfloat16 only), while the CPU kernel multiplies float32, and transformers' mixture-
     of-experts layers call it so on the CPU. Sound only where the outputs' metadata does not depend on
     the inputs' values: ops tagged data-dependent never get here (fake tensors refuse them first, above),
-    and an op that changes an input's metadata in place is not run so. Where the kernel refuses too (or
-    cannot run here: a GPU that is not here), the meta function's error stands: the real step fails with
-    it as well."""
+    and an op that changes an input's metadata in place is not run so. Where the kernel refuses too (the
+    real step would fail with it), or cannot run here (a spec's GPU that is not here), the meta function's
+    error stands."""
     fakes = [t for t in tensors if isinstance(t, FakeTensor)]
     if (not isinstance(func, torch._ops.OpOverload) or torch.Tag.inplace_view in func.tags or not fakes
             or not all(holds_real_tensors(t.fake_device) for t in fakes)):
