@@ -33,6 +33,9 @@ from memplan.solvers import solve
 from memplan.solvers.bounds import memory_lower_bound
 
 transformers = pytest.importorskip("transformers")
+# one torch thread: op times in thread CPU time, not wall time in which a parallel kernel (the MoE grouped
+# product) waits out a worker thread descheduled on a loaded machine (6 s of one case's 8 in a loaded run)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 WIDTH, LAYERS, HEADS, VOCAB, SEQ, BATCH = 32, 2, 4, 128, 32, 4
 
