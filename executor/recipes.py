@@ -163,8 +163,11 @@ def written_arguments(rec: Recipe, made: dict[int, torch.UntypedStorage]) -> lis
     func = rec.func
     spec = _WRITES.get(func)
     if spec is None:
+        # torch's schema info, not the schema's annotations alone: ``native_batch_norm`` writes its running
+        # statistics in training without marking them ``(a!)`` (a replay of it updated them a second time)
+        info = torch._C._SchemaInfo(func._schema)
         spec = [(i, a.name) for i, a in enumerate(func._schema.arguments)
-                if a.alias_info is not None and a.alias_info.is_write]
+                if info.is_mutable(torch._C._SchemaArgument(torch._C._SchemaArgType.input, i))]
         _WRITES[func] = spec
     if not spec:
         return []

@@ -2,13 +2,16 @@
 keys (call, cold arguments, timing method, device and torch version), and the cold-timing path. Each
 test uses a temporary cache directory and calls small enough to time in milliseconds."""
 
+import pytest
 import torch
 
+from memplan.planner.core.opclass import op_class
 from memplan.planner.probe.optime import (
     OpTimer,
     cold_arguments,
     device_identity,
     last_level_cache_bytes,
+    materialise,
     record_call,
     storage_number,
 )
@@ -157,3 +160,33 @@ def test_one_torch_thread_on_a_cpu_times_with_thread_cpu_time():
         assert Device().clock() is time.perf_counter
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("a_shape, b_shape, grouped, flops", [((12, 8), (3, 8, 4), 12, 2 * 12 * 8 * 4),
+                                                             ((8, 12), (12, 4), 12, 2 * 8 * 12 * 4),
+                                                             ((3, 12, 8), (8, 12), 12, 2 * 12 * 8 * 12)])
+def test_a_grouped_product_is_timed_on_every_row_and_its_flops_counted(a_shape, b_shape, grouped, flops):
+    """Offsets filled with zeros (as integers are) make every group empty: a MoE layer's expert products
+    were timed as no work. Materialised, the offsets split the grouped dimension evenly, and the product
+    is each group's own: the forward's rows (2D x 3D), the weights' gradient (2D x 2D, per group of the
+    contraction), 3D x 2D (per group of columns)."""
+    func = torch.ops.aten._grouped_mm.default
+    a, b = torch.rand(a_shape), torch.rand(b_shape)
+    offs = torch.tensor([4, 8, grouped], dtype=torch.int32)  # the kernel wants 16-byte strides
+    call = record_call(func, (a, b, offs), {}, func(a, b, offs))
+    assert call.flops == flops
+    assert op_class(call.name) == "matmul" and call.key.endswith("offs=even")
+    args, _ = materialise(call, torch.device("cpu"))
+    assert args[2].tolist() == [grouped // 3, 2 * grouped // 3, grouped]
+    out = func(*args)
+    bounds = [0, *args[2].tolist()]
+    for g in range(3):
+        rows = slice(bounds[g], bounds[g + 1])
+        if len(a_shape) == 2 and len(b_shape) == 3:
+            want = args[0][rows] @ args[1][g]
+            got = out[rows]
+        elif len(a_shape) == 2:
+            want, got = args[0][:, rows] @ args[1][rows], out[g]
+        else:
+            want, got = args[0][g] @ args[1][:, rows], out[:, rows]
+        assert torch.allclose(got, want, atol=1e-5) and got.abs().sum() > 0

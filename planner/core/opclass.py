@@ -27,7 +27,8 @@ OP_CLASSES: tuple[str, ...] = ("matmul", "attention", "convolution", "normalizat
                                "elementwise", "copy")
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "addmv", "mv", "dot", "vdot",
-           "addr", "outer", "_int_mm", "_scaled_mm", "_addmm_activation"}
+           "addr", "outer", "_int_mm", "_scaled_mm", "_addmm_activation", "_grouped_mm",
+           "_scaled_grouped_mm"}
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _CONVOLUTION = ("convolution", "_convolution", "conv", "cudnn_convolution", "mkldnn_convolution", "_slow_conv",
                 "slow_conv", "thnn_conv", "_nnpack_spatial_convolution")

@@ -10,7 +10,8 @@ calls on real tensors alone run for real (:func:`fake_call`).
 
 :func:`fake_call` runs one ATen call on fake tensors and turns the errors of a step that cannot be traced
 so (an output whose shape or value depends on tensor data: ``nonzero``, ``.item()``) into one
-:class:`FakeTraceError` naming the op and the module.
+:class:`FakeTraceError` naming the op and the module. A call whose meta function refuses what this device's
+kernel runs (``_grouped_mm``'s checks are CUDA's) runs that kernel on zeros for its outputs' metadata.
 
 The fake step must be the real one, op for op. Libraries branch on whether they are being traced:
 transformers' ``is_tracing(tensor)`` is true for a ``FakeTensor`` and then builds the attention mask
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +42,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
+    run_fallback_kernel,
 )
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memplan.planner.core.errors import MemplanError
@@ -74,15 +78,59 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
     try:
         out = func(*args, **kwargs)
     except _CANNOT as e:
-        reason = ("its output depends on tensor values" if isinstance(e, (DataDependentOutputException,
-                                                                          DynamicOutputShapeException))
+        if isinstance(e, DynamicOutputShapeException):
+            # a real profile records one draw of such shapes: its plan holds for steps that draw the same
+            raise FakeTraceError(f"{func} in {where} cannot run under fake tensors (its output's shape depends on "
+                                 f"tensor values); profile without --fake (fake=False), where a plan holds only "
+                                 f"for steps with the profiled shapes, or give the model static shapes") from None
+        reason = ("its output depends on tensor values" if isinstance(e, DataDependentOutputException)
                   else "fake tensors do not support it")
         raise FakeTraceError(f"{func} in {where} cannot run under fake tensors ({reason}); "
                              f"profile without --fake (fake=False)") from None
+    except RuntimeError as e:
+        out = _kernel_on_zeros(func, args, kwargs, tensors, e)
     if not tensors and _small_constant(func, out):
         with _disable_current_modes():
             return func(*args, **kwargs)
     return out
+
+
+def _kernel_on_zeros(func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
+                     refused: RuntimeError) -> Any:
+    """A call the op's meta function refused, run by the device's own kernel on zero-filled real tensors
+    of the fake arguments' shapes, strides and dtypes; its outputs, made fake, are the kernel's (shapes,
+    strides, storage sizes). A meta function may be stricter than this device's kernel: ``_grouped_mm``'s
+    checks are CUDA's (bfloat16 only), while the CPU kernel multiplies float32, and transformers' mixture-
+    of-experts layers call it so on the CPU. Sound only where the outputs' metadata does not depend on
+    the inputs' values: ops tagged data-dependent never get here (fake tensors refuse them first, above),
+    and an op that changes an input's metadata in place is not run so. Where the kernel refuses too (the
+    real step would fail with it), or cannot run here (a spec's GPU that is not here), the meta function's
+    error stands."""
+    fakes = [t for t in tensors if isinstance(t, FakeTensor)]
+    if (not isinstance(func, torch._ops.OpOverload) or torch.Tag.inplace_view in func.tags or not fakes
+            or not all(holds_real_tensors(t.fake_device) for t in fakes)):
+        raise refused
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    try:
+        return run_fallback_kernel(fakes[0].fake_mode, func, flat, spec, refused)
+    except RuntimeError:
+        raise refused from None
+
+
+@contextlib.contextmanager
+def quiet_meta_failures() -> Iterator[None]:
+    """Inside: ``FakeTensorMode`` does not log a traceback when an op's meta function raises
+    (:func:`fake_call` runs the kernel instead, or the error becomes the step's one-line refusal)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 def _small_constant(func: Any, out: Any) -> bool:
@@ -162,7 +210,7 @@ def fake_step_state(model: nn.Module, batch: Any, optimizer: torch.optim.Optimiz
         fake_batch = _map(batch, fake_of)
     inputs = []
     _leaves(fake_batch, inputs)
-    with _reparametrize_module(model, swapped, tie_weights=True, strict=False), mode:
+    with _reparametrize_module(model, swapped, tie_weights=True, strict=False), mode, quiet_meta_failures():
         params = [p for _, p in model.named_parameters()]
         buffers = [b for _, b in model.named_buffers()]
         fake_opt = _fake_optimizer(optimizer, fake_of) if optimizer is not None else default_optimizer(model)

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.probe.distributed import ENGINES, DistributedPlanError, check_unit_prefixes
-from memplan.planner.probe.fake import fake_call
+from memplan.planner.probe.fake import fake_call, quiet_meta_failures
 from memplan.planner.probe.optime import OpTimer, record_call
 from memplan.planner.probe.storage import tensors_in
 from memplan.planner.workloads import LossFn, default_optimizer, training_step
@@ -278,7 +278,7 @@ def trace_rank_step(model: nn.Module, batch: Any, loss_fn: LossFn, *, engine: st
         memory = _RankMemory(gloo=backend == "gloo")
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         try:
-            with fake_mode, memory:
+            with fake_mode, memory, quiet_meta_failures():
                 for t in tensors_in(batch):  # real, allocated before the step as in a real run
                     memory.add(t)
                 train_model, bare, optimizer = _wrapped(model, prefixes, mesh)

@@ -5,8 +5,8 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
 :class:`OpTimer` gives each call a time and an allocator high-water mark in one of two ways:
 
 * **isolated**: the call runs alone on the target device, on real tensors of its recorded metadata
-  (floats uniform in [0, 1), integers zero so that indices are valid; arguments sharing a storage share
-  one here too). One warm-up run, then the median of at least 3 timed runs (more for calls under 50 ms
+  (floats uniform in [0, 1), integers zero so that indices are valid, a grouped product's offsets an
+  even split (:mod:`memplan.planner.probe.grouped`); arguments sharing a storage share one here too). One warm-up run, then the median of at least 3 timed runs (more for calls under 50 ms
   in all). Only one call's working set is allocated at a time. With ``cold=True`` (the default) each
   call's arguments are as warm as the step has them: :func:`cold_arguments` walks the step's calls in
   order and marks an argument cold when the step has not touched its storage before (parameters, the
@@ -56,6 +56,7 @@ import torch
 from memplan.planner.core.devicespec import DeviceSpec, parse_device_spec
 from memplan.planner.core.opclass import op_class
 from memplan.planner.probe.device import Device, device_here, device_of
+from memplan.planner.probe.grouped import TIMING_VALUES, fill_offsets, grouped_mm_flops, is_grouped_mm
 from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
@@ -122,6 +123,8 @@ class OpCall:
         """The call's identity for the cache: operator and argument metadata."""
         if self._key is None:
             self._key = f"{self.func}|{_describe((self.args, self.kwargs))}"
+            if is_grouped_mm(self.func):  # timed on filled offsets (grouped.py): not the zero offsets' times
+                self._key += f"|{TIMING_VALUES}"
         return self._key
 
     def tensors(self) -> list[TensorMeta]:
@@ -252,6 +255,8 @@ def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
     if formula is not None:
         with contextlib.suppress(Exception):  # a formula that does not know this overload: no FLOPs
             flops = int(formula(*args, **kwargs, out_val=out))
+    elif is_grouped_mm(func):
+        flops = grouped_mm_flops(func, args, kwargs)
     read = set(storages)
     written = 0
     outs: list[torch.Tensor] = []
@@ -367,7 +372,9 @@ def materialise(call: OpCall, device: torch.device,
         view = torch.empty(0, dtype=x.dtype, device=device)
         return view.set_(filled.untyped_storage(), x.offset, x.shape, x.stride)
 
-    return _replace(call.args, real), _replace(call.kwargs, real)
+    args, kwargs = _replace(call.args, real), _replace(call.kwargs, real)
+    fill_offsets(call.func, args, kwargs)  # a grouped product's groups split its rows, not all empty
+    return args, kwargs
 
 
 # ---- the cache ------------------------------------------------------------------------------------------
