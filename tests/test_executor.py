@@ -134,6 +134,11 @@ OPTIMIZERS: dict[str, OptFactory] = {"adamw": adamw, "adam": adam, "sgd": sgd_mo
 class Trained:
     losses: list[torch.Tensor]
     params: list[torch.Tensor]
+    buffers: list[torch.Tensor]  # batch norm's running statistics: a replay must not update them again
+
+
+def _trained(losses: list[torch.Tensor], model: nn.Module) -> Trained:
+    return Trained(losses, [p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()])
 
 
 def _loop(name: str, model: nn.Module, opt: torch.optim.Optimizer, *, accumulation_steps: int,
@@ -164,7 +169,7 @@ def reference(name: str, optimizer: str = "adamw", accumulation_steps: int = 1,
     model = fresh_model(name)
     opt = OPTIMIZERS[optimizer](model)
     losses = _loop(name, model, opt, accumulation_steps=accumulation_steps, clip=clip)
-    return Trained(losses, [p.detach().clone() for p in model.parameters()])
+    return _trained(losses, model)
 
 
 @dataclass
@@ -203,16 +208,18 @@ def run_under(name: str, plan: Plan, *, optimizer: str = "adamw", fuse: str | No
                        clip=None if fuse else clip, after_backward=watch)
     finally:
         ex.remove()  # forward fusion: applies the last pending update
-    return Run(Trained(losses, [p.detach().clone() for p in model.parameters()]), replays, events, offloaded)
+    return Run(_trained(losses, model), replays, events, offloaded)
 
 
 def assert_same(got: Trained, want: Trained) -> None:
-    """Bitwise: every loss and every parameter equal (``torch.equal``) on CPU."""
+    """Bitwise: every loss, every parameter and every buffer equal (``torch.equal``) on CPU."""
     assert len(got.losses) == len(want.losses)
     for i, (a, b) in enumerate(zip(got.losses, want.losses, strict=True)):
         assert torch.equal(a, b), f"loss of micro-batch {i}: {a.item()!r} under the plan, {b.item()!r} plain"
     for i, (a, b) in enumerate(zip(got.params, want.params, strict=True)):
         assert torch.equal(a, b), f"parameter {i} differs after {STEPS} steps (max |diff| {(a - b).abs().max()})"
+    for i, (a, b) in enumerate(zip(got.buffers, want.buffers, strict=True)):
+        assert torch.equal(a, b), f"buffer {i} differs after {STEPS} steps"
 
 
 # ---- 1. correctness: every solver family, offload, fusion; bitwise against plain training ---------------
@@ -589,8 +596,7 @@ def test_a_plan_that_moves_nothing_runs_as_plain_training():
     opt = adamw(model)
     ex = apply(model, empty, graph=g, optimizer=opt)
     try:
-        trained = Trained(_loop("gpt2", model, opt, accumulation_steps=1, clip=None),
-                          [p.detach().clone() for p in model.parameters()])
+        trained = _trained(_loop("gpt2", model, opt, accumulation_steps=1, clip=None), model)
         assert ex.steps == STEPS and ex.last_step is not None and not ex.last_step.events
     finally:
         ex.remove()
