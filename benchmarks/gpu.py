@@ -34,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -244,6 +245,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes under the CUDA emulation (a CPU)")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
+        # op times taken fresh in this run, not read from a cache filled on a busier machine (a smoke run
+        # here read a 512x64 addmm at 64 ms from one, 0.3 ms timed anew): the CLI subprocess's too
+        os.environ["MEMPLAN_CACHE_DIR"] = stack.enter_context(tempfile.TemporaryDirectory())
         if args.smoke:
             os.environ["MEMPLAN_EMULATE_CUDA"] = "1"  # the CLI subprocess too
             stack.enter_context(emulate_cuda())
