@@ -321,13 +321,17 @@ class Builder:
         grads = [(grads_after[s + 1]) for s in range(n)]
         choose = self.cfg.prefetch == "choose"
         # Scheduled-prefetch slots (prefetch_at = q, from the first backward use upwards).
+        # a prefetch scheduled at a step without an autograd node starts at the next step with one (the
+        # executor sees backward only there; the simulator carries it): only those steps are slots
+        seen = [op.has_backward for op in ops] if any(op.has_backward for op in ops) else [True] * n
         for u in self.o:
             fb = st.first_bwd_use[u]
             if choose:
-                qs = list(range(fb, min(n - 1, fb + self.pf_window) + 1))
+                qs = [q for q in range(fb, min(n - 1, fb + self.pf_window) + 1) if seen[q]]
                 dq = default_prefetch_at(g, u, self.bw)
-                if dq not in qs:
+                if dq not in qs and seen[dq]:
                     qs.append(dq)
+                qs = qs or [fb]  # (its first backward reader saves it: a step with a node)
             else:
                 qs = [default_prefetch_at(g, u, self.bw)]
             for q in qs:
