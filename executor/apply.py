@@ -48,7 +48,7 @@ from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order, 
 from memplan.executor.transfers import HostPool
 from memplan.planner.core.boundaries import BEGIN, END, Boundary, boundary_positions
 from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
-from memplan.planner.core.graph import Graph
+from memplan.planner.core.graph import DETACH, Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.schedule import Schedule, schedule
 from memplan.planner.core.shapes import family_of
@@ -174,7 +174,7 @@ class Executor:
         self.learned = False
         self.enter_at: Boundary | None = None  # where a fast step enters the mode (None: at once)
         self.enter_cursor = 0
-        self.last_real_op = max((op.id for op in graph.ops if op.name != "aten.detach.default"), default=-1)
+        self.last_real_op = max((op.id for op in graph.ops if op.name != DETACH), default=-1)
         # where a step whose ops differ from the graph's is back at the graph's position
         # (planner/core/boundaries.py; executor/resync.py): the graph's module boundaries, whether the
         # graph recorded them (or they are derived, and used only once the ops differed), the first op
@@ -188,7 +188,7 @@ class Executor:
         self.call_end = _call_ends(graph) if self.recorded_calls else [0] * len(graph.ops)
         self.by_name: dict[str, list[int]] = {}
         for op in graph.ops:
-            if op.name != "aten.detach.default":
+            if op.name != DETACH:
                 self.by_name.setdefault(op.name, []).append(op.id)
         # the device the graph was profiled on, as this machine has it (a CUDA graph needs a GPU or the
         # emulation): how it charges bytes, its copy stream, its generators
@@ -497,7 +497,7 @@ def _next_real(graph: Graph) -> list[int]:
     """Position -> the first op at or after it that is not autograd's detach (``len(ops)`` if none)."""
     out = [len(graph.ops)] * (len(graph.ops) + 1)
     for k in range(len(graph.ops) - 1, -1, -1):
-        out[k] = k if graph.ops[k].name != "aten.detach.default" else out[k + 1]
+        out[k] = k if graph.ops[k].name != DETACH else out[k + 1]
     return out
 
 

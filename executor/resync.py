@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from memplan.planner.core.boundaries import END, Boundary
+from memplan.planner.core.graph import DETACH
 from memplan.planner.probe.storage import storage_of, tensors_in
 
 
@@ -67,7 +68,7 @@ class Resync:
             self._fail(f"{why}; re-profile and re-solve for this model and batch")
         g = self.g
         prev = k - 1
-        while prev >= 0 and g.ops[prev].name == "aten.detach.default":
+        while prev >= 0 and g.ops[prev].name == DETACH:
             prev -= 1
         n = len(self.log)  # packed since the last op matched: its output saves, or the op that differs saves
         self.stray_saves += [t for t, at in self.moved_packs if at == n and (prev < 0 or t not in g.ops[prev].saved)]

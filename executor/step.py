@@ -50,6 +50,7 @@ from memplan.executor.replaying import Replaying
 from memplan.executor.resync import Resync
 from memplan.executor.transfers import Offloading
 from memplan.planner.core.errors import MemplanError, PlanMismatch
+from memplan.planner.core.graph import DETACH
 from memplan.planner.core.plan import Action
 from memplan.planner.core.schedule import ScheduleEvent
 from memplan.planner.core.shapes import ShapeMatcher
@@ -57,7 +58,6 @@ from memplan.planner.core.simulator import static_facts
 from memplan.planner.probe.device import Transfer
 from memplan.planner.probe.storage import map_leaves, storage_of, tensors_in
 
-_DETACH = "aten.detach.default"
 _FRESH = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 _NODE_TAG = "memplan_executor_op"
 
@@ -172,7 +172,7 @@ class Step(Offloading, Replaying, Resync):
         out: list[ScheduleEvent] = []
         for e in self.log:
             if isinstance(e, int) and e < 0:
-                out.append(ScheduleEvent("compute", "forward", -1 - e, reason=f"{_DETACH} (autograd's, not "
+                out.append(ScheduleEvent("compute", "forward", -1 - e, reason=f"{DETACH} (autograd's, not "
                                                                               f"dispatched under saved-tensor hooks)"))
             elif isinstance(e, int):
                 out.append(ScheduleEvent("compute", "forward", e, reason=ops[e].name))
@@ -219,7 +219,7 @@ class Step(Offloading, Replaying, Resync):
         """The graph position of the op the model runs now (named ``name``), or None when it is not the
         graph's op there: the step has diverged (:meth:`Resync.diverge`)."""
         ops = self.g.ops
-        while self.cursor < len(ops) and ops[self.cursor].name != name and ops[self.cursor].name == _DETACH:
+        while self.cursor < len(ops) and ops[self.cursor].name != name and ops[self.cursor].name == DETACH:
             self._passed_detach()  # the detach autograd runs when saving an output is gone under hooks
         k = self.cursor
         if k >= len(ops):
@@ -523,7 +523,7 @@ class Step(Offloading, Replaying, Resync):
             start, why = self.diverged
         else:
             start = self.cursor
-            rest = [k for k in range(start, len(ops)) if ops[k].name != _DETACH]
+            rest = [k for k in range(start, len(ops)) if ops[k].name != DETACH]
             while not rest and self.cursor < len(ops):
                 self._passed_detach()
             why = (f"the forward ended after {start} ops, the profiled graph has {len(ops)}: op {rest[0]} "

@@ -83,9 +83,7 @@ class Offloading:
             return
         k = self.cursor
         ops = self.g.ops
-        j = k
-        while j < len(ops) and ops[j].name == "aten.detach.default" and tid not in self.saved_at[j]:
-            j += 1
+        j = self.ex.next_real[k]  # past autograd's detaches (they save nothing)
         if k < j < len(ops) and tid in self.saved_at[j] and tid not in ops[j].outputs:
             # a saved input of op j, packed before op j reaches the dispatch mode, with only autograd's
             # detaches between (never dispatched under the hooks: op j is being called): the step has

@@ -33,6 +33,9 @@ from memplan.planner.core.files import parse_json_object, read_file_bytes
 from memplan.planner.core.units import MAX_BYTES  # 1 PiB: no device holds more; beyond is a unit mistake
 
 GRAPH_FORMAT = "memplan.graph/1"
+#: autograd's detach of an op's output when the op saves it: in the profiled graph, but not dispatched under
+#: saved-tensor hooks (the executor steps over it)
+DETACH = "aten.detach.default"
 
 MAX_TOTAL_BYTES = 2**56  # all of a graph's byte figures together (sums stay far from int64's 2^63)
 

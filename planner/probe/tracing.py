@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.planner.core.build import Trace, TraceOp, TraceStorage
 from memplan.planner.core.devicespec import round_allocation
+from memplan.planner.core.graph import DETACH
 from memplan.planner.probe.device import Device
 from memplan.planner.probe.fake import fake_call
 from memplan.planner.probe.measure import allocation_highs, allocator_events
@@ -470,13 +471,13 @@ def forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list
     at: list[int] = []  # lifetime-pass op -> graph op
     g = 0
     for name in mode.names:
-        while g < len(names) and names[g] != name and names[g] == "aten.detach.default":
+        while g < len(names) and names[g] != name and names[g] == DETACH:
             g += 1
         if g >= len(names) or names[g] != name:
             return None
         at.append(g)
         g += 1
-    if any(n != "aten.detach.default" for n in names[g:]):
+    if any(n != DETACH for n in names[g:]):
         return None
     out: dict[tuple[int, int], int | None] = {}
     for k, row in enumerate(mode.deaths):
