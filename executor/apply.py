@@ -209,8 +209,12 @@ class Executor:
         self.expected_outputs: dict[int, tuple] = {}  # tensor id -> (dtype, bytes, shape) as a step met the graph's
         self.reuse_replays = True  # False: every replay is planned and run op by op (for comparisons)
         self._signature_ids = itertools.count()
+        # what the executor owns refers back to it weakly (the mode, each Step, the saved-tensor hooks, the
+        # optimizer's shadows): after remove(), dropping the executor, the model and the optimizer frees them
+        # by reference counting, as plain PyTorch frees a model and its optimizer, not at a later collection
+        me = weakref.ref(self)
         self._mode = StepMode(self)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(_weak_pack, me), Executor._unpack)
         self._entered = False
         self._mode_entered = False
         self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
@@ -231,15 +235,19 @@ class Executor:
             real_step = optimizer.step
 
             def step(closure=None):
-                self.end_step()
-                if self.fused is not None:
-                    return self.fused.user_step(closure)
+                ex = me()
+                if ex is not None:
+                    ex.end_step()
+                    if ex.fused is not None:
+                        return ex.fused.user_step(closure)
                 return real_step(closure) if closure is not None else real_step()
 
             real_zero_grad = optimizer.zero_grad
 
             def zero_grad(set_to_none: bool = True):
-                self.end_step()  # a step whose backward never came (a skipped batch) ends here
+                ex = me()
+                if ex is not None:
+                    ex.end_step()  # a step whose backward never came (a skipped batch) ends here
                 return real_zero_grad(set_to_none=set_to_none)
 
             optimizer.step = step  # type: ignore[method-assign]
@@ -518,6 +526,12 @@ def _forward_guard(model: nn.Module, ex: Executor) -> Any:
 
     model.forward = forward  # type: ignore[method-assign]
     return forward
+
+
+def _weak_pack(executor: weakref.ref, t: torch.Tensor) -> Any:
+    """The executor's pack hook, held without keeping the executor alive (the hooks are entered only by
+    the executor, so it is there whenever they run)."""
+    return executor()._pack(t)
 
 
 def _abandon(executor: weakref.ref) -> None:

@@ -83,7 +83,7 @@ class StepMode(TorchDispatchMode):
 
     def __init__(self, ex: Any):
         super().__init__()
-        self.ex = ex  # the Executor (memplan.executor.apply), which owns this mode
+        self.ex = weakref.proxy(ex)  # the Executor (memplan.executor.apply), which owns this mode
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -116,7 +116,7 @@ class Step(Offloading, Replaying, Resync):
     class matches forward ops to the graph and packs and unpacks saved tensors."""
 
     def __init__(self, ex: Any):
-        self.ex = ex
+        self.ex = ex if isinstance(ex, weakref.ProxyType) else weakref.proxy(ex)  # owned by the executor
         self.g = ex.graph
         self.cursor = 0
         self.forward_done = False
