@@ -43,6 +43,7 @@ from memplan.planner.core.errors import Infeasible  # noqa: E402
 from memplan.planner.core.plan import Plan  # noqa: E402
 from memplan.planner.core.simulator import simulate  # noqa: E402
 from memplan.planner.core.units import format_bytes  # noqa: E402
+from memplan.planner.probe.device import device_of  # noqa: E402
 from memplan.planner.probe.profiler import profile  # noqa: E402
 from memplan.planner.workloads import default_optimizer, load_workload, training_step  # noqa: E402
 from memplan.solvers import activation_bytes, smallest_known_peak, solve  # noqa: E402
@@ -51,9 +52,14 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 FRACTIONS = (0.3, 0.5, 0.7)
 aten = torch.ops.aten
 # what selective checkpointing keeps: the expensive ops' outputs; everything else is recomputed
+# (attention under each backend SDPA picks: the CPU's, and on CUDA flash, memory-efficient and cuDNN; a
+# backend left out is recomputed, and selective checkpointing then measures as more than it is)
 SAVED_BY_SAC = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-                aten.convolution.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-                aten._scaled_dot_product_efficient_attention.default}
+                aten.convolution.default} | {
+    getattr(aten, name).default for name in (
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, name)}
 
 
 class _Pair(nn.Sequential):
@@ -145,8 +151,11 @@ def settle(v: Variant, batch: Any, loss_fn: Any, warmup: int) -> None:
 def timed_rounds(variants: list[Variant], batch: Any, loss_fn: Any, rounds: int) -> None:
     for _ in range(rounds):
         for v in variants:  # one step of each in turn: load on the machine falls on all alike
+            layer = device_of(v.model)  # a GPU's kernels are asynchronous: each step timed from an idle
+            layer.synchronize()         # device to the end of its own kernels, not its launches
             c0, t0 = time.process_time(), time.perf_counter()
             training_step(v.model, batch, loss_fn, v.optimizer)
+            layer.synchronize()
             v.times_s.append(time.perf_counter() - t0)
             v.cpu_times_s.append(time.process_time() - c0)  # the process's CPU time: others' time slices excluded
 

@@ -1,6 +1,7 @@
 """The GPU acceptance run, in one command: memplan on a CUDA GPU as a user runs it.
 
-    python benchmarks/gpu.py --out gpu-results            # about 6-8 minutes on one H100
+    python benchmarks/gpu.py --out gpu-results            # about 4-5 minutes on one H100
+    python benchmarks/gpu.py --only fp32,does-not-fit     # a subset of the steps below
     python benchmarks/gpu.py --smoke --out /tmp/smoke     # tiny sizes under the CUDA emulation (CPU, CI)
 
 Steps, most valuable first, each under its own time limit, each result written as soon as it exists
@@ -11,7 +12,8 @@ Steps, most valuable first, each under its own time limit, each result written a
    keep everything; memplan's plans at 30 / 50 / 70% of activation memory; an offload plan at 25%; the 50%
    plan with backward and with forward fusion; per-block ``torch.utils.checkpoint`` and per-block selective
    checkpointing (matmuls and attention saved), and memplan's plan at each of their measured peaks. Every
-   variant's measured peak (``max_memory_allocated``) and median step time (interleaved rounds), beside
+   variant built, measured and freed alone on the device (``max_memory_allocated`` counts everything the
+   process holds), its measured peak and median step time (``--rounds`` steps, synchronised), beside
    the simulator's prediction and the budget;
 3. the same model under bf16 autocast: keep everything and the 50% plan;
 4. a batch keep-everything cannot hold: ``memplan run gpt2 --set batch_size=48 --fake --budget 60GiB``.
@@ -19,8 +21,8 @@ Steps, most valuable first, each under its own time limit, each result written a
 The GPU machine reaches no package registry and has its own torch: carry what it lacks as wheels (see
 ``shared/GPU.md``): on a machine with the registry, ``pip download --no-deps --only-binary=:all:
 --python-version 3.12 --platform manylinux2014_x86_64 -d .whl`` ortools, pulp, highspy, pydantic (with
-pydantic-core, annotated-types, typing-inspection), fastapi, starlette, uvicorn, immutabledict, protobuf,
-typing_extensions at the versions ``pip freeze`` shows here; on the GPU machine ``pip install --no-index
+pydantic-core, annotated-types, typing-inspection), fastapi (with opentelemetry-api, which fastapi 0.16x
+imports), starlette, uvicorn, immutabledict, protobuf, typing_extensions at the versions ``pip freeze`` shows here; on the GPU machine ``pip install --no-index
 --no-deps --target /tmp/site .whl/*.whl``, then ``pip install --no-deps --no-build-isolation --target
 /tmp/mp .`` and ``PYTHONPATH=/tmp/mp:/tmp/site``.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 # benchmarks/executor.py's side-by-side machinery, loaded by path (its name is the executor package's)
 _spec = importlib.util.spec_from_file_location("executor_bench", Path(__file__).resolve().parent / "executor.py")
@@ -50,16 +54,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.modules["executor_bench"] = _bench  # (its dataclasses look their module up)
 _spec.loader.exec_module(_bench)
 Variant, blocks, make, settle = _bench.Variant, _bench.blocks, _bench.make, _bench.settle
-timed_rounds, with_plan, wrap_blocks = _bench.timed_rounds, _bench.with_plan, _bench.wrap_blocks
+timed_rounds, wrap_blocks = _bench.timed_rounds, _bench.wrap_blocks
+from memplan.executor import apply  # noqa: E402
 from memplan.planner.core.errors import Infeasible  # noqa: E402
 from memplan.planner.core.plan import Action  # noqa: E402
+from memplan.planner.core.simulator import simulate  # noqa: E402
 from memplan.planner.probe.device import default_device_type, device_of, emulate_cuda  # noqa: E402
 from memplan.planner.probe.profiler import profile  # noqa: E402
-from memplan.planner.workloads import load_workload  # noqa: E402
+from memplan.planner.workloads import default_optimizer, load_workload  # noqa: E402
 from memplan.solvers import activation_bytes, smallest_known_peak, solve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL = dict(size="base", seq_len=1024, batch_size=8)
+STEPS = ("tests", "fp32", "bf16", "does-not-fit")
 SMOKE = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=128, seq_len=64, batch_size=2)
 
 
@@ -96,7 +103,9 @@ def step(results: Results, name: str, limit_s: float) -> Iterator[None]:
 
 
 def gpu_tests(results: Results, limit_s: float) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    # a module that cannot be imported there (a package the GPU machine lacks) must not stop the gpu tests
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rfEs",
+           "--continue-on-collection-errors", "tests"]
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit_s)
         tail, rc = (p.stdout + p.stderr)[-3000:], p.returncode
@@ -113,7 +122,9 @@ def _row(v: Variant, keep: Variant) -> dict[str, Any]:
             "step_s": v.step_s, "step_times_s": v.times_s,
             "measured_overhead": v.step_s / keep.step_s - 1.0,
             "offloaded": v.plan.count(Action.OFFLOAD) if v.plan else None,
-            "recomputed": v.plan.count(Action.RECOMPUTE) if v.plan else None}
+            "recomputed": v.plan.count(Action.RECOMPUTE) if v.plan else None,
+            "resident_before_bytes": getattr(v, "resident_before_bytes", None),
+            "alloc_retries": getattr(v, "alloc_retries", None)}
 
 
 def _table(rows: list[dict[str, Any]], keep_predicted_s: float) -> list[str]:
@@ -142,6 +153,41 @@ def _plan(graph: Any, budget: int, *, offload: bool = False, limit_s: float = 10
         return None
 
 
+def _free(device: Any) -> None:
+    """Drop what earlier variants left (garbage, the caching allocator's reserved blocks): the next one is
+    measured on a device that holds only the batch."""
+    gc.collect()
+    device.synchronize()
+    if not device.emulated:
+        torch.cuda.empty_cache()
+
+
+def _retries(device: Any) -> int:
+    """The caching allocator's retries (a failed cudaMalloc, cache freed, tried again): each is a device
+    synchronisation and slows the step that meets it, so a step time with retries is not the plan's."""
+    return 0 if device.emulated else int(torch.cuda.memory_stats(device.torch_device).get("num_alloc_retries", 0))
+
+
+def _measured_alone(build: Callable[[], Variant], batch: Any, loss_fn: Callable, rounds: int,
+                    device: Any) -> Variant:
+    """Build one variant on a device that holds nothing else but the batch, measure its peak (one step
+    after a warm-up) and time ``rounds`` steps, then free it: each variant's peak is its own, as a user's
+    one training process would measure it (``max_memory_allocated`` counts everything the process holds,
+    and eleven models with their optimizer states side by side are 22 GB), and no variant's step time
+    pays for another's reserved memory."""
+    _free(device)
+    others = device.memory_allocated() if device.has_allocator_counters else None
+    v = build()
+    settle(v, batch, loss_fn, warmup=1)
+    before = _retries(device)
+    timed_rounds([v], batch, loss_fn, rounds)
+    v.resident_before_bytes, v.alloc_retries = others, _retries(device) - before
+    if v.executor is not None:
+        v.executor.remove()
+    v.model = v.optimizer = v.executor = None
+    return v
+
+
 def gpt2_side_by_side(results: Results, sizes: dict[str, int], rounds: int, autocast: bool,
                       log: Callable[[str], None]) -> None:
     """Step 2 (``autocast`` False) or 3 (bf16 autocast: keep everything and the 50% plan)."""
@@ -152,19 +198,44 @@ def gpt2_side_by_side(results: Results, sizes: dict[str, int], rounds: int, auto
             with torch.autocast(device_of(model).torch_device.type, dtype=torch.bfloat16):
                 return _inner(model, batch)
     device = device_of("cuda")
+    _free(device)
     t0 = time.perf_counter()
     graph = profile(w.model, w.batch, loss_fn, name="gpt2", device="cuda", progress=False, measure=False)
     log(f"profiled in {time.perf_counter() - t0:.1f} s")
     batch = {k: v.to(device.torch_device) for k, v in w.batch.items()}
+    base = w.model.to("cpu")  # each variant copies it to the device; the original holds no device memory
+    for p in base.parameters():
+        p.grad = None
+    del w
     fixed, act = graph.fixed.resident_bytes, activation_bytes(graph)
-    keep = make("keep everything", w.model)
-    variants = [keep]
+
+    def plain(label: str, wrap: Callable[[nn.Module], None] | None = None) -> Callable[[], Variant]:
+        def build() -> Variant:
+            v = make(label, base)
+            v.model.to(device.torch_device)
+            v.optimizer = default_optimizer(v.model)
+            if wrap is not None:
+                wrap(v.model)
+            return v
+        return build
+
+    def planned(label: str, plan: Any, fuse: str | None = None) -> Callable[[], Variant]:
+        def build() -> Variant:
+            v = plain(label)()
+            v.plan, v.budget_bytes = plan, plan.budget_bytes
+            v.executor = apply(v.model, plan, graph=graph, optimizer=v.optimizer, fuse=fuse)
+            r = simulate(graph, plan, timeline=False)
+            v.predicted_peak_bytes, v.predicted_step_s = r.peak_bytes, r.time_s
+            return v
+        return build
+
+    builds: list[Callable[[], Variant]] = [plain("keep everything")]
     missing: list[str] = []  # the rows no plan fits (said under the table, never dropped silently)
     fractions = (0.5,) if autocast else (0.3, 0.5, 0.7)
     for frac in fractions:
         plan = _plan(graph, fixed + int(act * frac))
         if plan is not None:
-            variants.append(with_plan(f"memplan at {frac:.0%}", w.model, graph, plan))
+            builds.append(planned(f"memplan at {frac:.0%}", plan))
         else:
             missing.append(f"memplan at {frac:.0%}: no plan fits {fixed + int(act * frac)} B")
     if not autocast:
@@ -174,42 +245,37 @@ def gpt2_side_by_side(results: Results, sizes: dict[str, int], rounds: int, auto
         plan = _plan(graph, budget, offload=True)
         label = f"memplan at {(budget - fixed) / act:.0%}, offload allowed"
         if plan is not None:
-            variants.append(with_plan(label, w.model, graph, plan))
+            builds.append(planned(label, plan))
         else:
             missing.append(f"{label}: no plan fits {budget} B")
         half = _plan(graph, fixed + int(act * 0.5))
         if half is not None:
-            variants += [with_plan(f"memplan at 50%, fused {f}", w.model, graph, half, f)
-                         for f in ("backward", "forward")]
-        ckpt = make("checkpoint every block", w.model)
-        wrap_blocks(blocks("gpt2", ckpt.model), selective=False)
-        sac = make("selective checkpoint (matmuls, attention saved)", w.model)
-        wrap_blocks(blocks("gpt2", sac.model), selective=True)
-        variants += [ckpt, sac]
-    for v in variants:
-        settle(v, batch, loss_fn, warmup=1)
+            builds += [planned(f"memplan at 50%, fused {f}", half, f) for f in ("backward", "forward")]
+        builds += [plain("checkpoint every block", lambda m: wrap_blocks(blocks("gpt2", m), selective=False)),
+                   plain("selective checkpoint (matmuls, attention saved)",
+                         lambda m: wrap_blocks(blocks("gpt2", m), selective=True))]
+    variants = []
+    for build in builds:
+        variants.append(_measured_alone(build, batch, loss_fn, rounds, device))
+        log(f"{variants[-1].label}: peak {variants[-1].peak_bytes / 1e9:.3f} GB, "
+            f"{variants[-1].step_s * 1e3:.1f} ms")
     if not autocast:
         for other in variants[-2:]:
             plan = _plan(graph, other.peak_bytes)
             if plan is not None:
-                v = with_plan(f"memplan at {other.label}'s measured peak", w.model, graph, plan)
-                settle(v, batch, loss_fn, warmup=1)
-                variants.append(v)
-    log(f"{len(variants)} variants; {rounds} interleaved rounds")
-    timed_rounds(variants, batch, loss_fn, rounds)
-    for v in variants:
-        if v.executor is not None:
-            v.executor.remove()
+                variants.append(_measured_alone(planned(f"memplan at {other.label}'s measured peak", plan),
+                                                batch, loss_fn, rounds, device))
+    keep = variants[0]
     keep.predicted_peak_bytes = None
     rows = [_row(v, keep) for v in variants]
-    from memplan.planner.core.simulator import simulate
     keep_predicted = simulate(graph, None, timeline=False)
     rows[0]["predicted_peak_bytes"], rows[0]["predicted_step_s"] = keep_predicted.peak_bytes, keep_predicted.time_s
     name = "gpt2_bf16" if autocast else "gpt2"
     results.put(name, {"sizes": sizes, "fixed_bytes": fixed, "activation_bytes": act,
                        "untracked_bytes": graph.fixed.other_bytes, "rows": rows, "missing": missing})
     title = "GPT-2 base, bf16 autocast" if autocast else "GPT-2 base, fp32"
-    results.md("", f"#### {title} ({', '.join(f'{k}={v}' for k, v in sizes.items())}; {rounds} rounds)", "",
+    results.md("", f"#### {title} ({', '.join(f'{k}={v}' for k, v in sizes.items())}; each run alone on the "
+                   f"device, {rounds} timed steps)", "",
                *_table(rows, keep_predicted.time_s), *([""] + [f"* {m}" for m in missing] if missing else []))
 
 
@@ -241,7 +307,8 @@ def does_not_fit(results: Results, smoke: bool, limit_s: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-results"))
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=7, help="timed steps of each variant")
+    ap.add_argument("--only", default="", help=f"a comma-separated subset of the steps: {','.join(STEPS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes under the CUDA emulation (a CPU)")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
@@ -262,15 +329,23 @@ def main() -> None:
         def log(msg: str) -> None:
             print(f"   {msg}", flush=True)
 
-        if not args.smoke:
+        only = set(args.only.split(",")) if args.only else set(STEPS)
+        if unknown := only - set(STEPS):
+            sys.exit(f"--only: unknown step(s) {', '.join(sorted(unknown))}; the steps are {', '.join(STEPS)}")
+        if not args.smoke and "tests" in only:
             with step(results, "gpu-marked tests", 150):
                 gpu_tests(results, 150)
-        with step(results, "gpt2 fp32", 240):
-            gpt2_side_by_side(results, sizes, rounds, autocast=False, log=log)
-        with step(results, "gpt2 bf16", 90):
-            gpt2_side_by_side(results, sizes, rounds, autocast=True, log=log)
-        with step(results, "a batch that does not fit", 120):
-            does_not_fit(results, args.smoke, 120 if not args.smoke else 300)
+        if "fp32" in only:
+            with step(results, "gpt2 fp32", 240):
+                gpt2_side_by_side(results, sizes, rounds, autocast=False, log=log)
+            _free(device)  # (also after a failed step: the next must find the device empty)
+        if "bf16" in only:
+            with step(results, "gpt2 bf16", 90):
+                gpt2_side_by_side(results, sizes, rounds, autocast=True, log=log)
+            _free(device)
+        if "does-not-fit" in only:
+            with step(results, "a batch that does not fit", 120):
+                does_not_fit(results, args.smoke, 120 if not args.smoke else 300)
         spread = {k: v for k, v in results.data["steps"].items() if k.endswith(":seconds")}
         print(json.dumps(spread, indent=1))
         print(f"results in {args.out}/results.json and {args.out}/section.md", flush=True)
