@@ -56,9 +56,16 @@ def block_prefixes(model: nn.Module) -> list[str]:
     return [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
 
 
-def _wrap(engine: str, prefixes: list[str], plan: Plan | None, graph: Graph | None, fuse: str | None):
+def _wrap(engine: str, prefixes: list[str], plan: Plan | None, graph: Graph | None, fuse: str | None,
+          device: torch.device):
     """``wrap(model) -> (train_model, optimizer)`` for :func:`measure_rank_step`: DDP or fully_shard,
-    AdamW (foreach), and the plan applied if any."""
+    AdamW (foreach), and the plan applied if any. ``device``: where the rank trains; fully_shard is given
+    a mesh of that device's type (without one it takes CUDA wherever a GPU is visible, and a CPU run
+    pinned with ``MEMPLAN_DEVICE=cpu`` moves its shards to the GPU while its batch stays on the CPU)."""
+    if engine == "fsdp":  # (made here, outside the measured window that builds the model)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
     def wrap(model: nn.Module):
         if engine == "ddp":
@@ -69,8 +76,8 @@ def _wrap(engine: str, prefixes: list[str], plan: Plan | None, graph: Graph | No
             from torch.distributed.fsdp import fully_shard
 
             for p in prefixes:
-                fully_shard(model.get_submodule(p))
-            train_model = fully_shard(model)
+                fully_shard(model.get_submodule(p), mesh=mesh)
+            train_model = fully_shard(model, mesh=mesh)
         optimizer = default_optimizer(model)
         if plan is not None:
             apply_distributed(train_model, plan, graph=graph, optimizer=optimizer, fuse=fuse)
@@ -127,7 +134,7 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
     rows = []
     batch = wl.batch if not on_cuda else move_batch(wl.batch, device)
     for label, p in (("keep all", None), (plan.solver.name, plan)):
-        wrap = _wrap(engine, prefixes, p, graph, fuse)
+        wrap = _wrap(engine, prefixes, p, graph, fuse, device)
 
         def build(wrap=wrap):
             return wrap(copy.deepcopy(model0))  # the rank's model is made inside the measured window
@@ -140,7 +147,7 @@ def run_distributed(workload: str, *, budget: str, engine: str, steps: int = 3, 
                      "predicted_peak_bytes": predicted, "measured_peak_bytes": peak,
                      "measured_start_bytes": start, "error": predicted / peak - 1 if peak else None})
     model = copy.deepcopy(model0)
-    train_model, optimizer = _wrap(engine, prefixes, plan, graph, fuse)(model)
+    train_model, optimizer = _wrap(engine, prefixes, plan, graph, fuse, device)(model)
     losses = []
     for _ in range(steps):
         losses.append(training_step(train_model, batch, wl.loss_fn, optimizer).item())

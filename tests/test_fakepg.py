@@ -235,6 +235,7 @@ def _gloo_fsdp_rank(rank: int, port: int, out_dir: str) -> None:
     from pathlib import Path
 
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from memplan.api.distributed import block_prefixes
@@ -245,11 +246,14 @@ def _gloo_fsdp_rank(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     wl = load_workload("gpt2", **TINY_GPT2)
 
+    # a CPU mesh: without one fully_shard moves the shards to a GPU wherever one is visible
+    mesh = init_device_mesh("cpu", (2,))
+
     def build():
         m = copy.deepcopy(wl.model)
         for p in block_prefixes(m):
-            fully_shard(m.get_submodule(p))
-        fully_shard(m)
+            fully_shard(m.get_submodule(p), mesh=mesh)
+        fully_shard(m, mesh=mesh)
         return m, default_optimizer(m)
 
     r = measure_rank_step(build, wl.batch, wl.loss_fn, warmup=2, rank=rank)
