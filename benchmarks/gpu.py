@@ -1,6 +1,6 @@
 """The GPU acceptance run, in one command: memplan on a CUDA GPU as a user runs it.
 
-    python benchmarks/gpu.py --out gpu-results            # about 4-5 minutes on one H100
+    python benchmarks/gpu.py --out gpu-results            # about 6 minutes on one H100
     python benchmarks/gpu.py --only fp32,does-not-fit     # a subset of the steps below
     python benchmarks/gpu.py --smoke --out /tmp/smoke     # tiny sizes under the CUDA emulation (CPU, CI)
 
