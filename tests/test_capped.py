@@ -42,8 +42,19 @@ def mapped_bytes():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 
 
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(line.split(":")[1].strip() for line in f if line.startswith(key + ":"))
+
+
 mode, allowance, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-resource.setrlimit(resource.RLIMIT_AS, (mapped_bytes() + allowance, resource.RLIM_INFINITY))
+cap = mapped_bytes() + allowance
+resource.setrlimit(resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
+# for a failure's message: what the address space held when the child ended (threads' stacks count)
+import atexit
+atexit.register(lambda: print(f"[child: cap {cap >> 20} MiB, VmSize {status('VmSize')}, VmPeak "
+                              f"{status('VmPeak')}, threads {status('Threads')}, CUDA build "
+                              f"{torch.version.cuda}]", file=sys.stderr))
 if mode == "plain":
     w = load_workload("mlp", **options)
     try:
