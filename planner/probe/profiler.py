@@ -79,6 +79,7 @@ from memplan.planner.probe.device import (
 )
 from memplan.planner.probe.eager import eager_charge_s
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
+from memplan.planner.probe.kernels import cuda_kernel_choices
 from memplan.planner.probe.measure import max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
@@ -296,7 +297,12 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     resident = _resident_bytes(model, example_batch, optimizer, layer)
     traced_on = fake_trace_device(device, layer)
     kind = layer.type if layer is not None else device.type  # the graph's device (emulated: cuda)
+    # a GPU that is not here, traced on the CPU: the step takes the GPU's kernels where the CPU's would
+    # keep other tensors (attention, dropout: planner/probe/kernels.py); the emulation's step runs on the
+    # CPU for real, with the CPU's kernels, and is traced with them
+    gpu_kernels = kind == "cuda" and traced_on.type == "cpu" and layer is None
     with _progress(progress, name, 4) as advance, \
+            (cuda_kernel_choices() if gpu_kernels else contextlib.nullcontext()), \
             fake_step_state(model, example_batch, optimizer, traced_on) as st:
         model.train()
         stack: list[str] = []
@@ -354,6 +360,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         "device_name": device_spec.name if device_spec else layer.name(),
         "device_spec": device_spec.name if device_spec else None,
         "traced_on": traced_on.type,
+        "kernel_choices": "cuda" if gpu_kernels else traced_on.type,
         "lifetimes_aligned": lifetimes is not None,
         "op_timing": {"calls": stats.calls, "distinct": stats.distinct, "cache_hits": stats.cache_hits,
                       "isolated_runs": stats.isolated_runs, "analytic": stats.analytic,
