@@ -308,3 +308,22 @@ def test_with_offload_the_model_prices_the_window_up_to_the_copies_releases(devi
     b = _feasible_budget(g, 0.3, offload=True)
     r = _agree(g, b, "cpsat", offload=True)
     assert r.stats["model_mismatches"] == 0 and r.stats["time_cuts"] == 0, r.stats
+
+
+def test_a_time_limit_that_ends_while_the_model_is_built_ends_the_ilp_there():
+    """Building the replay model with offload takes seconds on large graphs (GPT-2 base: about 4 s of a 3 s
+    limit, so ``auto`` overran its own limit by that much); the build now stops at the deadline and the
+    ILP answers with what it has (here nothing: the warm starts had no time either)."""
+    import time
+
+    from test_executor import graph_of
+
+    from memplan.solvers import activation_bytes
+    from memplan.solvers.registry import solvers
+
+    graph = graph_of("gpt2")  # a build of about 0.25 s with offload
+    budget = graph.fixed.resident_bytes + int(activation_bytes(graph) * 0.5)
+    t0 = time.perf_counter()
+    p = solvers()["ilp"].fn(graph, budget, time_limit_s=0.05, offload=True)
+    assert p.stats["stopped"] == "time limit while building the model"
+    assert time.perf_counter() - t0 < 0.05 + 0.5

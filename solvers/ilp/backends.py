@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 from memplan.planner.core.errors import MemplanError, SolverUnavailable
@@ -27,7 +28,15 @@ class Answer:
     stats: dict = field(default_factory=dict)
 
 
+def _left(t0: float, time_limit_s: float) -> float:
+    """What is left of ``time_limit_s`` since ``t0``: building a backend's model from ours takes seconds on
+    large graphs (a 755-op GPT-2 with offload: about one), and a solver limited to the whole of it
+    overran its caller's deadline by that much."""
+    return time_limit_s - (time.perf_counter() - t0)
+
+
 def solve_cpsat(model: LinearModel, hint: dict[int, int], time_limit_s: float, workers: int) -> Answer:
+    t0 = time.perf_counter()
     try:
         from ortools.sat.python import cp_model
     except ImportError as e:  # not installed, or a conflicting HiGHS library loaded first
@@ -45,7 +54,7 @@ def solve_cpsat(model: LinearModel, hint: dict[int, int], time_limit_s: float, w
     for v, val in hint.items():
         cm.add_hint(xs[v], val)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+    solver.parameters.max_time_in_seconds = max(0.01, _left(t0, time_limit_s))
     solver.parameters.num_workers = max(1, workers)
     code = solver.solve(cm)
     stats = {"wall_s": solver.wall_time, "branches": solver.num_branches}
@@ -78,6 +87,7 @@ def pulp_problem(model: LinearModel):
 
 
 def solve_cbc(model: LinearModel, hint: dict[int, int], time_limit_s: float) -> Answer:
+    t0 = time.perf_counter()
     try:
         import pulp
     except ImportError:
@@ -88,7 +98,7 @@ def solve_cbc(model: LinearModel, hint: dict[int, int], time_limit_s: float) -> 
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "cbc.log")
         # gapRel=0: "optimal" must mean proved, not within CBC's default gap
-        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, math.ceil(time_limit_s)), warmStart=bool(hint),
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, math.ceil(_left(t0, time_limit_s))), warmStart=bool(hint),
                                 logPath=log, threads=1, gapRel=0.0)
         prob.solve(cmd)
         text = open(log).read() if os.path.exists(log) else ""
@@ -137,12 +147,13 @@ def solve_highs(model: LinearModel, time_limit_s: float) -> Answer:
 def solve_highs_here(model: LinearModel, time_limit_s: float) -> Answer:
     import pulp
 
+    t0 = time.perf_counter()
     prob, xs = pulp_problem(model)
     # gapRel=0: HiGHS stops at a 1e-4 relative gap by default and calls that optimal. Its default
     # integrality tolerance (1e-6) lets big-M rows slip, and its presolve mis-handled the offload clock's
     # big-M rows (false optima and "infeasible" on MiB-scale offload graphs): tighter on both
     opts = {"mip_feasibility_tolerance": 1e-9, **({"presolve": "off"} if model.timed else {})}
-    prob.solve(pulp.HiGHS(msg=False, timeLimit=max(0.01, time_limit_s), threads=1, gapRel=0.0, **opts))
+    prob.solve(pulp.HiGHS(msg=False, timeLimit=max(0.01, _left(t0, time_limit_s)), threads=1, gapRel=0.0, **opts))
     h = getattr(prob, "solverModel", None)
     bound = None
     if h is not None:

@@ -16,7 +16,7 @@ from memplan.solvers.ilp.blocks import solve_blocks
 from memplan.solvers.ilp.config import Config
 from memplan.solvers.ilp.formulation import Builder, Built
 from memplan.solvers.ilp.intervals import solve_intervals
-from memplan.solvers.ilp.linear import ConstantlyViolated, no_good
+from memplan.solvers.ilp.linear import BuildOutOfTime, ConstantlyViolated, no_good
 from memplan.solvers.registry import ALL_PLANS, Proposal, plan_space, register
 
 MAX_SAVED = 20_000        # the blocks formulation's reach (recompute only)
@@ -148,9 +148,17 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
     space = ALL_PLANS if outer_bound is not None else plan_space(per_use=per_use, offload=offload,
                                                                  prefetch=cfg.prefetch)
     try:
-        built = Builder(graph, budget_bytes, offload=offload, host_budget=host_budget_bytes, cfg=cfg).build()
+        built = Builder(graph, budget_bytes, offload=offload, host_budget=host_budget_bytes, cfg=cfg,
+                        deadline=deadline).build()
     except ConstantlyViolated:
         return Proposal(status="infeasible", stats={**stats, "reason": "a memory row no plan can change is over budget"})
+    except BuildOutOfTime:
+        # the time limit ended while the model was being built: the best plan so far (the warm start) is
+        # the answer, a timeout, within the caller's deadline
+        stats.update(stopped="time limit while building the model", solve_s=time.perf_counter() - t0)
+        if best is None:
+            return Proposal(status="infeasible", stats=stats, space=space)
+        return Proposal(best[1], best[2], "timeout", None, stats, space=space)
     model = built.model
     stats.update(variables=len(model.lb), rows=len(model.rows), build_s=time.perf_counter() - t0)
     hint = hint_for(built, graph, *warm, bw) if warm else {}

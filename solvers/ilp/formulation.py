@@ -6,6 +6,7 @@ package docstring for what the variables mean). :class:`Builder` reads a graph a
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from memplan.planner.core.graph import Graph
@@ -13,7 +14,7 @@ from memplan.planner.core.replay import reads_mid_chain, replay
 from memplan.planner.core.schedule import replay_op_cost_s, watch_op_cost_s
 from memplan.planner.core.simulator import default_prefetch_at, static_facts
 from memplan.solvers.ilp.config import Config
-from memplan.solvers.ilp.linear import ConstantlyViolated, Expr, LinearModel, choose_unit, lin
+from memplan.solvers.ilp.linear import BuildOutOfTime, ConstantlyViolated, Expr, LinearModel, choose_unit, lin
 from memplan.solvers.ilp.window import watch_window
 
 
@@ -54,8 +55,10 @@ class Built:
 
 
 class Builder:
-    def __init__(self, graph: Graph, budget: int, *, offload: bool, host_budget: int | None, cfg: Config):
+    def __init__(self, graph: Graph, budget: int, *, offload: bool, host_budget: int | None, cfg: Config,
+                 deadline: float | None = None):
         self.g, self.cfg = graph, cfg
+        self.deadline = deadline  # perf_counter time: past it, building stops (BuildOutOfTime)
         self.st = static_facts(graph)
         self.m = LinearModel()
         ops, tensors = graph.ops, graph.tensors
@@ -198,9 +201,14 @@ class Builder:
             e.plus(self.available(u, s, key, inclusive=True), self.b[u])
         return e
 
+    def _in_time(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise BuildOutOfTime
+
     # -- the whole model -------------------------------------------------------------------------------
     def build(self) -> Built:
         self._forward()
+        self._in_time()
         self._backward()
         for u, v in self.each.items():
             # recompute_each differs from recompute only where a replay for another target re-creates u
@@ -375,6 +383,7 @@ class Builder:
         pass_iter = iter(passes)
         nxt = next(pass_iter, None)
         for s in range(n - 1, -1, -1):
+            self._in_time()
             op = ops[s]
             if timing and self.linger:
                 self._linger(s, tau, above)

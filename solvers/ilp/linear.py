@@ -51,6 +51,10 @@ class ConstantlyViolated(Exception):
     """A row without variables that can never hold: the budget is infeasible for every plan."""
 
 
+class BuildOutOfTime(Exception):
+    """The model was not built before the solve's deadline (large graphs with offload take seconds)."""
+
+
 class Expr:
     """A linear expression with integer coefficients."""
 
