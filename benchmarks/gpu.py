@@ -19,13 +19,13 @@ Steps, most valuable first, each under its own time limit, each result written a
 3. the same model under bf16 autocast: keep everything and the 50% plan;
 4. a batch keep-everything cannot hold: ``memplan run gpt2 --set batch_size=48 --fake --budget 60GiB``.
 
-The GPU machine reaches no package registry and has its own torch: carry what it lacks as wheels (see
-``shared/GPU.md``): on a machine with the registry, ``pip download --no-deps --only-binary=:all:
---python-version 3.12 --platform manylinux2014_x86_64 -d .whl`` ortools, pulp, highspy, pydantic (with
-pydantic-core, annotated-types, typing-inspection), fastapi (with opentelemetry-api, which fastapi 0.16x
-imports), starlette, uvicorn, immutabledict, protobuf, typing_extensions at the versions ``pip freeze`` shows here; on the GPU machine ``pip install --no-index
---no-deps --target /tmp/site .whl/*.whl``, then ``pip install --no-deps --no-build-isolation --target
-/tmp/mp .`` and ``PYTHONPATH=/tmp/mp:/tmp/site``.
+The GPU machine reaches no package registry and has its own torch: carry what it lacks as wheels.
+``benchmarks/gpu_wheels.sh`` (on a machine with the registry) downloads them into ``.whl/`` at the versions
+this virtualenv has (ortools, pulp, highspy, pydantic with pydantic-core, annotated-types and
+typing-inspection, fastapi with opentelemetry-api, which fastapi 0.16x imports, starlette, uvicorn,
+immutabledict, protobuf, typing_extensions; about 50 MB); ``benchmarks/gpu_run.sh`` (on the GPU machine,
+``.whl/`` carried) installs them and memplan under ``/tmp``, runs this script and then the test suite with
+CUDA visible, each under a time limit, and packs the results into ``$OUT/results.tgz``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,23 @@
+#!/bin/bash
+# On a machine with the package registry, in the project root: download into .whl/ the wheels an offline
+# GPU machine (Python 3.12, its own torch) lacks to run memplan and its tests, at the versions this
+# virtualenv has. Then carry .whl to the GPU machine and run benchmarks/gpu_run.sh there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.whl/ >> .git/info/exclude; }
+PY=${PYTHON:-.venv/bin/python}
+# fastapi 0.16x imports opentelemetry-api; OR-Tools needs immutabledict and a recent protobuf
+NAMES="ortools pulp highspy pydantic pydantic_core annotated-types typing-inspection fastapi opentelemetry-api
+starlette uvicorn immutabledict protobuf typing_extensions"
+PINS=$($PY -m pip freeze | python3 -c "
+import sys
+want = {n.lower().replace('_', '-') for n in '''$NAMES'''.split()}
+for line in sys.stdin:
+    name = line.split('==')[0].strip().lower().replace('_', '-')
+    if name in want and '==' in line:
+        print(line.strip())")
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    -d .whl $PINS
+ls .whl
