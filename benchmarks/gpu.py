@@ -349,8 +349,8 @@ def main() -> None:
                 gpt2_side_by_side(results, sizes, rounds, autocast=True, log=log)
             _free(device)
         if "does-not-fit" in only:
-            with step(results, "a batch that does not fit", 120):
-                does_not_fit(results, args.smoke, 120 if not args.smoke else 300)
+            with step(results, "a batch that does not fit", 200):
+                does_not_fit(results, args.smoke, 200 if not args.smoke else 300)
         spread = {k: v for k, v in results.data["steps"].items() if k.endswith(":seconds")}
         print(json.dumps(spread, indent=1))
         print(f"results in {args.out}/results.json and {args.out}/section.md", flush=True)
