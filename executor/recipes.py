@@ -53,18 +53,22 @@ class HostConstant:
     stride: tuple[int, ...]
     offset: int
     device: torch.device
+    copied: Any = None   # CUDA: the event recorded after the copy to the host
 
     @staticmethod
     def of(t: torch.Tensor) -> HostConstant:
         s = t.untyped_storage()
         src = byte_view(s)
+        copied = None
         if s.device.type == "cpu":
             data: Any = bytearray(src.numpy())
-        else:  # no host sync in forward: a copy after the work that made it, read by replays after it
+        else:  # no host sync in forward: a copy after the work that made it; a replay's copy back waits for it
             data = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=True)
             data.copy_(src, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
         return HostConstant(data, s.nbytes(), t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset(),
-                            s.device)
+                            s.device, copied)
 
     def geometry(self) -> tuple:
         return ("constant", self.dtype, self.device, self.size, self.stride, self.offset, self.nbytes)
@@ -75,7 +79,8 @@ class HostConstant:
         if isinstance(self.data, bytearray):
             if self.nbytes:
                 dst.copy_(torch.frombuffer(self.data, dtype=torch.uint8))
-        else:
+        else:  # backward may run on another stream than forward's copy to the host
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
             dst.copy_(self.data, non_blocking=True)
         return storage_view(dst.untyped_storage(), self.dtype, self.size, self.stride, self.offset, self.device)
 
