@@ -482,11 +482,13 @@ def device_here(device: str | torch.device) -> Device | None:
 
 def fake_trace_device(device: torch.device, layer: Device | None) -> torch.device:
     """Where a fake step for ``device`` is traced: the device itself, but the CPU for an emulated GPU (its
-    tensors live there) and for CUDA in a torch built without it (autograd cannot wire fake CUDA tensors
-    there: the step is traced with the CPU kernels' op choices and charged as CUDA's allocator would)."""
+    tensors live there) and for CUDA on a machine without a GPU (autograd cannot wire fake CUDA tensors
+    there: the step is traced with the CPU kernels' op choices and charged as CUDA's allocator would). A
+    torch built with CUDA (the PyPI wheel) but no GPU is such a machine: its autograd engine asks the
+    driver for device 0's context and fails ("hasPrimaryContext expects a valid device index")."""
     if layer is not None and layer.emulated:
         return layer.torch_device
-    if device.type == "cuda" and not torch.backends.cuda.is_built():
+    if device.type == "cuda" and not torch.cuda.is_available():
         return torch.device("cpu")
     return device
 
