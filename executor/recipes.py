@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from memplan.planner.core.replay import Replay
+from memplan.planner.probe.device import HostBytes
 from memplan.planner.probe.storage import map_leaves
 
 
@@ -41,48 +42,29 @@ class HostConstant:
     """The argument of a recorded ``lift_fresh``: a tensor the model made from Python data in forward
     (``torch.tensor(0.0, device=...)``, as transformers 5.17 builds its attention mask), which the graph
     has its ``lift_fresh`` create and a replay re-create. Its bytes are kept on the host, outside the
-    device's allocator, and :meth:`tensor` makes a fresh device copy for each replay. The recipe holding the
-    tensor itself kept it allocated all step where plain PyTorch frees it after its last use: a replay then
-    found it resident instead of rebuilding it (one op fewer than the schedule's), the device held bytes
-    the simulator does not charge, and a forward without backward left it allocated."""
+    device's allocator (:class:`HostBytes`: no host sync on a GPU), and :meth:`tensor` makes a fresh device
+    copy for each replay. The recipe holding the tensor itself kept it allocated all step where plain
+    PyTorch frees it after its last use: a replay then found it resident instead of rebuilding it (one op
+    fewer than the schedule's), the device held bytes the simulator does not charge, and a forward without
+    backward left it allocated."""
 
-    data: Any            # a bytearray on a CPU; a pinned host buffer filled by a stream-ordered copy on CUDA
-    nbytes: int          # its storage's
+    data: HostBytes
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-    device: torch.device
-    copied: Any = None   # CUDA: the event recorded after the copy to the host
 
     @staticmethod
     def of(t: torch.Tensor) -> HostConstant:
-        s = t.untyped_storage()
-        src = byte_view(s)
-        copied = None
-        if s.device.type == "cpu":
-            data: Any = bytearray(src.numpy())
-        else:  # no host sync in forward: a copy after the work that made it; a replay's copy back waits for it
-            data = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=True)
-            data.copy_(src, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return HostConstant(data, s.nbytes(), t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset(),
-                            s.device, copied)
+        return HostConstant(HostBytes(t.untyped_storage()), t.dtype, tuple(t.size()), tuple(t.stride()),
+                            t.storage_offset())
 
     def geometry(self) -> tuple:
-        return ("constant", self.dtype, self.device, self.size, self.stride, self.offset, self.nbytes)
+        return ("constant", self.dtype, self.data.device, self.size, self.stride, self.offset, self.data.nbytes)
 
     def tensor(self) -> torch.Tensor:
         """A new device tensor with the constant's bytes and geometry."""
-        dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        if isinstance(self.data, bytearray):
-            if self.nbytes:
-                dst.copy_(torch.frombuffer(self.data, dtype=torch.uint8))
-        else:  # backward may run on another stream than forward's copy to the host
-            torch.cuda.current_stream(self.device).wait_event(self.copied)
-            dst.copy_(self.data, non_blocking=True)
-        return storage_view(dst.untyped_storage(), self.dtype, self.size, self.stride, self.offset, self.device)
+        return storage_view(self.data.storage(), self.dtype, self.size, self.stride, self.offset, self.data.device)
 
 
 @dataclass
