@@ -2,7 +2,8 @@
 
 * :class:`Recipe`: how to replay forward op ``k``: the ATen op, its arguments with activations as
   :class:`Ref` (tensor id and view geometry), where its new storages are among its outputs, and the RNG
-  state it ran from.
+  state it ran from. A constant the model makes from Python data (``lift_fresh``'s argument) is kept as a
+  :class:`HostConstant`.
 * :class:`Segment` and :class:`CompiledOp`: a replay planned once per availability state and compiled on
   its first run (see the comment above ``SEGMENTS_PER_TARGET``), reused while later steps' recipes keep
   their signatures (:func:`recipe_signature`).
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from memplan.planner.core.replay import Replay
+from memplan.planner.probe.device import HostBytes
 from memplan.planner.probe.storage import map_leaves
 
 
@@ -30,6 +32,39 @@ class Ref:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+FRESH_OPS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+@dataclass(frozen=True, eq=False)
+class HostConstant:
+    """The argument of a recorded ``lift_fresh``: a tensor the model made from Python data in forward
+    (``torch.tensor(0.0, device=...)``, as transformers 5.17 builds its attention mask), which the graph
+    has its ``lift_fresh`` create and a replay re-create. Its bytes are kept on the host, outside the
+    device's allocator (:class:`HostBytes`: no host sync on a GPU), and :meth:`tensor` makes a fresh device
+    copy for each replay. The recipe holding the tensor itself kept it allocated all step where plain
+    PyTorch frees it after its last use: a replay then found it resident instead of rebuilding it (one op
+    fewer than the schedule's), the device held bytes the simulator does not charge, and a forward without
+    backward left it allocated."""
+
+    data: HostBytes
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> HostConstant:
+        return HostConstant(HostBytes(t.untyped_storage()), t.dtype, tuple(t.size()), tuple(t.stride()),
+                            t.storage_offset())
+
+    def geometry(self) -> tuple:
+        return ("constant", self.dtype, self.data.device, self.size, self.stride, self.offset, self.data.nbytes)
+
+    def tensor(self) -> torch.Tensor:
+        """A new device tensor with the constant's bytes and geometry."""
+        return storage_view(self.data.storage(), self.dtype, self.size, self.stride, self.offset, self.data.device)
 
 
 @dataclass
@@ -128,6 +163,8 @@ def _leaf_signature(x: Any) -> Any:
         return x
     if isinstance(x, torch.Tensor):
         return ("tensor", x.dtype, x.device, tuple(x.size()), tuple(x.stride()), x.storage_offset())
+    if type(x) is HostConstant:  # its value is the recipe's data, as a tensor argument's is
+        return x.geometry()
     if isinstance(x, (list, tuple)):
         return tuple(_leaf_signature(y) for y in x)
     if isinstance(x, dict):

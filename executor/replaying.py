@@ -30,6 +30,7 @@ from memplan.executor.recipes import (
     DIRECT,
     DROP,
     FETCHABLE,
+    FRESH_OPS,
     MADE_VIEW,
     REBUILT,
     RESIDENT,
@@ -37,6 +38,7 @@ from memplan.executor.recipes import (
     SCRATCH,
     SEGMENTS_PER_TARGET,
     CompiledOp,
+    HostConstant,
     Recipe,
     Ref,
     Segment,
@@ -292,7 +294,9 @@ class Replaying:
     def _call(self, rec: Recipe, args: Any, kwargs: Any) -> Any:
         """Call a recorded op; a random one from the generator states it ran from in forward (the device
         layer forks the generators, which restores the training loop's streams afterwards, as
-        ``torch.utils.checkpoint`` does)."""
+        ``torch.utils.checkpoint`` does). A ``lift_fresh`` runs on a new copy of its constant."""
+        if rec.func in FRESH_OPS:
+            args = tuple(a.tensor() if type(a) is HostConstant else a for a in args)
         if rec.rng is None:
             return rec.func(*args, **kwargs)
         with self.ex.device.forked_rng(*rec.rng):

@@ -45,7 +45,15 @@ from typing import Any, NoReturn
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.executor.recipes import Recipe, Ref, activation_slots, storage_key, storage_view
+from memplan.executor.recipes import (
+    FRESH_OPS,
+    HostConstant,
+    Recipe,
+    Ref,
+    activation_slots,
+    storage_key,
+    storage_view,
+)
 from memplan.executor.replaying import Replaying
 from memplan.executor.resync import Resync
 from memplan.executor.transfers import Offloading
@@ -58,7 +66,6 @@ from memplan.planner.core.simulator import static_facts
 from memplan.planner.probe.device import Transfer
 from memplan.planner.probe.storage import map_leaves, storage_of, tensors_in
 
-_FRESH = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 _NODE_TAG = "memplan_executor_op"
 
 
@@ -286,14 +293,17 @@ class Step(Offloading, Replaying, Resync):
         learn = positions is None
         record = k in ex.recorded_ops  # only the ops a replay of the schedule runs
         fused = ex.fused is not None and ex.fused.pending_keys
-        inputs = [] if func in _FRESH or not (learn or fused or record) else tensors_in((args, kwargs))
+        inputs = [] if func in FRESH_OPS or not (learn or fused or record) else tensors_in((args, kwargs))
         if learn:  # every storage is seen, so that a new one is known as new
             for t in inputs:
                 self._see(t, -1)
         if fused:
             ex.fused.check_not_pending(inputs, op)
         rng = None
-        if record:
+        if record and func in FRESH_OPS:  # a constant from Python data: its value, not the tensor
+            args_r = map_leaves(lambda x: HostConstant.of(x) if isinstance(x, torch.Tensor) else x, args)
+            kwargs_r = kwargs
+        elif record:
             args_r = self._refs(args)
             kwargs_r = {key: self._refs(v) for key, v in kwargs.items()} if kwargs else kwargs
             if k in ex.rng_ops:
@@ -403,7 +413,7 @@ class Step(Offloading, Replaying, Resync):
             return x
         entry = self.by_key.get(storage_key(x))
         if entry is None or entry[0] < 0:
-            return x  # a parameter, buffer, input or constant: alive anyway, held as is
+            return x  # a parameter, buffer or input: alive anyway, held as is
         return Ref(entry[0], x.dtype, tuple(x.size()), tuple(x.stride()), x.storage_offset())
 
     def _capture_rng(self) -> tuple[bytearray, bytearray | None]:

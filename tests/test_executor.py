@@ -32,7 +32,8 @@ from memplan.planner import simulate
 from memplan.planner.core.errors import Infeasible, MemplanError, PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
-from memplan.planner.probe.measure import measure_step
+from memplan.planner.core.schedule import schedule
+from memplan.planner.probe.measure import allocator_events, cpu_allocations, measure_step
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import Workload, load_workload
 from memplan.solvers import keep_all_report, smallest_known_peak, solve
@@ -273,6 +274,70 @@ def test_a_rebuilt_input_is_found_while_autograd_holds_it():
 
     assert_same(run.trained, reference("gpt2"))
     assert run.replays == [predicted.recomputed_ops] * STEPS
+
+
+class _PythonConstant(nn.Module):
+    """``torch.where(h > 0, torch.tensor(0.5), h)``: a constant made from Python data in forward, as
+    transformers 5.17 builds GPT-2's attention mask (``torch.tensor(0.0)``); PyTorch lifts it with
+    ``lift_fresh`` and frees it after its last use."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(torch.where(h > 0, torch.tensor(0.5, dtype=h.dtype, device=h.device), h).sin())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_constant_from_python_data_is_re_created_by_its_replay(device):
+    """Every saved activation recomputed, so the replay of the ``where`` output re-creates the constant by
+    its ``lift_fresh``, as the schedule says. The recipe held the constant itself, which stayed allocated
+    all step: the replay found it resident and skipped the ``lift_fresh`` (one op fewer than the
+    schedule), and a forward without backward left its 4 bytes allocated. (On CUDA the recipe's host copy
+    of it is made without a host sync.)"""
+    torch.manual_seed(0)
+    model, x = _PythonConstant().to(device), torch.randn(8, 16, device=device)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().mean()
+
+    g = profile(copy.deepcopy(model), x, loss_fn, name="constant", device=device, progress=False, measure=False,
+                repeats=1)
+    fresh = next(op.id for op in g.ops if op.name == "aten.lift_fresh.default")
+    plan = Plan.for_graph(g, {t: Action.RECOMPUTE for t in g.saved_activations if g.tensors[t].recomputable})
+    want = [e.key() for e in schedule(g, plan).replays()]
+    assert any(fresh in e[3] for e in want)
+
+    trained = {}
+    for name in ("plain", "plan"):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        ex = apply(m, plan, graph=g, optimizer=opt) if name == "plan" else None
+        try:
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(m, x).backward()
+                opt.step()
+                if ex is not None:
+                    assert [e.key() for e in ex.last_step.events if e.kind == "replay"] == want
+                    assert ex.last_step.replays == simulate(g, plan).recomputed_ops
+            if ex is not None:  # a forward without backward: what it allocated is gone with the loss
+                if device == "cuda":
+                    before = torch.cuda.memory_allocated()
+                    loss_fn(m, x)
+                    assert torch.cuda.memory_allocated() == before
+                else:
+                    with allocator_events() as prof:
+                        loss_fn(m, x)
+                    assert sum(size for _, size in cpu_allocations(prof)) == 0
+        finally:
+            if ex is not None:
+                ex.remove()
+        trained[name] = [p.detach().clone() for p in m.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(trained["plan"], trained["plain"], strict=True))
 
 
 @pytest.mark.parametrize("method", OFFLOAD_SOLVERS)

@@ -308,6 +308,59 @@ def test_only_small_seedless_constants_are_made_for_real():
     assert isinstance(large, FakeTensor) and isinstance(drawn, FakeTensor)
 
 
+class LayerDrop(nn.Module):
+    """transformers 5.17's LayerDrop: every training step draws ``torch.rand([])`` and skips the layer when
+    the draw is below ``layerdrop`` (0.0 by default: never)."""
+
+    def __init__(self, layerdrop: float):
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        dropout_probability = torch.rand([])
+        if dropout_probability < self.layerdrop:
+            return x
+        return self.lin(x)
+
+
+def test_a_branch_on_a_draw_that_every_value_answers_alike_is_taken_and_others_are_refused(cache, same_structure):
+    """``torch.rand([]) < 0.0`` is false whatever the draw: the fake trace takes the branch the real step
+    takes (it was refused: ``.item()`` of a fake tensor); at ``layerdrop`` 0.1 the branch depends on the
+    draw, and the fake trace refuses it naming the op."""
+    x = torch.randn(4, 8)
+
+    def loss(m, b):
+        return m(b).pow(2).mean()
+
+    real = profile(LayerDrop(0.0), x, loss, device="cpu", progress=False, measure=False, repeats=1)
+    fake = profile(LayerDrop(0.0), x, loss, device="cpu", progress=False, fake=True,
+                   timer=OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0))
+    same_structure(real, fake)
+    assert any(op.name == "aten.addmm.default" for op in fake.ops)
+    with pytest.raises(FakeTraceError, match="aten._local_scalar_dense"):
+        profile(LayerDrop(0.1), x, loss, device="cpu", progress=False, fake=True,
+                timer=OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0))
+
+
+def test_a_draw_written_in_place_or_compared_with_a_number_inside_its_range_stays_fake():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from memplan.planner.probe.fake import fake_call
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        d = fake_call(aten.rand.default, ([],), {}, "m")
+        below = fake_call(aten.lt.Scalar, (fake_call(aten.detach.default, (d,), {}, "m"), 0.0), {}, "m")
+        above = fake_call(aten.ge.Scalar, (d, 1.5), {}, "m")
+        inside = fake_call(aten.lt.Scalar, (d, 0.5), {}, "m")
+        fake_call(aten.mul_.Scalar, (d, 4.0), {}, "m")  # values now in [0, 4)
+        written = fake_call(aten.lt.Scalar, (d, 2.0), {}, "m")
+    assert not isinstance(below, FakeTensor) and not below.item()
+    assert not isinstance(above, FakeTensor) and not above.item()
+    assert isinstance(inside, FakeTensor) and isinstance(written, FakeTensor)
+
+
 class GroupedExperts(nn.Module):
     """Tokens routed to one of 4 experts by argmax, sorted, and multiplied in one float32 grouped product
     (a mixture-of-experts layer's static form: the offsets are data, the shapes are not)."""

@@ -16,6 +16,7 @@ import torch
 from memplan.executor import apply
 from memplan.executor.recipes import recipe_signature
 from memplan.planner.core.plan import Action, Plan
+from memplan.planner.core.schedule import schedule
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import Workload, load_workload
 from memplan.solvers import keep_all_report, smallest_known_peak, solve
@@ -41,9 +42,18 @@ def setup() -> tuple[Workload, Plan]:
     pristine = copy.deepcopy(w.model)
     g = profile(w.model, w.batch, w.loss_fn, name="gpt2", device="cpu", progress=False, measure=False, repeats=1)
     g.watch_op_dispatch_s = g.replay_op_dispatch_s = 0.0  # as tests/test_executor.py: replays wanted here
+    # Op times from the bytes each op reads and writes, not profiled: the plan is then the same on every
+    # machine. With profiled times, a loaded 14-worker machine's plan replayed no dropout, and the tests
+    # below, which need replays that run one, failed there.
+    for op in g.ops:
+        op.time_s = 1e-7 + 1e-10 * sum(g.tensors[t].bytes for t in (*op.inputs, *op.outputs))
+        op.backward_time_s = 2 * op.time_s
+    g.invalidate()
     lo, hi = smallest_known_peak(g), keep_all_report(g).peak_bytes
     plan = solve(g, lo + (hi - lo) // 4, "dp", time_limit_s=2.0).plan
     assert plan.count(Action.RECOMPUTE) > 0
+    replayed = {p for e in schedule(g, plan).replays() for p in e.ops}
+    assert any(g.ops[p].random for p in replayed), "the plan replays no dropout: the tests below need one"
     w.model = pristine
     return w, plan, g
 

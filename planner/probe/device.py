@@ -93,6 +93,38 @@ class CopyStream:
         """Wait until every copy issued has finished (the host blocks)."""
 
 
+class HostBytes:
+    """A storage's bytes kept on the host, outside the allocators a peak is read from, and copied back to a
+    new storage on its device by :meth:`storage`. A CPU storage's go to a ``bytearray``; a GPU storage's to
+    a pinned buffer, by a copy on the current stream that the host does not wait for (the copy back waits
+    for its event: it may be issued on another stream, backward's)."""
+
+    __slots__ = ("data", "nbytes", "device", "copied")
+
+    def __init__(self, storage: torch.UntypedStorage):
+        self.nbytes = storage.nbytes()
+        self.device = storage.device
+        src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (self.nbytes,), (1,))
+        self.copied = None
+        if self.device.type == "cpu":
+            self.data: Any = bytearray(src.numpy())
+        else:
+            self.data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self.data.copy_(src, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def storage(self) -> torch.UntypedStorage:
+        dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        if self.copied is None:
+            if self.nbytes:
+                dst.copy_(torch.frombuffer(self.data, dtype=torch.uint8))
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+            dst.copy_(self.data, non_blocking=True)
+        return dst.untyped_storage()
+
+
 class Device:
     """A CPU: exact bytes, no allocator counters (read the reports), synchronous copies."""
 
@@ -482,11 +514,13 @@ def device_here(device: str | torch.device) -> Device | None:
 
 def fake_trace_device(device: torch.device, layer: Device | None) -> torch.device:
     """Where a fake step for ``device`` is traced: the device itself, but the CPU for an emulated GPU (its
-    tensors live there) and for CUDA in a torch built without it (autograd cannot wire fake CUDA tensors
-    there: the step is traced with the CPU kernels' op choices and charged as CUDA's allocator would)."""
+    tensors live there) and for CUDA on a machine without a GPU (autograd cannot wire fake CUDA tensors
+    there: the step is traced with the CPU kernels' op choices and charged as CUDA's allocator would). A
+    torch built with CUDA (the PyPI wheel) but no GPU is such a machine: its autograd engine asks the
+    driver for device 0's context and fails ("hasPrimaryContext expects a valid device index")."""
     if layer is not None and layer.emulated:
         return layer.torch_device
-    if device.type == "cuda" and not torch.backends.cuda.is_built():
+    if device.type == "cuda" and not torch.cuda.is_available():
         return torch.device("cpu")
     return device
 

@@ -22,6 +22,12 @@ tensor argument, no random stream, at most :data:`REAL_CONSTANT_MAX_BYTES`) is m
 batch is, and what is computed from it and the batch alone runs for real: such code has real values to
 branch on, and takes the real path. (Telling transformers that fake tensors are not traced would not do:
 a branch on a fake activation's values cannot be taken at all, and is refused as above.)
+
+A branch on a random draw whose answer does not depend on the draw is taken too: transformers 5.17's
+LayerDrop draws ``torch.rand([])`` in every training step and skips the layer when it is below
+``layerdrop``, 0.0 by default, which no draw is. A uniform draw (``rand``, ``rand_like``) stays fake (its
+values are the step's own), its range is remembered, and a comparison of it with a number that every
+value in that range answers alike is made for real (:func:`_track_range`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.probe.device import holds_real_tensors
@@ -89,10 +96,70 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
                              f"profile without --fake (fake=False)") from None
     except RuntimeError as e:
         out = _kernel_on_zeros(func, args, kwargs, tensors, e)
+    if isinstance(func, torch._ops.OpOverload):
+        known = _track_range(func, args, out)
+        if known is not None:
+            return known
     if not tensors and _small_constant(func, out):
         with _disable_current_modes():
             return func(*args, **kwargs)
     return out
+
+
+_aten = torch.ops.aten
+# uniform draws: their values lie in [0, 1), taken as [0, 1] so as not to rely on how a kernel treats 1
+_UNIFORM = (_aten.rand, _aten.rand_like)
+_RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()   # fake tensor -> (low, high) of its values
+
+
+def _answer(always: bool, never: bool) -> bool | None:
+    return True if always else False if never else None
+
+
+# a comparison ``x OP c`` of values x in [low, high] with a number c: its one answer, or None if it depends on x
+_COMPARISONS = {
+    _aten.lt: lambda low, high, c: _answer(high < c, low >= c),
+    _aten.le: lambda low, high, c: _answer(high <= c, low > c),
+    _aten.gt: lambda low, high, c: _answer(low > c, high <= c),
+    _aten.ge: lambda low, high, c: _answer(low >= c, high < c),
+}
+
+
+def _track_range(func: Any, args: tuple, out: Any) -> torch.Tensor | None:
+    """Remember the range of ``out``'s values where it is known (:data:`_RANGES`): a uniform draw's, and
+    a view's of a tensor with a known range (the ``detach`` of a draw); an op that writes in place forgets
+    them all. A comparison of a tensor with a known range and a number that every value in the range
+    answers alike (``torch.rand([]) < 0.0`` is false) returns that answer made for real, when it is small
+    enough to make here; None otherwise."""
+    if _RANGES and func._schema.is_mutable:
+        _RANGES.clear()  # a write in place may change a remembered tensor's values, through any view of it
+    if not isinstance(out, FakeTensor):
+        return None
+    packet = func.overloadpacket
+    if packet in _UNIFORM:
+        _RANGES[out] = (0.0, 1.0)
+        return None
+    x = args[0] if args and _RANGES else None
+    bounds = _RANGES.get(x) if isinstance(x, FakeTensor) else None
+    if bounds is None:
+        return None
+    returns = func._schema.returns
+    if returns and returns[0].alias_info is not None:  # a view (not a write: those forgot every range)
+        if out.dtype == x.dtype:  # the same values, unless it reinterprets their bytes
+            _RANGES[out] = bounds
+        return None
+    decide = _COMPARISONS.get(packet)
+    c = args[1] if len(args) > 1 else None
+    if decide is None or type(c) not in (int, float):
+        return None
+    answer = decide(*bounds, c)
+    if answer is None or out.numel() * out.element_size() > REAL_CONSTANT_MAX_BYTES:
+        return None
+    if not holds_real_tensors(out.device):
+        return None
+    with _disable_current_modes():
+        real = torch.empty_strided(tuple(out.shape), tuple(out.stride()), dtype=out.dtype, device=out.device)
+        return real.fill_(answer)
 
 
 def _kernel_on_zeros(func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
