@@ -515,7 +515,8 @@ def device_here(device: str | torch.device) -> Device | None:
 def fake_trace_device(device: torch.device, layer: Device | None) -> torch.device:
     """Where a fake step for ``device`` is traced: the device itself, but the CPU for an emulated GPU (its
     tensors live there) and for CUDA on a machine without a GPU (autograd cannot wire fake CUDA tensors
-    there: the step is traced with the CPU kernels' op choices and charged as CUDA's allocator would). A
+    there: the step is traced with the CPU kernels' op choices, but for attention and dropout, which take the
+    GPU's (:mod:`memplan.planner.probe.kernels`), and charged as CUDA's allocator would). A
     torch built with CUDA (the PyPI wheel) but no GPU is such a machine: its autograd engine asks the
     driver for device 0's context and fails ("hasPrimaryContext expects a valid device index")."""
     if layer is not None and layer.emulated:
