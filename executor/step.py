@@ -123,7 +123,7 @@ class Step(Offloading, Replaying, Resync):
     class matches forward ops to the graph and packs and unpacks saved tensors."""
 
     def __init__(self, ex: Any):
-        self.ex = ex if isinstance(ex, weakref.ProxyType) else weakref.proxy(ex)  # owned by the executor
+        self.ex = weakref.proxy(ex)  # the Executor, which owns this step
         self.g = ex.graph
         self.cursor = 0
         self.forward_done = False
