@@ -15,6 +15,9 @@ ask a :class:`Device` what they need and never test ``is_cuda`` or call ``torch.
 * **streams and events**: offload copies run on a copy stream (:class:`CopyStream`); a copy's
   :class:`Transfer` says whether it is known complete (``done()``, an event query) and makes compute wait
   for it (``wait()``); on a CPU a copy is synchronous and complete at once;
+* **pages**: a CPU's C allocator gives memory back to the kernel within a step and its next writes fault
+  fresh pages (``returns_pages``; :mod:`memplan.planner.probe.hostheap` charges them in fake profiles);
+  CUDA's caching allocator keeps its blocks;
 * **pinned host memory**, **synchronisation**, **random generator states**, the device's name, cache and
   memory sizes, and its host-link bandwidth.
 
@@ -131,6 +134,9 @@ class Device:
     type = "cpu"              # what a graph profiled here records as its device
     emulated = False
     has_allocator_counters = False  # memory_allocated / max_memory_allocated exist
+    # the allocator gives memory back to the kernel within a step, so a step's writes fault fresh pages
+    # (the C allocator: planner/probe/hostheap.py); a caching allocator (CUDA's) keeps its blocks
+    returns_pages = True
 
     def __init__(self, torch_device: torch.device | None = None):
         self.torch_device = torch_device or torch.device("cpu")
@@ -220,6 +226,7 @@ class CudaDevice(Device):
 
     type = "cuda"
     has_allocator_counters = True
+    returns_pages = False
 
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated(self.torch_device)
@@ -437,6 +444,7 @@ class EmulatedCudaDevice(Device):
 
     type = "cuda"
     emulated = True
+    returns_pages = False  # the emulated device is a GPU: its caching allocator keeps its blocks
 
     def __init__(self, workspace_bytes: int = 0):
         super().__init__(torch.device("cpu"))

@@ -17,6 +17,10 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
   into cache and leaves the cold ones in memory; a call with none is timed warm, as before. Timed all
   warm (the same tensors again and again), a memory-bound op looked up to 8 times faster on CPU than in
   the step; timed all cold (everything flushed, code included), a tiny op looked 20 times slower.
+  On a CPU each timed run is taken net of the page faults it took (``getrusage``, at the cost of a fresh
+  page measured here): an output above glibc's mmap threshold is mapped afresh every run and one below
+  it never is, while the step's own faults are charged apart where the step takes them
+  (:mod:`memplan.planner.probe.hostheap`).
   A second pass runs each call once more under the allocator's eye (CPU: ``torch.profiler`` allocation
   events in a ``memplan:<n>`` range; CUDA: ``max_memory_allocated``) for its high-water mark, which the
   profiler turns into workspace as it does for a real step. Results go to an on-disk cache keyed by the
@@ -57,6 +61,7 @@ from memplan.planner.core.devicespec import DeviceSpec, parse_device_spec
 from memplan.planner.core.opclass import op_class
 from memplan.planner.probe.device import Device, device_here, device_of
 from memplan.planner.probe.grouped import TIMING_VALUES, fill_offsets, grouped_mm_flops, is_grouped_mm
+from memplan.planner.probe.hostheap import fresh_page_cost_s, process_faults
 from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
@@ -524,11 +529,17 @@ class OpTimer:
         self.stats = TimerStats()
         self._local: DeviceSpec | None = None
         self._flush: torch.Tensor | None = None
+        # a CPU's runs are timed net of the page faults they take (planner/probe/hostheap.py): an output
+        # above glibc's mmap threshold faults every run, one below it none, and the step's own faults
+        # are charged apart, where the step takes them
+        self.net_faults = spec is None and self.layer.returns_pages
+        self._fault_s: float | None = None
 
     @property
     def identity(self) -> str:
         """What a cached time depends on besides the call: the device, torch version and timing method."""
-        return f"{device_identity(self.device)}|timing={'cold' if self.cold else 'warm'}"
+        faults = "|faults=net" if self.net_faults else ""
+        return f"{device_identity(self.device)}|timing={'cold' if self.cold else 'warm'}{faults}"
 
     def cache_key(self, call: OpCall, cold: frozenset[int] = frozenset()) -> str:
         """The cache's key for ``call``'s time under this timer with the arguments ``cold`` timed cold:
@@ -547,6 +558,13 @@ class OpTimer:
             self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.float32, device=self.device)
         self._flush.fill_(1.0)
         self._sync()
+
+    def fault_cost_s(self) -> float:
+        """Seconds a fresh page's first write costs here, taken off each timed run per fault it took (0
+        where runs are not timed net of faults)."""
+        if self._fault_s is None:
+            self._fault_s = fresh_page_cost_s() if self.net_faults else 0.0
+        return self._fault_s
 
     def local_spec(self) -> DeviceSpec:
         if self._local is None:
@@ -636,6 +654,7 @@ class OpTimer:
                 spare = {i: flat for i, flat in storages.items() if i not in cold}
                 spare_args, spare_kwargs = materialise(call, self.device, spare)
             clock = self.layer.clock()
+            fault_s = self.fault_cost_s()
             times: list[float] = []
             most = _MAX_COLD_RUNS if cold else _MAX_RUNS
             target_s = self.target_s / self.sweeps  # the sweeps share the call's time budget
@@ -645,10 +664,14 @@ class OpTimer:
                     out = call.func(*spare_args, **spare_kwargs)
                     self._sync()
                     del out
+                faults = process_faults() if fault_s else 0
                 start = clock()
                 out = call.func(*args, **kwargs)
                 self._sync()
-                times.append(clock() - start)
+                seconds = clock() - start
+                if fault_s:
+                    seconds = max(0.0, seconds - (process_faults() - faults) * fault_s)
+                times.append(seconds)
                 del out  # one output at a time: the working set stays one call's
             return statistics.median(times)
         except Exception:  # noqa: BLE001 - any failure means "cannot run alone": analytic instead

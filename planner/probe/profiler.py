@@ -70,6 +70,7 @@ from memplan.planner.core.build import build_graph
 from memplan.planner.core.devicespec import DeviceSpec, round_allocation
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import FixedMemory, Graph, Measured
+from memplan.planner.probe import hostheap
 from memplan.planner.probe.device import (
     Device,
     default_device_type,
@@ -301,14 +302,24 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     # keep other tensors (attention, dropout: planner/probe/kernels.py); the emulation's step runs on the
     # CPU for real, with the CPU's kernels, and is traced with them
     gpu_kernels = kind == "cuda" and traced_on.type == "cpu" and layer is None
+    # a step on this CPU takes page faults where its allocator maps memory afresh: the fake steps give
+    # each storage a shadow block of the allocator's (planner/probe/hostheap.py)
+    shadow, no_shadow = _shadow(layer, device_spec)
     with _progress(progress, name, 4) as advance, \
             (cuda_kernel_choices() if gpu_kernels else contextlib.nullcontext()), \
-            fake_step_state(model, example_batch, optimizer, traced_on) as st:
+            fake_step_state(model, example_batch, optimizer, traced_on) as st, \
+            contextlib.closing(shadow) if shadow is not None else contextlib.nullcontext():
         model.train()
         stack: list[str] = []
         guard = FakeGuard(stack)
-        with module_stack(model, stack, [guard]), guard:  # the warm-up creates the (fake) optimizer state
-            training_step(model, st.batch, loss_fn, st.optimizer)
+        # the warm-up creates the (fake) optimizer state; shadowed, it also brings the allocator to the
+        # state of steady training, and its last steps are counted
+        warmups = hostheap.WARMUP_STEPS if shadow is not None else 1
+        for i in range(warmups):
+            with module_stack(model, stack, [guard]), guard, \
+                    hostheap.ShadowMode(shadow) if shadow is not None else contextlib.nullcontext(), \
+                    shadow.step() if shadow is not None and i > 0 else contextlib.nullcontext():
+                training_step(model, st.batch, loss_fn, st.optimizer)
         advance()
         state = [t for s in st.optimizer.state.values() for t in tensors_in(s)]
         seen: set[int] = set()
@@ -319,8 +330,10 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                             optimizer_state_bytes=unique_bytes(state, seen, charge))
         tracer = traced_step(model, st.batch, loss_fn, st.optimizer,
                              {"param": st.params, "buffer": st.buffers, "input": st.inputs}, lambda: None,
-                             structure=True, memory="fake", charge_as=charge)
+                             structure=True, memory="fake", charge_as=charge, shadow=shadow)
         first = tracer.trace
+        if shadow is not None:
+            shadow.close()
         advance()
         lifetimes = forward_lifetimes(model, st.batch, loss_fn, [op.name for op in first.ops], fake=True)
         optimizer_name = type(st.optimizer).__name__
@@ -352,6 +365,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         if timing.source == "analytic" and phase in ("forward", "backward"):
             analytic.add(clock)
     tracer.apply_scratch()
+    optimizer_time_s += _charge_fresh_pages(first, shadow)
     advance()
     stats = timer.stats
     meta = {
@@ -370,6 +384,8 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     }
     if layer is not None and layer.emulated:
         meta["emulated"] = True
+    if layer is not None and layer.returns_pages and device_spec is None:
+        meta["fresh_pages"] = _fresh_pages_meta(shadow, no_shadow)
     bandwidth = device_spec.host_bandwidth_bytes_per_s if device_spec else layer.host_bandwidth_bytes_per_s()
     graph = build_graph(first, name=name, device=kind, fixed=fixed, optimizer_time_s=optimizer_time_s,
                         fingerprint=model_fingerprint(model), host_bandwidth_bytes_per_s=bandwidth, meta=meta,
@@ -386,6 +402,54 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
     graph.watch_op_dispatch_s = WATCH_OP_DISPATCH_S
     return graph
+
+
+def _shadow(layer: Device | None, device_spec: DeviceSpec | None) -> tuple[hostheap.Shadow | None, str | None]:
+    """The shadow of a fake profile's steps (planner/probe/hostheap.py), or None and why there is none: only
+    a CPU's allocator returns pages within a step, and only glibc's is shadowed."""
+    if device_spec is not None or layer is None or not layer.returns_pages:
+        return None, "the device's allocator keeps its blocks"
+    why = hostheap.unsupported()
+    if why is not None:
+        return None, why
+    return hostheap.Shadow(), None
+
+
+def _charge_fresh_pages(trace: Any, shadow: hostheap.Shadow | None) -> float:
+    """Add what the step's fresh pages cost to the ops whose allocations take them: the mean of the counted
+    steps' pages, in the traced step's proportions, at this machine's cost of a fresh page. Returns the
+    optimizer step's share (forward ops and backward steps are charged in ``trace``)."""
+    if shadow is None or shadow.failed is not None or not shadow.step_totals:
+        return 0.0
+    traced = {where: n for where, n in shadow.pages.items() if where[0] in ("forward", "backward", "optimizer")}
+    total = sum(traced.values())
+    counted = shadow.step_totals[-hostheap.COUNTED_STEPS:]
+    if total == 0:
+        return 0.0
+    seconds_per_page = hostheap.fresh_page_cost_s() * statistics.mean(counted) / total
+    optimizer_s = 0.0
+    for (phase, clock), n in traced.items():
+        seconds = n * seconds_per_page
+        if phase == "forward" and 0 <= clock < len(trace.ops):
+            trace.ops[clock].time_s += seconds
+        elif phase == "backward":
+            trace.backward_time_s[clock] = trace.backward_time_s.get(clock, 0.0) + seconds
+        elif phase == "optimizer":
+            optimizer_s += seconds
+    return optimizer_s
+
+
+def _fresh_pages_meta(shadow: hostheap.Shadow | None, no_shadow: str | None) -> dict[str, Any]:
+    """``meta["fresh_pages"]``: what the profile charged for the step's fresh pages, or why nothing."""
+    if shadow is None:
+        return {"charged": False, "why": no_shadow}
+    if shadow.failed is not None:
+        return {"charged": False, "why": shadow.failed}
+    counted = shadow.step_totals[-hostheap.COUNTED_STEPS:]
+    cost = hostheap.fresh_page_cost_s()
+    pages = statistics.mean(counted) if counted else 0.0
+    return {"charged": True, "pages_per_step": pages, "steps_counted": counted,
+            "seconds_per_page": cost, "seconds_per_step": pages * cost, "page_bytes": hostheap.PAGE}
 
 
 def _resident_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None,

@@ -26,6 +26,7 @@ from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.graph import DETACH
 from memplan.planner.probe.device import Device
 from memplan.planner.probe.fake import fake_call
+from memplan.planner.probe.hostheap import Shadow
 from memplan.planner.probe.measure import allocation_highs, allocator_events
 from memplan.planner.probe.optime import OpCall, record_call
 from memplan.planner.probe.storage import dtype_name, storage_keys, storage_of, tensors_in
@@ -66,6 +67,7 @@ class Tracer(TorchDispatchMode):
         self.refs: dict[int, weakref.ref] = {}
         self.pending: tuple[int, list[torch.Tensor]] | None = None  # last op's outputs, for their grad_fn
         self.written: dict[Any, list[tuple[int, str]]] = {}
+        self.shadow: Shadow | None = None  # fake CPU steps: each new storage's shadow block (hostheap.py)
 
     # -- storages ---------------------------------------------------------------------------------------
     def register(self, t: torch.Tensor, kind: str) -> int | None:
@@ -84,6 +86,8 @@ class Tracer(TorchDispatchMode):
                                                 requires_grad=kind != "activation" and t.requires_grad))
         self.by_key[key] = tid
         self.refs[tid] = weakref.ref(s, lambda _ref, tid=tid, key=key: self._died(tid, key))
+        if self.shadow is not None and kind == "activation":
+            self.shadow.born(s, (self.phase, self.clock))
         return tid
 
     def _died(self, tid: int, key: int) -> None:
@@ -340,7 +344,7 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
 def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                 fixed_tensors: dict[str, list[torch.Tensor]], sync: Callable[[], None], *,
                 structure: bool, memory: str = "off", charge_as: str | None = None,
-                device: Device | None = None) -> Tracer:
+                device: Device | None = None, shadow: Shadow | None = None) -> Tracer:
     """One :func:`memplan.planner.workloads.training_step` under a :class:`Tracer`; returns the tracer, whose
     ``trace`` is what the step did. ``fixed_tensors``: the ``"param"``, ``"buffer"`` and ``"input"``
     tensors, registered before the step. ``structure``: also record saved tensors (the graph walk) and
@@ -348,10 +352,13 @@ def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.
     kernel scratch is read ("off", "cuda", "cpu", "fake"; see ``Tracer.run_call``); a fake step's marks
     are applied (``Tracer.apply_scratch``) by the caller once its calls are timed. ``charge_as``: the
     device type whose allocator rounding storage sizes get (None: their own); ``device``: the device layer
-    whose counters and clock are read (None: a CPU's)."""
+    whose counters and clock are read (None: a CPU's). ``shadow``: gives each storage the step creates its
+    shadow block and counts the step's fresh pages by ``(phase, op)`` (a fake step on a CPU:
+    :mod:`memplan.planner.probe.hostheap`)."""
     trace = Trace()
     stack: list[str] = []
     tracer = Tracer(trace, stack, sync, memory, charge_as, device)
+    tracer.shadow = shadow
     tracer_ref: list[Tracer | None] = [tracer]
     for kind in ("param", "buffer", "input"):
         for t in fixed_tensors[kind]:
@@ -392,7 +399,8 @@ def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.
         return out
 
     optimizer.zero_grad(set_to_none=True)  # the previous step's gradients go before anything is watched
-    with allocator_events() if memory == "cpu" else contextlib.nullcontext() as prof:
+    with allocator_events() if memory == "cpu" else contextlib.nullcontext() as prof, \
+            shadow.step() if shadow is not None else contextlib.nullcontext():
         training_step(model, batch, loss_fn, optimizer, run_phase=run_phase)
     tracer_ref[0] = None
     if memory == "cpu":

@@ -1,0 +1,179 @@
+"""Fresh host pages (planner/probe/hostheap.py): the page account against the kernel's own count of page
+faults when the blocks are really written (the independent oracle), the shadow's refusals, isolated times
+net of their faults, and a fake CPU profile charging a step's faults where the step takes them."""
+
+import ctypes
+import random
+import resource
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memplan.planner.probe import hostheap
+from memplan.planner.probe.hostheap import HostHeap, Shadow, ShadowError, _Pages
+from memplan.planner.probe.optime import OpCall, OpTimer, TensorMeta
+from memplan.planner.probe.profiler import profile
+
+pytestmark = pytest.mark.skipif(hostheap.unsupported() is not None, reason=str(hostheap.unsupported()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 200), st.integers(0, 60)), max_size=60))
+def test_the_page_set_counts_and_forgets_as_a_python_set_does(ops):
+    pages, oracle = _Pages(), set()
+    for touch, a, n in ops:
+        if touch:
+            fresh = pages.touch(a, a + n)
+            assert fresh == len(set(range(a, a + n)) - oracle)
+            oracle |= set(range(a, a + n))
+        else:
+            pages.drop(a, a + n)
+            oracle -= set(range(a, a + n))
+        assert pages.count() == len(oracle)
+        assert all(s < e for s, e in zip(pages.starts, pages.ends, strict=True))
+        assert all(e < s for e, s in zip(pages.ends, pages.starts[1:], strict=False))  # disjoint, not adjacent
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_account_predicts_the_faults_of_really_writing_each_block(seed):
+    """Random steps of allocations and frees (4 KiB to 48 MiB: heap blocks, mapped ones above glibc's
+    threshold, trims of the heap's top): the pages the account calls fresh are the faults the kernel
+    counts when each block is then written page by page, step after step."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([4096, 70_000, 300_000, 2**20, 3 * 2**20 + 5, 9 * 2**20, 48 * 2**20]) for _ in range(60)]
+    heap = HostHeap()
+    live: dict[int, tuple[int, int]] = {}
+    predicted = measured = 0
+    for step in range(4):
+        order = list(range(len(sizes)))
+        for i in order:
+            address, fresh = heap.alloc(sizes[i])
+            before = _faults()
+            for off in range(0, sizes[i], 4096):
+                ctypes.memset(address + off, 1, 1)
+            ctypes.memset(address + sizes[i] - 1, 1, 1)
+            if step > 0:
+                predicted += fresh
+                measured += _faults() - before
+            live[i] = (address, sizes[i])
+            if rng.random() < 0.6:  # most die soon, as activations in backward
+                j = rng.choice(list(live))
+                heap.free(*live.pop(j))
+        for j in list(live):
+            heap.free(*live.pop(j))
+    assert measured > 10_000  # the steps did fault: the comparison is not of zeros
+    assert abs(predicted - measured) <= 0.02 * measured + 64
+
+
+def test_a_block_the_allocator_cannot_give_stops_the_shadow_cleanly():
+    with pytest.raises(ShadowError, match="no block"):
+        HostHeap().alloc(1 << 60)
+    shadow = Shadow()
+    small = torch.empty(1024, dtype=torch.uint8)
+    shadow.born(small.untyped_storage(), "a")
+    assert shadow.live
+    with FakeTensorMode():
+        huge = torch.empty(1 << 60, dtype=torch.uint8)
+    shadow.born(huge.untyped_storage(), "b")
+    assert shadow.failed is not None and "no block" in shadow.failed
+    assert not shadow.live  # what it held is freed
+    shadow.born(small.untyped_storage(), "c")  # nothing more after a failure
+    assert not shadow.live
+
+
+def test_a_shadow_block_is_freed_when_its_storage_dies():
+    shadow = Shadow()
+    with FakeTensorMode():
+        t = torch.empty(40 * 2**20, dtype=torch.uint8)  # above the mmap threshold: mapped and unmapped
+    with shadow.step():
+        shadow.born(t.untyped_storage(), ("forward", 0))
+    assert len(shadow.live) == 1 and shadow.step_totals[-1] == shadow.pages[("forward", 0)] >= 40 * 2**20 // 4096
+    del t
+    assert not shadow.live
+
+
+def test_isolated_runs_are_timed_net_of_their_faults(tmp_path, monkeypatch):
+    """Each timed run's faults (counted around it) are taken off at the cost of a fresh page: a clock that
+    advances 1 s per run and a run that takes 100 faults at 4 ms each times 0.6 s."""
+    x = torch.rand(64)
+    meta = TensorMeta(tuple(x.shape), tuple(x.stride()), 0, x.dtype, 0, x.untyped_storage().nbytes())
+    call = OpCall(torch.ops.aten.relu.default, (meta,), {}, "cpu")
+    timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path, min_runs=1, target_s=0.0, cold=False, sweeps=1,
+                    eager=False)
+    assert timer.net_faults and "faults=net" in timer.identity
+    ticks = iter(range(1000))
+    monkeypatch.setattr(timer.layer, "clock", lambda: lambda: float(next(ticks)))
+    faults = iter(range(0, 100_000, 100))  # read before and after each run: 100 faults each run
+    monkeypatch.setattr("memplan.planner.probe.optime.process_faults", lambda: next(faults))
+    monkeypatch.setattr(timer, "_fault_s", 0.004)
+    (timing,) = timer.time([call])
+    assert timing.time_s == pytest.approx(0.6)
+
+
+def test_a_timer_for_a_gpu_or_a_spec_takes_no_fault_off(tmp_path):
+    from memplan.planner.core.devicespec import load_device_spec
+    from memplan.planner.probe.device import emulate_cuda
+
+    assert not OpTimer(torch.device("cpu"), cache_dir=tmp_path, spec=load_device_spec("h100-80gb")).net_faults
+    with emulate_cuda():
+        assert not OpTimer(torch.device("cuda"), cache_dir=tmp_path).net_faults
+
+
+class _Wide(nn.Module):
+    """A step whose activations are 48 MiB each: above glibc's largest mmap threshold, each is mapped when
+    made and unmapped when freed, so every step faults all their pages again."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(256, 6144)
+        self.b = nn.Linear(6144, 256)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _profile(model, x, tmp_path):
+    timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path, min_runs=1, target_s=0.0, sweeps=1, eager=False)
+    return profile(model, x, lambda m, b: m(b).pow(2).mean(), device="cpu", progress=False, fake=True,
+                   timer=timer)
+
+
+def test_a_fake_cpu_profile_charges_the_steps_fresh_pages_to_the_ops_that_take_them(tmp_path):
+    torch.manual_seed(0)
+    graph = _profile(_Wide(), torch.randn(2048, 256), tmp_path)
+    fresh = graph.meta["fresh_pages"]
+    assert fresh["charged"] is True, fresh
+    wide = 2048 * 6144 * 4 // 4096  # pages of one 48 MiB activation
+    # forward makes two of them (the linear's output and the relu's), backward their two gradients
+    assert fresh["pages_per_step"] >= 4 * wide
+    assert 0 < fresh["seconds_per_page"] < 1e-4
+    addmm = next(op for op in graph.ops if op.name == "aten.addmm.default" and
+                 graph.tensors[op.outputs[0]].bytes == wide * 4096)
+    assert addmm.time_s >= 0.5 * wide * fresh["seconds_per_page"]  # its output's faults, in proportion
+
+
+def test_no_page_is_charged_where_the_allocator_is_not_glibcs_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000000")
+    graph = _profile(_Wide(), torch.randn(64, 256), tmp_path)
+    assert graph.meta["fresh_pages"] == {"charged": False,
+                                         "why": "MALLOC_TRIM_THRESHOLD_ is set (glibc's settings by environment "
+                                                "are not modelled)"}
+
+
+def test_an_emulated_gpus_fake_profile_charges_no_page(tmp_path):
+    from memplan.planner.probe.device import emulate_cuda
+
+    with emulate_cuda():
+        model = _Wide()
+        timer = OpTimer(torch.device("cuda"), cache_dir=tmp_path, min_runs=1, target_s=0.0, sweeps=1, eager=False)
+        graph = profile(model, torch.randn(64, 256), lambda m, b: m(b).pow(2).mean(), device="cuda",
+                        progress=False, fake=True, timer=timer)
+    assert "fresh_pages" not in graph.meta
