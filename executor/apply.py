@@ -141,10 +141,12 @@ class Executor:
         self.recorded_ops = frozenset(p for ev in self.schedule.replays() for p in ev.ops)
         self.records = bool(self.recorded_ops)
         self.rng_ops = frozenset(p for p in self.recorded_ops if graph.ops[p].random)
-        # A plan that moves nothing needs no per-op work: without fusion, a step runs with neither the
+        # A plan that moves nothing needs no per-op work: without forward fusion, a step runs with neither the
         # op-counting mode nor the saved-tensor hooks (plain training; the op-by-op graph check is skipped,
         # there being no decision it protects).
-        self.watch = bool(self.actions) or fuse is not None
+        # Forward fusion checks each forward op's inputs against the updates still pending; backward fusion
+        # works from gradient hooks alone and watches what the plan needs, as without fusion.
+        self.watch = bool(self.actions) or fuse == "forward"
         self.prefetch_order = prefetch_order(self.schedule.prefetch_at)
         self.release_order = release_order(self.schedule.released)
         self.pins = dict(self.schedule.pins)
@@ -153,7 +155,7 @@ class Executor:
         # entered at the last module boundary before ``watch.first`` and left at the first one after
         # ``watch.last`` (the saved-tensor hooks stay on all forward), so the rest of forward and all of
         # backward dispatch plainly. Inside, only the ``needed`` ops take the full handler.
-        if fuse is not None:  # fused steps check every op's inputs against pending updates
+        if fuse == "forward":  # forward-fused steps check every op's inputs against pending updates
             self.watch_plan = Watch(0, len(graph.ops), frozenset(range(len(graph.ops))), frozenset(), True)
         else:
             self.watch_plan = forward_watch(
