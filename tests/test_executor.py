@@ -538,6 +538,46 @@ def test_forward_fusion_defers_the_update_to_the_next_forward():
         ex.remove()
 
 
+class _ReadsAnothersWeight(nn.Module):
+    """Reads ``b.weight`` in the root's forward, before ``b``'s own forward (whose pre-hook applies its update
+    under forward fusion)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h * 2.0 + self.b.weight.sum())
+
+
+def test_forward_fusion_refuses_a_parameter_read_before_its_update():
+    """The ops that read a parameter are checked against pending updates (the others pass the mode's fast
+    path): a weight read outside the module that owns it, before that module's forward, is refused at the
+    second step (the first has no pending update), naming the op; the weight's update stays pending."""
+    torch.manual_seed(0)
+    model, x = _ReadsAnothersWeight(), torch.randn(16, 8)
+
+    def loss_fn(m, b):
+        return m(b).pow(2).mean()
+
+    graph = profile(model, x, loss_fn, device="cpu", progress=False, measure=False, repeats=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ex = apply(model, Plan.keep_all(graph), graph=graph, optimizer=opt, fuse="forward")
+    try:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        before = [p.detach().clone() for p in model.b.parameters()]
+        with pytest.raises(MemplanError, match=r"aten\.sum\.default.*still pending"):
+            loss_fn(model, x)
+        assert all(torch.equal(a, p) for a, p in zip(before, model.b.parameters(), strict=True))  # still pending
+    finally:
+        ex.remove()
+
+
 # ---- 4. offload memory -----------------------------------------------------------------------------------
 
 

@@ -80,3 +80,15 @@ def forward_watch(graph: Graph, actions: Mapping[int, Action], replayed_ops: Col
     savers = graph.savers
     last = max([*needed, *prefetch_ops, *release_ops, *(max(savers.get(t, [-1])) for t in moved)])
     return Watch(0, last, frozenset(range(last + 1)), frozenset(tracked), True)
+
+
+def fused_forward_watch(graph: Graph, watch: Watch) -> Watch:
+    """``watch`` under forward-fused optimizer steps (memplan.executor.optim): each module's parameters are
+    updated in its forward pre-hook, so an op that reads a parameter still pending (one used outside the
+    module that owns it) must be caught. The mode is on over the whole forward, and the ops that read a
+    parameter are needed (the full handler checks their inputs); the others pass through its fast path,
+    which checks only that the op is the graph's (an op that is not takes the full handler too)."""
+    readers = {op.id for op in graph.ops if any(graph.tensors[t].kind == "param" for t in op.inputs)}
+    last = len(graph.ops) - 1
+    return Watch(0, last, watch.needed | readers, watch.tracked, watch.full)
+
