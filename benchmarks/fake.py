@@ -92,7 +92,7 @@ def measured_step_s(w, optimizer) -> float:
 def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
     w = load_workload(name)
     errors, fake_s, real_s, per_op, keep_real, keep_fake = [], [], [], [], [], []
-    steps, vs_step, eager = [], [], []
+    steps, vs_step, eager, fresh = [], [], [], []
     real = fake = None
     optimizer = default_optimizer(w.model)
     training_step(w.model, w.batch, w.loss_fn, optimizer)  # the optimizer's state, as in steady training
@@ -123,6 +123,7 @@ def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
         errors.append(keep_fake[-1] / keep_real[-1] - 1)
         vs_step.append(keep_fake[-1] / steps[-1] - 1)
         eager.append((fake.meta["op_timing"]["eager_forward_s"], fake.meta["op_timing"]["eager_backward_s"]))
+        fresh.append(fake.meta.get("fresh_pages", {}))
         r, f = op_seconds(real), op_seconds(fake)
         per_op.append({k: (r[k], f.get(k, 0.0), sum(1 for op in real.ops if op.name == k)) for k in r})
     ops = {k: (statistics.median(p[k][0] for p in per_op), statistics.median(p[k][1] for p in per_op),
@@ -134,6 +135,8 @@ def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
            "measured_step_s": statistics.median(steps), "step_spread_s": (min(steps), max(steps)),
            "vs_step": statistics.median(vs_step), "vs_step_spread": (min(vs_step), max(vs_step)),
            "vs_step_all": vs_step, "eager_overhead_s": eager[-1],
+           "fresh_pages": [f.get("pages_per_step", 0.0) for f in fresh],
+           "fresh_s": [f.get("seconds_per_step", 0.0) for f in fresh],
            "ops_by_name": ops, "fake_time_sources": sorted({op.time_source for op in fake.ops}),
            "real_profile_s": statistics.median(real_s), "fake_profile_s": statistics.median(fake_s),
            "distinct_ops": fake.meta["op_timing"]["distinct"]}
@@ -211,10 +214,11 @@ def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int)
              f"the *measured* plain eager step (the median of {MEASURED_STEPS} steps timed just before and "
              f"{MEASURED_STEPS} just after the repeat's profiles, averaged; target: within 15% in every repeat), "
              "and against the real profile's keep-everything step (its op times calibrated to its own plain "
-             "step). Every repeat's ratio is listed.", "",
+             "step). Every repeat's ratio is listed. *Fresh pages*: what the fake profile charged for the step's "
+             "page faults (planner/probe/hostheap.py), pages per step and their time, medians over the repeats.", "",
              "| model | ops | measured step [min, max] | fake keep-all | fake vs measured step (each repeat) | "
-             "fake vs real profile | eager charge fwd / bwd per call | real / fake profile |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "fake vs real profile | eager charge fwd / bwd per call | fresh pages | real / fake profile |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lo, hi = r["error_spread"]
         slo, shi = r["step_spread_s"]
@@ -223,7 +227,9 @@ def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int)
         lines.append(f"| {r['model']} | {r['ops']} | {r['measured_step_s'] * 1e3:.0f} ms [{slo * 1e3:.0f}, "
                      f"{shi * 1e3:.0f}] | {r['keep_all_fake_s'] * 1e3:.0f} ms | {r['vs_step'] * 100:+.1f}% ({each}) | "
                      f"{r['keep_all_time_error'] * 100:+.1f}% [{lo * 100:+.0f}, {hi * 100:+.0f}] | "
-                     f"{ef * 1e6:.1f} / {eb * 1e6:.1f} us | {r['real_profile_s']:.1f} / {r['fake_profile_s']:.1f} "
+                     f"{ef * 1e6:.1f} / {eb * 1e6:.1f} us | {statistics.median(r.get('fresh_pages') or [0]):,.0f} "
+                     f"({statistics.median(r.get('fresh_s') or [0]) * 1e3:.1f} ms) | "
+                     f"{r['real_profile_s']:.1f} / {r['fake_profile_s']:.1f} "
                      f"CPU s ({r['distinct_ops']} distinct calls) |")
     planned = [r for r in rows if "plan_predicted_peak" in r]
     if planned:

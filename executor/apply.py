@@ -42,7 +42,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
-from memplan.executor.optim import FusedOptimizer
 from memplan.executor.recipes import SIGNATURES_PER_OP, Segment
 from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order, release_order
 from memplan.executor.transfers import HostPool
@@ -55,6 +54,7 @@ from memplan.planner.core.shapes import family_of
 from memplan.planner.core.simulator import static_facts
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
 from memplan.planner.probe.device import device_of
+from memplan.planner.probe.fusion import FusedOptimizer
 from memplan.planner.probe.profiler import model_fingerprint
 
 
@@ -134,7 +134,7 @@ class Executor:
         offloaded = sorted(t for t, a in self.actions.items() if a == Action.OFFLOAD)
         # the plan lowered once (planner/core/schedule.py): where each prefetch starts, what replays pin; a
         # step's ``events`` record what it performed in the same terms (Schedule.executed() compares)
-        self.schedule: Schedule = schedule(graph, plan, check=False)
+        self.schedule: Schedule = schedule(graph, plan, check=False, fuse=fuse)
         # Forward records a recipe only for the ops the schedule's replays run (the executor replays
         # what the schedule says, event for event), and captures RNG state only before the random ones
         # among them: a CPU generator state is 5 KiB per capture, held all step.
@@ -560,7 +560,7 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, graph: Graph | str | Pat
 
     ``graph``: the graph the plan was made for (a :class:`Graph` or a file; default: ``graph.json`` beside
     the plan file). ``optimizer``: needed for ``fuse`` ("backward" or "forward", see
-    :mod:`memplan.executor.optim`); ``accumulation_steps`` micro-batches per optimizer step (backward
+    :mod:`memplan.planner.probe.fusion`); ``accumulation_steps`` micro-batches per optimizer step (backward
     fusion steps in the last one); ``max_grad_norm``: global-norm clipping, forward fusion only.
 
     Returns the :class:`Executor` (``remove()`` undoes everything; usable as a context manager). Raises

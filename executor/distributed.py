@@ -46,11 +46,11 @@ import torch
 from torch import nn
 
 from memplan.executor.apply import Executor, apply
-from memplan.executor.optim import SUPPORTED
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.probe.distributed import DistributedPlanError, cross_unit_recomputes
+from memplan.planner.probe.fusion import SUPPORTED
 
 
 class DistributedError(DistributedPlanError):
@@ -273,7 +273,7 @@ class _CommHookFusion:
         return fut.then(step_bucket)
 
     def _step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """Step ``params`` with the user's optimizer, their groups narrowed to them (executor/optim.py)."""
+        """Step ``params`` with the user's optimizer, their groups narrowed to them (planner/probe/fusion.py)."""
         chosen = {id(p) for p in params}
         groups = self.optimizer.param_groups
         saved = [g["params"] for g in groups]

@@ -187,7 +187,8 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
                            f"profile on this machine")
     layer = device_of(graph.device)
     device = layer.torch_device  # where the tensors live (an emulated GPU's on the CPU)
-    predicted = simulate(graph, plan, timeline=False)  # checks the plan against the graph first
+    # checks the plan against the graph first; a fused step is charged what the profile measured fusion adds
+    predicted = simulate(graph, plan, timeline=False, fuse=fuse)
     keep_all_predicted = simulate(graph, None, timeline=False)
     materialize(model, device)  # a model built on the meta device is allocated and initialised here
     model.train()

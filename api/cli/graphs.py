@@ -30,14 +30,15 @@ from memplan.planner.core.units import format_bytes
 
 
 def profile_workload(w: Any, *, fake: bool, device_spec: str | None, device: str | None = None,
-                      repeats: int = 3, json_out: bool = False) -> Graph:
-    """The graph of workload ``w``: a real profile, or a fake one (``--fake``, ``--device-spec``)."""
+                      repeats: int = 3, json_out: bool = False, fuse: str | None = None) -> Graph:
+    """The graph of workload ``w``: a real profile, or a fake one (``--fake``, ``--device-spec``); a real one
+    also measures what fusing the optimizer into ``fuse`` costs (``Graph.fused_extra_s``)."""
     from memplan.planner.core.devicespec import load_device_spec
     from memplan.planner.probe.profiler import profile as run_profile
 
     spec = load_device_spec(device_spec) if device_spec else None
     return run_profile(w.model, w.batch, w.loss_fn, device=device, repeats=repeats, name=w.name,
-                       progress=not json_out, fake=fake, device_spec=spec)
+                       progress=not json_out, fake=fake, device_spec=spec, fuse=fuse)
 
 
 # ---- profile ------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def run_workload(
         plan = Plan.load(str(plan_file))
         plan.check_against(graph)
     else:
-        graph = profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out)
+        graph = profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out, fuse=fuse)
         b = budget_bytes(budget, graph)
         with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
             plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload).plan

@@ -47,6 +47,7 @@ def _device_sized(v: int) -> int:
 
 
 NonNegBytes = Annotated[int, Field(ge=0, description="bytes, >= 0 and <= 2^50"), AfterValidator(_device_sized)]
+FuseMode = Literal["backward", "forward"]
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False, description="seconds, finite, >= 0")]
 TensorKind = Literal["activation", "param", "buffer", "input"]
 
@@ -178,6 +179,11 @@ class Graph(_Strict):
     watch_op_dispatch_s: Seconds = Field(
         default=0.0, description="what the executor pays per forward op it watches under a plan (its dispatch "
                                  "mode), beyond the op itself (planner/core/watch.py)")
+    fused_extra_s: dict[FuseMode, Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1e6)]] = Field(
+        default_factory=dict,
+        description="what fusing the optimizer's updates into backward or forward adds to a keep-everything step "
+                    "beyond the plain one (negative: saves), measured by the profiler when asked "
+                    "(profile(fuse=...)); the simulator adds it under simulate(..., fuse=...)")
     host_bandwidth_bytes_per_s: float = Field(
         default=12e9, gt=0, allow_inf_nan=False,
         description="device<->host copy bandwidth for offload (measured on CUDA, nominal on CPU)")

@@ -51,10 +51,11 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from memplan.planner.core.errors import PlanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.replay import kept_by_replays, replay
-from memplan.planner.core.watch import forward_watch
+from memplan.planner.core.watch import forward_watch, fused_forward_watch
 
 EventKind = Literal["compute", "d2h", "free", "h2d", "wait", "replay", "recompute", "backward", "watch",
                     "optimizer"]
@@ -245,6 +246,23 @@ def watch_op_cost_s(graph: Graph, op: Any) -> float:
     return graph.watch_op_dispatch_s
 
 
+FUSE_MODES = (None, "backward", "forward")
+
+
+def fusion_charge(graph: Graph, fuse: str | None) -> tuple[str, float]:
+    """The optimizer step's event under ``fuse``: its reason and seconds. The updates' own time is
+    ``graph.optimizer_time_s`` wherever they run; fused, the step also pays what the profiler measured fusion
+    to add here (``graph.fused_extra_s``: per-bucket optimizer calls, their kernels among the step's; never
+    below zero in all). Forward fusion's watch of the forward is charged with the watch (planner/core/watch.py)."""
+    if fuse is None:
+        return "optimizer step", graph.optimizer_time_s
+    extra = graph.fused_extra_s.get(fuse)
+    if extra is None:
+        return (f"optimizer step, fused into {fuse} (its cost beyond the plain step not measured: profile with "
+                f"fuse={fuse!r})"), graph.optimizer_time_s
+    return f"optimizer step, fused into {fuse}", max(0.0, graph.optimizer_time_s + extra)
+
+
 def default_prefetch_at(graph: Graph, tensor: int, bandwidth_bytes_per_s: float) -> int:
     """The latest op at which to start a tensor's prefetch so that, with an idle copy stream, the
     backward compute between it and the tensor's first backward reader covers the copy."""
@@ -262,8 +280,9 @@ def default_prefetch_at(graph: Graph, tensor: int, bandwidth_bytes_per_s: float)
 # ---- the lowering -----------------------------------------------------------------------------------------
 
 
-def schedule(graph: Graph, plan: Plan | None = None, *, check: bool = True) -> Schedule:
-    """Lower ``plan`` (keep everything when None) on ``graph`` into a :class:`Schedule`. Raises
+def schedule(graph: Graph, plan: Plan | None = None, *, check: bool = True, fuse: str | None = None) -> Schedule:
+    """Lower ``plan`` (keep everything when None) on ``graph`` into a :class:`Schedule`; ``fuse``: the
+    executor's optimizer fusion ("backward", "forward" or None, :func:`fusion_charge`). Raises
     :class:`memplan.planner.core.errors.PlanError` if the plan does not fit the graph (with
     ``check=True``; ``PlanMismatch`` for another graph's plan) or asks to rebuild a tensor from one that
     cannot be recomputed."""
@@ -274,11 +293,11 @@ def schedule(graph: Graph, plan: Plan | None = None, *, check: bool = True) -> S
     prefetch = {d.tensor: d.prefetch_at for d in plan.decisions
                 if d.action == Action.OFFLOAD and d.prefetch_at is not None}
     return schedule_actions(graph, plan.actions(), prefetch_at=prefetch,
-                            bandwidth_bytes_per_s=plan.bandwidth_bytes_per_s)
+                            bandwidth_bytes_per_s=plan.bandwidth_bytes_per_s, fuse=fuse)
 
 
 def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: dict[int, int] | None = None,
-                     bandwidth_bytes_per_s: float | None = None) -> Schedule:
+                     bandwidth_bytes_per_s: float | None = None, fuse: str | None = None) -> Schedule:
     """:func:`schedule` for solvers' inner loops: ``{tensor id: action}`` (KEEP may be left out) and the
     prefetch points the plan sets (the rest default, :func:`default_prefetch_at`), unchecked; the
     bandwidth defaults to the graph's.
@@ -288,6 +307,8 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
     whose replay reads it. Which ones are read depends only on the plan, not on memory: a first pass that
     retains every such tensor records the reads (and emits nothing); the second pass retains exactly
     those, each until its last read, and emits the events."""
+    if fuse not in FUSE_MODES:
+        raise PlanError(f"fuse={fuse!r}: expected one of {', '.join(map(str, FUSE_MODES))}")
     bandwidth = bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
     prefetch_at = prefetch_at or {}
     pins: dict[int, int] = {}
@@ -296,7 +317,7 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
         probe = _Lowering(graph, actions, prefetch_at, bandwidth, discover=True)
         probe.run()
         pins = probe.reads
-    low = _Lowering(graph, actions, prefetch_at, bandwidth, pins=pins)
+    low = _Lowering(graph, actions, prefetch_at, bandwidth, pins=pins, fuse=fuse)
     low.run()
     resolved = {t: k for k, ts in low.prefetch_ops.items() for t in ts}
     return Schedule(graph.fingerprint, tuple(low.events), resolved, dict(pins), low.released)
@@ -309,8 +330,10 @@ class _Lowering:
     memory: :func:`memplan.planner.core.simulator.score` sums that from the events."""
 
     def __init__(self, graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int],
-                 bandwidth: float, *, discover: bool = False, pins: dict[int, int] | None = None):
+                 bandwidth: float, *, discover: bool = False, pins: dict[int, int] | None = None,
+                 fuse: str | None = None):
         self.g = graph
+        self.fuse = fuse
         # discover: retain every pinnable tensor, record in ``reads`` the lowest backward step whose
         # replay reads each, emit nothing; pins: {tensor: step} retained from production until after it
         self.discover = discover
@@ -364,6 +387,8 @@ class _Lowering:
                               [*self.prefetch_ops, *(k for phase, k in self.released.values() if phase == "backward")],
                               self.st.d2h_after,
                               release_ops=[k for phase, k in self.released.values() if phase == "forward"])
+        if self.fuse == "forward":
+            watch = fused_forward_watch(g, watch)
         if watch.ops:
             window = range(watch.first, watch.last + 1)
             watch_s = sum(watch_op_cost_s(g, g.ops[k]) for k in window)
@@ -371,9 +396,9 @@ class _Lowering:
                 "watch", "forward", None, None, tuple(window),
                 "the executor's dispatch over the forward ops it watches", duration_s=watch_s))
         self.phase, self.at = "optimizer", None
-        self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason="optimizer step",
-                                         workspace_bytes=g.fixed.optimizer_step_bytes,
-                                         duration_s=g.optimizer_time_s))
+        reason, seconds = fusion_charge(g, self.fuse)
+        self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
+                                         workspace_bytes=g.fixed.optimizer_step_bytes, duration_s=seconds))
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def _free(self, t: int, reason: str, host_bytes: int = 0) -> None:

@@ -81,16 +81,19 @@ class Report(BaseModel):
         return budget_bytes is None or self.peak_bytes <= budget_bytes
 
 
-def simulate(graph: Graph, plan: Plan | None = None, *, timeline: bool = True, check: bool = True) -> Report:
+def simulate(graph: Graph, plan: Plan | None = None, *, timeline: bool = True, check: bool = True,
+             fuse: str | None = None) -> Report:
     """Score one training step of ``graph`` under ``plan`` (keep everything when None):
-    ``score(graph, schedule(graph, plan))``.
+    ``score(graph, schedule(graph, plan))``. ``fuse``: the step's optimizer updates fused into "backward"
+    or "forward" (the executor's ``apply(..., fuse=)``): its measured cost (``graph.fused_extra_s``) and,
+    forward, the executor's watch of the whole forward are charged.
 
     Returns a :class:`Report` with the peak device bytes, step time and its parts, and (with
     ``timeline=True``) one :class:`Event` per forward op, backward step, replayed op, prefetch and
     exposed wait. Raises :class:`PlanError` if the plan does not fit the graph (with ``check=True``) or
     asks to rebuild a tensor from one that cannot be recomputed.
     """
-    return score(graph, schedule(graph, plan, check=check), timeline=timeline)
+    return score(graph, schedule(graph, plan, check=check, fuse=fuse), timeline=timeline)
 
 
 def simulate_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: dict[int, int] | None = None,

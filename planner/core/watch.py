@@ -83,12 +83,17 @@ def forward_watch(graph: Graph, actions: Mapping[int, Action], replayed_ops: Col
 
 
 def fused_forward_watch(graph: Graph, watch: Watch) -> Watch:
-    """``watch`` under forward-fused optimizer steps (memplan.executor.optim): each module's parameters are
-    updated in its forward pre-hook, so an op that reads a parameter still pending (one used outside the
-    module that owns it) must be caught. The mode is on over the whole forward, and the ops that read a
-    parameter are needed (the full handler checks their inputs); the others pass through its fast path,
-    which checks only that the op is the graph's (an op that is not takes the full handler too)."""
+    """``watch`` under forward-fused optimizer steps (memplan.planner.probe.fusion): each module's parameters
+    are updated in its forward pre-hook, so an op that reads a parameter still pending (one used outside the
+    module that owns it) must be caught. The ops that read a parameter are needed (the full handler checks
+    their inputs) and the window reaches from the first of them to the last; the others in it pass through
+    the mode's fast path, which checks only that the op is the graph's (an op that is not takes the full
+    handler too). Past the last reader no parameter is read: the mode leaves there, before backward."""
     readers = {op.id for op in graph.ops if any(graph.tensors[t].kind == "param" for t in op.inputs)}
-    last = len(graph.ops) - 1
-    return Watch(0, last, watch.needed | readers, watch.tracked, watch.full)
-
+    if not readers:
+        return watch
+    if watch.ops:
+        first, last = min(watch.first, min(readers)), max(watch.last, max(readers))
+    else:
+        first, last = min(readers), max(readers)
+    return Watch(first, last, watch.needed | readers, watch.tracked, watch.full)

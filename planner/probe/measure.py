@@ -37,6 +37,7 @@ from torch import nn
 
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.probe.device import Device, device_of
+from memplan.planner.probe.fusion import fused_training
 from memplan.planner.probe.storage import tensors_in, unique_bytes
 from memplan.planner.workloads import STEP_PHASES, LossFn, default_optimizer, training_step
 
@@ -437,6 +438,33 @@ def time_steps(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.o
     return StepTimes(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
                      optimizer_s=statistics.median(opt),
                      step_s=statistics.median(f + b + o for f, b, o in zip(fwd, bwd, opt, strict=True)))
+
+
+def fused_extra_s(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, mode: str, *,
+                  rounds: int, device: torch.device | None = None,
+                  clock: Callable[[], float] = time.perf_counter) -> float:
+    """What fusing the optimizer's updates into ``mode`` ("backward" or "forward", planner/probe/fusion.py)
+    adds to a plain training step here: the median of ``rounds`` fused steps less the median of ``rounds``
+    plain ones run just before them (the fused ones after one untimed fused step: in forward fusion the
+    first forward has no update pending), each synchronised and read with ``clock`` as :func:`time_steps`
+    does. Fused steps update the parameters exactly as plain ones (the model is trained by these steps).
+    Negative when fusion is faster (the updates hide under the device's work)."""
+    if rounds < 1:
+        raise ValueError(f"fused_extra_s needs rounds >= 1, got {rounds}")
+    layer = device_of(device if device is not None else model)
+
+    def timed() -> float:
+        layer.synchronize()
+        start = clock()
+        training_step(model, batch, loss_fn, optimizer)
+        layer.synchronize()
+        return clock() - start
+
+    plain_s = [timed() for _ in range(rounds)]
+    with fused_training(model, optimizer, mode):
+        training_step(model, batch, loss_fn, optimizer)
+        fused_s = [timed() for _ in range(rounds)]
+    return statistics.median(fused_s) - statistics.median(plain_s)
 
 
 def measure_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None = None,

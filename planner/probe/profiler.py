@@ -59,7 +59,7 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +80,9 @@ from memplan.planner.probe.device import (
 )
 from memplan.planner.probe.eager import eager_charge_s
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
+from memplan.planner.probe.fusion import FUSE_MODES
 from memplan.planner.probe.kernels import cuda_kernel_choices
-from memplan.planner.probe.measure import max_prefix, measure_step, time_steps, untracked_bytes
+from memplan.planner.probe.measure import fused_extra_s, max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
 from memplan.planner.probe.tracing import forward_lifetimes, module_stack, traced_step
@@ -102,7 +103,8 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
             optimizer: torch.optim.Optimizer | None = None, warmup: int = 1, repeats: int = 3,
             device: str | torch.device | None = None, progress: bool = True, measure: bool = True,
             name: str = "graph", fake: bool = False, device_spec: DeviceSpec | None = None,
-            cache_dir: str | Path | None = None, timer: OpTimer | None = None) -> Graph:
+            cache_dir: str | Path | None = None, timer: OpTimer | None = None,
+            fuse: str | Sequence[str] | None = None) -> Graph:
     """Profile real training steps of ``model`` and return their :class:`Graph` (``memplan.graph/1``).
 
     One step is ``optimizer.zero_grad(set_to_none=True); loss = loss_fn(model, example_batch);
@@ -111,7 +113,10 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     ``None`` is CUDA when available, else CPU; the model and batch are moved there. ``warmup`` (>= 1)
     untimed steps create the optimizer state; then ``repeats`` traced steps give the structure (from the
     first) and median times. With ``measure``, :func:`memplan.planner.probe.measure.measure_step` fills
-    ``graph.measured`` with an independent measurement of the peak and step time.
+    ``graph.measured`` with an independent measurement of the peak and step time. ``fuse`` ("backward",
+    "forward" or both): also time ``repeats`` steps with the optimizer's updates fused so, against as many
+    plain ones (:func:`memplan.planner.probe.measure.fused_extra_s`), into ``graph.fused_extra_s``: what the
+    simulator charges a fused step (a fake profile runs no real step: it leaves them unmeasured).
 
     With ``fake`` (implied by ``device_spec``) nothing of the step is allocated: see :func:`_profile_fake`;
     ``warmup``, ``repeats`` and ``measure`` then do not apply. Its ops are timed by ``timer`` when given,
@@ -121,6 +126,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     return a scalar that requires grad, and :class:`MemplanError` if the op sequence changes between steps
     (:class:`memplan.planner.probe.fake.FakeTraceError` if a fake step cannot run).
     """
+    modes = _fuse_modes(fuse)  # a typo is refused before any step runs
     if fake or device_spec is not None:
         return _profile_fake(model, example_batch, loss_fn, optimizer=optimizer, device=device,
                              device_spec=device_spec, cache_dir=cache_dir, progress=progress, name=name,
@@ -213,9 +219,21 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         t = time_steps(model, batch, loss_fn, optimizer, steps=repeats, device=device, clock=clock)
         plain = (t.forward_s, t.backward_s, t.optimizer_s)
     calibrate_times(graph, *plain)
+    for mode in modes:
+        graph.fused_extra_s[mode] = fused_extra_s(model, batch, loss_fn, optimizer, mode, rounds=repeats,
+                                                  device=device, clock=clock)
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
     graph.watch_op_dispatch_s = WATCH_OP_DISPATCH_S
     return graph
+
+
+def _fuse_modes(fuse: str | Sequence[str] | None) -> list[str]:
+    """The fusion modes to measure: ``fuse`` as a list, each checked."""
+    modes = [] if fuse is None else [fuse] if isinstance(fuse, str) else list(fuse)
+    for mode in modes:
+        if mode not in FUSE_MODES:
+            raise MemplanError(f"fuse={mode!r}: expected {' or '.join(FUSE_MODES)}")
+    return modes
 
 
 # What the executor pays per replayed op beyond the op itself (its compiled replay's argument views and

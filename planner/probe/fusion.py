@@ -17,7 +17,9 @@ the parameters are those of plain training. Supported: SGD (with or without mome
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -171,3 +173,38 @@ class FusedOptimizer:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+@contextlib.contextmanager
+def fused_training(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str) -> Iterator[FusedOptimizer]:
+    """Plain training loops under fused optimizer steps, without a plan: the root's forward pre-hook starts
+    each step (and, in forward fusion, every module's applies its pending updates) and ``optimizer.step``
+    is the fused one (:meth:`FusedOptimizer.user_step`). What the profiler times to learn what fusion costs
+    here (``Graph.fused_extra_s``); the executor wires the same calls into its own step. On exit the pending
+    updates are applied and everything is removed."""
+    fused = FusedOptimizer(model, optimizer, mode)
+
+    def begin(module: nn.Module, _args: Any) -> None:  # a pre-hook's return value would replace the args
+        fused.begin_forward()
+        fused.before_module(module)
+
+    def before(module: nn.Module, _args: Any) -> None:
+        fused.before_module(module)
+
+    handles = [model.register_forward_pre_hook(begin)]
+    if mode == "forward":
+        handles += [m.register_forward_pre_hook(before) for m in fused.module_buckets if m is not model]
+    shadowed = optimizer.__dict__.get("step")
+    optimizer.step = fused.user_step  # an instance attribute shadows the class's step
+    try:
+        yield fused
+    finally:
+        try:
+            fused.remove()
+        finally:
+            if shadowed is None:
+                del optimizer.step
+            else:
+                optimizer.step = shadowed
+            for h in handles:
+                h.remove()

@@ -1,0 +1,118 @@
+"""What fused optimizer steps cost, in the graph and the simulator: the profiler measures it (fused steps
+that train exactly as plain ones), the simulator charges it and forward fusion's watch, the executor
+watches what the simulator charges."""
+
+import pytest
+import torch
+from torch import nn
+
+from memplan.executor import apply
+from memplan.planner.core.errors import MemplanError, PlanError
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.schedule import schedule, watch_op_cost_s
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.watch import fused_forward_watch
+from memplan.planner.probe.fusion import fused_training
+from memplan.planner.probe.profiler import profile
+from memplan.planner.workloads import training_step
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def _loss(m, x):
+    return m(x).pow(2).mean()
+
+
+X = torch.randn(64, 16)
+
+
+def _opt(m):
+    return torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
+
+
+def test_measuring_fusion_trains_as_plain_steps_and_records_both_modes():
+    """profile(fuse=...) times fused steps beside plain ones: both modes land in the graph, and the model
+    ends bitwise where as many plain steps take a twin (fused updates are the plain arithmetic)."""
+    a, b = _model(), _model()
+    opt_a, opt_b = _opt(a), _opt(b)
+    graph = profile(a, X, _loss, optimizer=opt_a, device="cpu", progress=False, repeats=2,
+                    fuse=("backward", "forward"))
+    assert set(graph.fused_extra_s) == {"backward", "forward"}
+    assert all(abs(v) < 1.0 for v in graph.fused_extra_s.values())
+    plain = profile(b, X, _loss, optimizer=opt_b, device="cpu", progress=False, repeats=2)
+    assert plain.fused_extra_s == {}
+    for _ in range(2 * (2 * 2 + 1)):  # per mode: 2 plain, 1 untimed fused, 2 fused
+        training_step(b, X, _loss, opt_b)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_an_unknown_fusion_mode_is_refused_before_any_step():
+    m = _model()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(MemplanError, match="fuse='sideways': expected backward or forward"):
+        profile(m, X, _loss, device="cpu", progress=False, fuse="sideways")
+    assert all(torch.equal(p, q) for p, q in zip(before, m.parameters(), strict=True))
+
+
+def test_fused_training_puts_the_optimizer_and_the_model_back():
+    m = _model()
+    opt = _opt(m)
+    with fused_training(m, opt, "forward") as fused:
+        training_step(m, X, _loss, opt)
+        training_step(m, X, _loss, opt)
+        assert fused.pending  # the last step's updates wait for the next forward
+    assert "step" not in opt.__dict__ and not m._forward_pre_hooks
+    assert all(not mod._forward_pre_hooks for mod in m.modules())
+    assert all(p.grad is None for p in m.parameters())  # the pending updates were applied on exit
+
+
+@pytest.fixture(scope="module")
+def graph():
+    g = profile(_model(), X, _loss, device="cpu", progress=False, repeats=1, measure=False)
+    g.fused_extra_s = {"backward": 0.004, "forward": -0.1 * g.optimizer_time_s}  # fused faster: saves
+    return g
+
+
+def test_the_simulator_charges_the_measured_fusion_cost_and_forward_fusions_watch(graph):
+    base = simulate(graph, None)
+    backward = simulate(graph, None, fuse="backward")
+    assert backward.time_s == pytest.approx(base.time_s + 0.004)
+    assert backward.watched_ops == base.watched_ops == 0
+    forward = simulate(graph, None, fuse="forward")
+    readers = [op.id for op in graph.ops if any(graph.tensors[t].kind == "param" for t in op.inputs)]
+    window = range(min(readers), max(readers) + 1)
+    assert forward.watched_ops == len(window)
+    watch_s = sum(watch_op_cost_s(graph, graph.ops[k]) for k in window)
+    assert forward.time_s == pytest.approx(base.time_s - 0.1 * graph.optimizer_time_s + watch_s)
+
+
+def test_a_saving_larger_than_the_optimizer_step_leaves_it_at_zero(graph):
+    g = graph.model_copy(deep=True)
+    g.fused_extra_s = {"backward": -10 * g.optimizer_time_s}
+    (event,) = schedule(g, None, fuse="backward").of("optimizer")
+    assert event.duration_s == 0.0
+
+
+def test_unmeasured_fusion_costs_nothing_extra_and_says_so(graph):
+    g = graph.model_copy(deep=True)
+    g.fused_extra_s = {}
+    (event,) = schedule(g, None, fuse="backward").of("optimizer")
+    assert "not measured" in event.reason and event.duration_s == g.optimizer_time_s
+    with pytest.raises(PlanError, match="fuse='sideways'"):
+        simulate(g, None, fuse="sideways")
+
+
+def test_the_executor_watches_under_forward_fusion_what_the_simulator_charges(graph):
+    m = _model()
+    ex = apply(m, Plan.keep_all(graph), graph=graph, optimizer=_opt(m), fuse="forward")
+    try:
+        charged = fused_forward_watch(graph, schedule_watch := ex.watch_plan)
+        assert schedule_watch == charged  # idempotent: the executor's window is already the charged one
+        (event,) = schedule(graph, None, fuse="forward").of("watch")
+        assert event.ops == tuple(range(ex.watch_plan.first, ex.watch_plan.last + 1))
+        assert ex.watch_plan.last < len(graph.ops) - 1  # the loss's ops run after it: the mode leaves there
+    finally:
+        ex.remove()
