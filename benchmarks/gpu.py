@@ -201,7 +201,9 @@ def gpt2_side_by_side(results: Results, sizes: dict[str, int], rounds: int, auto
     device = device_of("cuda")
     _free(device)
     t0 = time.perf_counter()
-    graph = profile(w.model, w.batch, loss_fn, name="gpt2", device="cuda", progress=False, measure=False)
+    # fp32 also measures what fused optimizer steps add (Graph.fused_extra_s): the fused rows' prediction
+    graph = profile(w.model, w.batch, loss_fn, name="gpt2", device="cuda", progress=False, measure=False,
+                    fuse=None if autocast else ("backward", "forward"))
     log(f"profiled in {time.perf_counter() - t0:.1f} s")
     batch = {k: v.to(device.torch_device) for k, v in w.batch.items()}
     base = w.model.to("cpu")  # each variant copies it to the device; the original holds no device memory
@@ -225,7 +227,7 @@ def gpt2_side_by_side(results: Results, sizes: dict[str, int], rounds: int, auto
             v = plain(label)()
             v.plan, v.budget_bytes = plan, plan.budget_bytes
             v.executor = apply(v.model, plan, graph=graph, optimizer=v.optimizer, fuse=fuse)
-            r = simulate(graph, plan, timeline=False)
+            r = simulate(graph, plan, timeline=False, fuse=fuse)
             v.predicted_peak_bytes, v.predicted_step_s = r.peak_bytes, r.time_s
             return v
         return build
