@@ -44,7 +44,7 @@ def test_measuring_fusion_trains_as_plain_steps_and_records_both_modes():
     assert all(abs(v) < 1.0 for v in graph.fused_extra_s.values())
     plain = profile(b, X, _loss, optimizer=opt_b, device="cpu", progress=False, repeats=2)
     assert plain.fused_extra_s == {}
-    for _ in range(2 * (2 * 2 + 1)):  # per mode: 2 plain, 1 untimed fused, 2 fused
+    for _ in range(2 * 3 * 5):  # per mode, 5 rounds of a plain step, an untimed fused one and a timed one
         training_step(b, X, _loss, opt_b)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 

@@ -444,11 +444,12 @@ def fused_extra_s(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torc
                   rounds: int, device: torch.device | None = None,
                   clock: Callable[[], float] = time.perf_counter) -> float:
     """What fusing the optimizer's updates into ``mode`` ("backward" or "forward", planner/probe/fusion.py)
-    adds to a plain training step here: the median of ``rounds`` fused steps less the median of ``rounds``
-    plain ones run just before them (the fused ones after one untimed fused step: in forward fusion the
-    first forward has no update pending), each synchronised and read with ``clock`` as :func:`time_steps`
-    does. Fused steps update the parameters exactly as plain ones (the model is trained by these steps).
-    Negative when fusion is faster (the updates hide under the device's work)."""
+    adds to a plain training step here: ``rounds`` rounds of one plain step, then, fused, one untimed step
+    (in forward fusion the first forward after the switch has no update pending) and one timed; the
+    median of the fused steps less the median of the plain ones, each synchronised and read with
+    ``clock`` as :func:`time_steps` does. Interleaved, so that a machine whose speed drifts (a shared one)
+    moves both alike. Fused steps update the parameters exactly as plain ones (the model is trained by
+    these steps). Negative when fusion is faster (the updates hide under the device's work)."""
     if rounds < 1:
         raise ValueError(f"fused_extra_s needs rounds >= 1, got {rounds}")
     layer = device_of(device if device is not None else model)
@@ -460,10 +461,13 @@ def fused_extra_s(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torc
         layer.synchronize()
         return clock() - start
 
-    plain_s = [timed() for _ in range(rounds)]
-    with fused_training(model, optimizer, mode):
-        training_step(model, batch, loss_fn, optimizer)
-        fused_s = [timed() for _ in range(rounds)]
+    plain_s: list[float] = []
+    fused_s: list[float] = []
+    for _ in range(rounds):
+        plain_s.append(timed())
+        with fused_training(model, optimizer, mode):
+            training_step(model, batch, loss_fn, optimizer)
+            fused_s.append(timed())
     return statistics.median(fused_s) - statistics.median(plain_s)
 
 

@@ -114,8 +114,9 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     untimed steps create the optimizer state; then ``repeats`` traced steps give the structure (from the
     first) and median times. With ``measure``, :func:`memplan.planner.probe.measure.measure_step` fills
     ``graph.measured`` with an independent measurement of the peak and step time. ``fuse`` ("backward",
-    "forward" or both): also time ``repeats`` steps with the optimizer's updates fused so, against as many
-    plain ones (:func:`memplan.planner.probe.measure.fused_extra_s`), into ``graph.fused_extra_s``: what the
+    "forward" or both): also time steps with the optimizer's updates fused so (``repeats`` of them, at
+    least :data:`FUSED_ROUNDS`), interleaved with as many plain ones
+    (:func:`memplan.planner.probe.measure.fused_extra_s`), into ``graph.fused_extra_s``: what the
     simulator charges a fused step (a fake profile runs no real step: it leaves them unmeasured).
 
     With ``fake`` (implied by ``device_spec``) nothing of the step is allocated: see :func:`_profile_fake`;
@@ -220,8 +221,8 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         plain = (t.forward_s, t.backward_s, t.optimizer_s)
     calibrate_times(graph, *plain)
     for mode in modes:
-        graph.fused_extra_s[mode] = fused_extra_s(model, batch, loss_fn, optimizer, mode, rounds=repeats,
-                                                  device=device, clock=clock)
+        graph.fused_extra_s[mode] = fused_extra_s(model, batch, loss_fn, optimizer, mode,
+                                                  rounds=max(repeats, FUSED_ROUNDS), device=device, clock=clock)
     graph.replay_op_dispatch_s = REPLAY_OP_DISPATCH_S
     graph.watch_op_dispatch_s = WATCH_OP_DISPATCH_S
     return graph
@@ -245,6 +246,7 @@ def _fuse_modes(fuse: str | Sequence[str] | None) -> list[str]:
 # beyond the replayed ops' own on 16-step GRU and LSTM cells under multi-level plans, in steps after the
 # first (a first step plans and traces every replay: 1.4-1.9x that, once).
 REPLAY_OP_DISPATCH_S = 37e-6
+FUSED_ROUNDS = 5  # rounds of (plain, fused) steps timing what fusion adds, at least (measure.fused_extra_s)
 WATCH_OP_DISPATCH_S = 30e-6
 
 
