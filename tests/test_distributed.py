@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import os
-import socket
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,15 +29,9 @@ STEPS = 2
 SPAWN_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(worker, tmp_path: Path) -> list[dict]:
-    """Run ``worker(rank, port, out_dir)`` on WORLD processes; every rank writes rank{r}.json."""
-    ctx = mp.spawn(worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
+    """Run ``worker(rank, out_dir)`` on WORLD processes; every rank writes rank{r}.json."""
+    ctx = mp.spawn(worker, args=(str(tmp_path),), nprocs=WORLD, join=False)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
@@ -53,11 +45,12 @@ def _spawn(worker, tmp_path: Path) -> list[dict]:
 # ---- what runs on each rank ------------------------------------------------------------------------------
 
 
-def _init(rank: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _init(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks share the machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    # a file store in the spawn's own folder: a TCP port picked by the parent could be taken by another
+    # test's processes before rank 0 binds it (the suite runs two files at once)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
 
 
 def _workload(rank: int):
@@ -115,12 +108,12 @@ def _compare(ref_losses, ref_params, losses, params) -> dict:
             "max_rel_param_diff": worst, "losses": losses, "ref_losses": ref_losses}
 
 
-def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+def _ddp_worker(rank: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from memplan.executor.distributed import apply_distributed
 
-    _init(rank, port)
+    _init(rank, out_dir)
     model0, batches, loss_fn = _workload(rank)
     graph, plans = _plans(model0, batches[0], loss_fn)
     results = {}
@@ -153,13 +146,13 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
+def _fsdp_worker(rank: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from memplan.executor.distributed import apply_distributed
 
-    _init(rank, port)
+    _init(rank, out_dir)
     model0, batches, loss_fn = _workload(rank)
     graph, plans = _plans(model0, batches[0], loss_fn)
     mesh = init_device_mesh("cpu", (WORLD,))
