@@ -227,11 +227,10 @@ def test_cli_prints_every_ranks_traced_and_predicted_peak(tmp_path, monkeypatch)
 TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 512, "seq_len": 32, "batch_size": 2}
 
 
-def _gloo_fsdp_rank(rank: int, port: int, out_dir: str) -> None:
+def _gloo_fsdp_rank(rank: int, out_dir: str) -> None:
     """One of 2 real gloo ranks: the tiny GPT-2 under FSDP2, its step measured from the allocator as
     ``memplan run --nproc`` measures it (keep everything)."""
     import datetime
-    import os
     from pathlib import Path
 
     import torch.distributed as dist
@@ -241,9 +240,11 @@ def _gloo_fsdp_rank(rank: int, port: int, out_dir: str) -> None:
     from memplan.api.distributed import block_prefixes
     from memplan.planner.workloads import load_workload
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    # a file store in the test's folder: a TCP port picked by the parent could be taken by another test's
+    # processes before rank 0 binds it
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
     wl = load_workload("gpt2", **TINY_GPT2)
 
     # a CPU mesh: without one fully_shard moves the shards to a GPU wherever one is visible
@@ -274,17 +275,12 @@ def test_fsdp_traced_ranks_match_two_real_gloo_processes(tmp_path):
     shared cores the worker is then often descheduled), the free is made on a thread the profiler does not
     follow and its time is unknown: the measurement keeps the buffer until its address is reused. Seen in
     full-suite runs (2,998,224 B against 2,798,288 B) and made to appear by delaying one rank's backward."""
-    import socket
-
     import torch.multiprocessing as mp
 
     from memplan.api.distributed import block_prefixes
     from memplan.planner.workloads import load_workload
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_gloo_fsdp_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_gloo_fsdp_rank, args=(str(tmp_path),), nprocs=2, join=True)
     real = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
     wl = load_workload("gpt2", **TINY_GPT2)
     timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path / "cache", min_runs=1, target_s=0.0)
