@@ -116,3 +116,34 @@ def test_the_executor_watches_under_forward_fusion_what_the_simulator_charges(gr
         assert ex.watch_plan.last < len(graph.ops) - 1  # the loss's ops run after it: the mode leaves there
     finally:
         ex.remove()
+
+
+def test_the_emulated_gpu_measures_fusion_with_its_synchronised_clock():
+    """Under the CUDA emulation (CUDA's rules on a CPU) the fused steps run on the emulated device and
+    are timed as its plain steps are."""
+    from memplan.planner.probe.device import emulate_cuda
+
+    with emulate_cuda():
+        m = _model()
+        g = profile(m, X, _loss, optimizer=_opt(m), device="cuda", progress=False, repeats=1, measure=False,
+                    fuse="forward")
+    assert g.device == "cuda" and set(g.fused_extra_s) == {"forward"}
+
+
+def test_a_fake_profile_asked_for_fusion_says_it_measured_none(tmp_path):
+    from memplan.planner.probe.optime import OpTimer
+
+    timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path, min_runs=1, target_s=0.0, sweeps=1, eager=False)
+    g = profile(_model(), X, _loss, device="cpu", progress=False, fake=True, timer=timer, fuse="backward")
+    assert g.fused_extra_s == {} and "not measured" in g.meta["fused_extra_s"]
+
+
+@pytest.mark.parametrize("bad", [{"sideways": 0.1}, {"forward": float("nan")}, {"backward": 1e9},
+                                 {"forward": "fast"}])
+def test_a_graph_file_with_a_bad_fusion_figure_is_refused_naming_the_field(graph, bad):
+    from memplan.planner.core.graph import Graph, GraphError
+
+    data = graph.model_dump(mode="json")
+    data["fused_extra_s"] = bad
+    with pytest.raises(GraphError, match="fused_extra_s"):
+        Graph.from_dict(data)

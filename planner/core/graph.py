@@ -16,7 +16,7 @@ import json
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -48,6 +48,7 @@ def _device_sized(v: int) -> int:
 
 NonNegBytes = Annotated[int, Field(ge=0, description="bytes, >= 0 and <= 2^50"), AfterValidator(_device_sized)]
 FuseMode = Literal["backward", "forward"]
+FUSE_MODES: tuple[str, ...] = get_args(FuseMode)  # where a step's optimizer updates may be fused
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False, description="seconds, finite, >= 0")]
 TensorKind = Literal["activation", "param", "buffer", "input"]
 

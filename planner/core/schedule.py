@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from memplan.planner.core.errors import PlanError
-from memplan.planner.core.graph import Graph
+from memplan.planner.core.graph import FUSE_MODES, Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.replay import kept_by_replays, replay
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
@@ -246,9 +246,6 @@ def watch_op_cost_s(graph: Graph, op: Any) -> float:
     return graph.watch_op_dispatch_s
 
 
-FUSE_MODES = (None, "backward", "forward")
-
-
 def fusion_charge(graph: Graph, fuse: str | None) -> tuple[str, float]:
     """The optimizer step's event under ``fuse``: its reason and seconds. The updates' own time is
     ``graph.optimizer_time_s`` wherever they run; fused, the step also pays what the profiler measured fusion
@@ -307,8 +304,8 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
     whose replay reads it. Which ones are read depends only on the plan, not on memory: a first pass that
     retains every such tensor records the reads (and emits nothing); the second pass retains exactly
     those, each until its last read, and emits the events."""
-    if fuse not in FUSE_MODES:
-        raise PlanError(f"fuse={fuse!r}: expected one of {', '.join(map(str, FUSE_MODES))}")
+    if fuse is not None and fuse not in FUSE_MODES:
+        raise PlanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
     bandwidth = bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
     prefetch_at = prefetch_at or {}
     pins: dict[int, int] = {}

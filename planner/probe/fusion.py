@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.graph import FUSE_MODES
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-FUSE_MODES = ("backward", "forward")
 
 
 class FusedOptimizer:

@@ -57,7 +57,7 @@ import statistics
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -232,12 +232,12 @@ class Shadow:
 
 
 class ShadowMode(TorchDispatchMode):
-    """Gives every new storage among each call's outputs its shadow block (``where``: None)."""
+    """Gives every new storage among each call's outputs its shadow block, counted under ``None`` (the
+    traced step's are given theirs by the tracer, counted under their op)."""
 
-    def __init__(self, shadow: Shadow, where: Callable[[], Hashable] = lambda: None):
+    def __init__(self, shadow: Shadow):
         super().__init__()
         self.shadow = shadow
-        self.where = where
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -250,7 +250,7 @@ class ShadowMode(TorchDispatchMode):
                         s = x.untyped_storage()
                     except (RuntimeError, NotImplementedError):
                         continue
-                    self.shadow.born(s, self.where())
+                    self.shadow.born(s, None)
                 elif isinstance(x, (list, tuple)):
                     stack.extend(x)
         return out

@@ -452,14 +452,8 @@ def fused_extra_s(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torc
     these steps). Negative when fusion is faster (the updates hide under the device's work)."""
     if rounds < 1:
         raise ValueError(f"fused_extra_s needs rounds >= 1, got {rounds}")
-    layer = device_of(device if device is not None else model)
-
     def timed() -> float:
-        layer.synchronize()
-        start = clock()
-        training_step(model, batch, loss_fn, optimizer)
-        layer.synchronize()
-        return clock() - start
+        return time_steps(model, batch, loss_fn, optimizer, steps=1, device=device, clock=clock).step_s
 
     plain_s: list[float] = []
     fused_s: list[float] = []

@@ -69,7 +69,7 @@ from torch import nn
 from memplan.planner.core.build import build_graph
 from memplan.planner.core.devicespec import DeviceSpec, round_allocation
 from memplan.planner.core.errors import MemplanError
-from memplan.planner.core.graph import FixedMemory, Graph, Measured
+from memplan.planner.core.graph import FUSE_MODES, FixedMemory, Graph, Measured
 from memplan.planner.probe import hostheap
 from memplan.planner.probe.device import (
     Device,
@@ -80,7 +80,6 @@ from memplan.planner.probe.device import (
 )
 from memplan.planner.probe.eager import eager_charge_s
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
-from memplan.planner.probe.fusion import FUSE_MODES
 from memplan.planner.probe.kernels import cuda_kernel_choices
 from memplan.planner.probe.measure import fused_extra_s, max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpTimer
@@ -129,9 +128,12 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     """
     modes = _fuse_modes(fuse)  # a typo is refused before any step runs
     if fake or device_spec is not None:
-        return _profile_fake(model, example_batch, loss_fn, optimizer=optimizer, device=device,
-                             device_spec=device_spec, cache_dir=cache_dir, progress=progress, name=name,
-                             timer=timer)
+        graph = _profile_fake(model, example_batch, loss_fn, optimizer=optimizer, device=device,
+                              device_spec=device_spec, cache_dir=cache_dir, progress=progress, name=name,
+                              timer=timer)
+        if modes:  # asked for, and said why it is not there (the simulator then charges no fusion cost)
+            graph.meta["fused_extra_s"] = "not measured: a fake profile runs no real step"
+        return graph
     if warmup < 1 or repeats < 1:
         raise ValueError(f"profile needs warmup >= 1 (to create the optimizer state) and repeats >= 1, "
                          f"got warmup={warmup}, repeats={repeats}")
