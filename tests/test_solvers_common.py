@@ -9,7 +9,7 @@ model); a plan marked ``optimal`` must equal the optimum. Bad requests get a cle
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from memplan.planner.core.errors import Infeasible, MemplanError
@@ -99,6 +99,9 @@ def _offload_optimum(graph, frac):
 @pytest.mark.parametrize("method", [m for m in METHODS if REGISTRY[m].offload])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases)
+# CP-SAT 9.15's inclusion presolve proved 9.600 s "optimal" here, where the oracle has 8.975 s
+# (google/or-tools#5293; the backend now turns that presolve off)
+@example(case=("dag", 5, 2013, 0.0))
 def test_offload_plans_fit_and_never_beat_the_oracle(method, case):
     kind, n, seed, frac = case
     g = _graph(kind, min(n, 5), seed)  # the oracle enumerates actions x prefetch points
