@@ -50,7 +50,7 @@ from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.probe.distributed import DistributedPlanError, cross_unit_recomputes
-from memplan.planner.probe.fusion import SUPPORTED
+from memplan.planner.probe.fusion import SUPPORTED, narrowed_groups
 
 
 class DistributedError(DistributedPlanError):
@@ -273,21 +273,15 @@ class _CommHookFusion:
         return fut.then(step_bucket)
 
     def _step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """Step ``params`` with the user's optimizer, their groups narrowed to them (planner/probe/fusion.py)."""
-        chosen = {id(p) for p in params}
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
+        """Step ``params`` with the user's optimizer, their groups narrowed to them, on the bucket's
+        averaged gradients (the parameters' own gradients are put back after)."""
         kept_grads = [p.grad for p in params]
         try:
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
-            for g in groups:
-                g["params"] = [p for p in g["params"] if id(p) in chosen]
-            with torch.no_grad():
+            with narrowed_groups(self.optimizer, params), torch.no_grad():
                 type(self.optimizer).step(self.optimizer)
         finally:
-            for g, ps in zip(groups, saved, strict=True):
-                g["params"] = ps
             for p, g in zip(params, kept_grads, strict=True):
                 p.grad = g
 

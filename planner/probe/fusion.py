@@ -154,17 +154,8 @@ class FusedOptimizer:
     # ---- stepping a subset ------------------------------------------------------------------------
     def step_params(self, params: list[nn.Parameter]) -> None:
         """Step only ``params`` with the user's optimizer, then free their gradients."""
-        chosen = set(params)
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for g in groups:
-                g["params"] = [p for p in g["params"] if p in chosen]
-            with torch.no_grad():
-                self._step()
-        finally:
-            for g, ps in zip(groups, saved, strict=True):
-                g["params"] = ps
+        with narrowed_groups(self.optimizer, params), torch.no_grad():
+            self._step()
         for p in params:
             p.grad = None
 
@@ -173,6 +164,22 @@ class FusedOptimizer:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+@contextlib.contextmanager
+def narrowed_groups(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """The optimizer's parameter groups narrowed to ``params`` for the block (each group keeps its
+    hyper-parameters and state; emptied groups are skipped by every torch optimizer), restored after."""
+    chosen = {id(p) for p in params}
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    try:
+        for g in groups:
+            g["params"] = [p for p in g["params"] if id(p) in chosen]
+        yield
+    finally:
+        for g, ps in zip(groups, saved, strict=True):
+            g["params"] = ps
 
 
 @contextlib.contextmanager
