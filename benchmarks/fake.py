@@ -92,7 +92,7 @@ def measured_step_s(w, optimizer) -> float:
 def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
     w = load_workload(name)
     errors, fake_s, real_s, per_op, keep_real, keep_fake = [], [], [], [], [], []
-    steps, vs_step, eager, fresh = [], [], [], []
+    steps, vs_step, eager, fresh, real_vs_step, drift = [], [], [], [], [], []
     real = fake = None
     optimizer = default_optimizer(w.model)
     training_step(w.model, w.batch, w.loss_fn, optimizer)  # the optimizer's state, as in steady training
@@ -117,9 +117,12 @@ def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
             real, fake = run_real(), run_fake()
         else:
             fake, real = run_fake(), run_real()
-        steps.append((before + measured_step_s(w, optimizer)) / 2)  # around the profiles: the same load
+        after = measured_step_s(w, optimizer)
+        steps.append((before + after) / 2)  # around the profiles: the same load
+        drift.append(after / before - 1)  # the machine's own drift over the repeat: the same step, minutes apart
         keep_real.append(simulate(real, None).time_s)
         keep_fake.append(simulate(fake, None).time_s)
+        real_vs_step.append(keep_real[-1] / steps[-1] - 1)  # the control: the real profile's step, same reference
         errors.append(keep_fake[-1] / keep_real[-1] - 1)
         vs_step.append(keep_fake[-1] / steps[-1] - 1)
         eager.append((fake.meta["op_timing"]["eager_forward_s"], fake.meta["op_timing"]["eager_backward_s"]))
@@ -134,7 +137,8 @@ def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
            "keep_all_real_s": statistics.median(keep_real), "keep_all_fake_s": statistics.median(keep_fake),
            "measured_step_s": statistics.median(steps), "step_spread_s": (min(steps), max(steps)),
            "vs_step": statistics.median(vs_step), "vs_step_spread": (min(vs_step), max(vs_step)),
-           "vs_step_all": vs_step, "eager_overhead_s": eager[-1],
+           "vs_step_all": vs_step, "real_vs_step_all": real_vs_step, "step_drift_all": drift,
+           "eager_overhead_s": eager[-1],
            "fresh_pages": [f.get("pages_per_step", 0.0) for f in fresh],
            "fresh_s": [f.get("seconds_per_step", 0.0) for f in fresh],
            "ops_by_name": ops, "fake_time_sources": sorted({op.time_source for op in fake.ops}),
@@ -214,18 +218,25 @@ def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int)
              f"the *measured* plain eager step (the median of {MEASURED_STEPS} steps timed just before and "
              f"{MEASURED_STEPS} just after the repeat's profiles, averaged; target: within 15% in every repeat), "
              "and against the real profile's keep-everything step (its op times calibrated to its own plain "
-             "step). Every repeat's ratio is listed. *Fresh pages*: what the fake profile charged for the step's "
+             "step). Every repeat's ratio is listed. Two controls show the machine's own noise, per repeat: the "
+             "*real* profile's keep-everything step against the same measured step (what a profile of the step "
+             "itself misses by), and the drift of the measured step over the repeat (the steps after the profiles "
+             "over those before). *Fresh pages*: what the fake profile charged for the step's "
              "page faults (planner/probe/hostheap.py), pages per step and their time, medians over the repeats.", "",
              "| model | ops | measured step [min, max] | fake keep-all | fake vs measured step (each repeat) | "
+             "control: real profile vs measured step | control: step drift over the repeat | "
              "fake vs real profile | eager charge fwd / bwd per call | fresh pages | real / fake profile |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lo, hi = r["error_spread"]
         slo, shi = r["step_spread_s"]
         each = ", ".join(f"{v * 100:+.0f}%" for v in r["vs_step_all"])
+        control = ", ".join(f"{v * 100:+.0f}%" for v in r.get("real_vs_step_all", [])) or "-"
+        drift = ", ".join(f"{v * 100:+.0f}%" for v in r.get("step_drift_all", [])) or "-"
         ef, eb = r["eager_overhead_s"]
         lines.append(f"| {r['model']} | {r['ops']} | {r['measured_step_s'] * 1e3:.0f} ms [{slo * 1e3:.0f}, "
                      f"{shi * 1e3:.0f}] | {r['keep_all_fake_s'] * 1e3:.0f} ms | {r['vs_step'] * 100:+.1f}% ({each}) | "
+                     f"{control} | {drift} | "
                      f"{r['keep_all_time_error'] * 100:+.1f}% [{lo * 100:+.0f}, {hi * 100:+.0f}] | "
                      f"{ef * 1e6:.1f} / {eb * 1e6:.1f} us | {statistics.median(r.get('fresh_pages') or [0]):,.0f} "
                      f"({statistics.median(r.get('fresh_s') or [0]) * 1e3:.1f} ms) | "

@@ -9,6 +9,7 @@ profile takes from the allocator (a few bytes of the optimizer kernels' scratch 
 sees) and a fake one from the storages alone.
 """
 
+import copy
 import json
 
 import pytest
@@ -292,6 +293,144 @@ def test_small_constants_are_made_for_real_so_code_branching_on_them_takes_the_r
     fake = profile(model, x, lambda m, b: m(b).pow(2).mean(), device="cpu", progress=False, fake=True,
                    timer=OpTimer(torch.device("cpu"), cache_dir=cache, min_runs=1, target_s=0.0))
     same_structure(real, fake)
+
+
+class SliceWrites(nn.Module):
+    """Writes results into views of a fresh buffer, as DeepSeek-V3's attention builds its keys: slices,
+    a slice of a select (a view of a view), an in-place op on a view of a buffer that requires grad by then,
+    and an item assignment."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(12, 16)
+
+    def forward(self, x):
+        k, r = self.a(x), self.b(x)
+        buf = k.new_empty(*k.shape[:-1], 12)
+        buf[..., :8].copy_(k)
+        buf[..., 8:].copy_(r)
+        buf[1][..., :4].mul_(2.0)
+        buf[2] = buf[2] * 0.5
+        return nn.functional.gelu(self.c(torch.tanh(buf))).pow(2).mean()
+
+
+def test_writes_into_views_of_a_buffer_trace_as_the_real_step_and_train_bitwise(cache, same_structure, tmp_path):
+    """Under fake tensors autograd rebuilds a view's grad_fn after an in-place write by replaying the view
+    (planner/probe/fake.py ViewReplays) with the view's mutex held: the tracer read that view's grad_fn
+    inside the replay and the fake profile waited forever (holding the GIL: nothing in the process ran
+    again); the replayed ops were also recorded, ops the real step never runs. The fake profile runs in a
+    child process, so that a hang fails the test instead of stopping the suite."""
+    import inspect
+    import subprocess
+    import sys
+
+    from memplan.planner.core.graph import Graph
+
+    out = tmp_path / "fake.json"
+    code = "\n".join([
+        "import torch", "from torch import nn", "from memplan.planner.probe.optime import OpTimer",
+        "from memplan.planner.probe.profiler import profile", inspect.getsource(SliceWrites),
+        "torch.manual_seed(0)", "model, x = SliceWrites(), torch.randn(4, 3, 8)",
+        f"timer = OpTimer(torch.device('cpu'), cache_dir={str(cache)!r}, min_runs=1, target_s=0.0)",
+        "g = profile(model, x, lambda m, b: m(b), device='cpu', progress=False, fake=True, timer=timer)",
+        f"open({str(out)!r}, 'w').write(g.model_dump_json())"])
+    try:
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the fake profile of writes into views did not finish (waited on a view's autograd mutex)")
+    fake = Graph.model_validate_json(out.read_text())
+    torch.manual_seed(0)
+    model, x = SliceWrites(), torch.randn(4, 3, 8)
+    loss_fn = lambda m, b: m(b)  # noqa: E731
+    real = profile(model, x, loss_fn, device="cpu", progress=False, measure=False, repeats=1)
+    same_structure(real, fake)
+    assert [op.name for op in fake.ops].count("aten.copy_.default") == 3
+
+    from memplan.executor import apply
+    from memplan.solvers.bounds import memory_lower_bound
+
+    keep, low = simulate(fake, None).peak_bytes, memory_lower_bound(fake)
+    plans = [solve(fake, low + int((keep - low) * f), "auto", time_limit_s=5).plan for f in (0.3, 0.6, 0.9)]
+    plan = max(plans, key=lambda p: simulate(fake, p).recomputed_ops)
+    assert simulate(fake, plan).recomputed_ops > 0
+
+    def step(plan=None):
+        m = copy.deepcopy(model)
+        ex = apply(m, plan, graph=fake) if plan is not None else None
+        try:
+            loss = loss_fn(m, x)
+            loss.backward()
+        finally:
+            if ex is not None:
+                ex.remove()
+        return loss.detach(), [p.grad for p in m.parameters()]
+
+    want_loss, want_grads = step()
+    loss, grads = step(plan)
+    assert torch.equal(loss, want_loss) and all(map(torch.equal, grads, want_grads))
+
+
+def _layer_norm(x):
+    return nn.functional.layer_norm(x, x.shape[-1:], torch.ones(x.shape[-1]), torch.zeros(x.shape[-1]))
+
+
+def _batch_norm(x):
+    return nn.functional.batch_norm(x, None, None, torch.ones(x.shape[1]), torch.zeros(x.shape[1]), training=True)
+
+
+# (function, shape, the permutation its input is stored in, whether the gradient comes in transposed)
+LAYOUT_CASES = {
+    "native_layer_norm_backward": (_layer_norm, (4, 8, 16), (0, 2, 1), True),
+    "_log_softmax_backward_data": (lambda x: nn.functional.log_softmax(x, -1), (4, 8, 16), (0, 2, 1), True),
+    "mse_loss_backward": (lambda x: nn.functional.mse_loss(x, torch.zeros_like(x)), (4, 8, 16), (0, 2, 1), False),
+    "native_batch_norm": (_batch_norm, (2, 4, 6, 6), (0, 1, 3, 2), False),
+    "native_batch_norm_backward": (_batch_norm, (2, 4, 6, 6), (0, 2, 3, 1), True),
+}
+
+
+@pytest.mark.parametrize("op", list(LAYOUT_CASES))
+def test_outputs_whose_layout_the_kernel_chooses_have_it_under_fake_tensors(op):
+    """Each entry of planner/probe/fake.py's ``_LAYOUTS``: the op on permuted inputs (and gradients), run
+    for real and under fake tensors through ``fake_call``, makes outputs of the same strides, op by op
+    (the meta functions alone follow the incoming strides: without the entry this fails)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.planner.probe.fake import _LAYOUTS, FakeGuard
+
+    fn, shape, perm, transposed_grad = LAYOUT_CASES[op]
+    assert getattr(torch.ops.aten, op).default in _LAYOUTS
+
+    class Strides(FakeGuard):
+        def __init__(self, fake):
+            super().__init__([])
+            self.fake, self.rows = fake, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
+            if func is not torch.ops.prim.device.default:
+                outs = out if isinstance(out, (tuple, list)) else [out]
+                self.rows.append((str(func), [tuple(o.stride()) for o in outs if isinstance(o, torch.Tensor)]))
+            return out
+
+    def run(fake):
+        import contextlib
+
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            base = torch.randn(*[shape[p] for p in perm], requires_grad=True)
+            x = base.permute(*[perm.index(i) for i in range(len(perm))])
+            mode = Strides(fake)
+            with mode:
+                y = fn(x)
+                if y.dim() == 0:
+                    y.backward()
+                else:
+                    y.backward(torch.ones_like(y.transpose(0, -1).contiguous()).transpose(0, -1)
+                               if transposed_grad else torch.ones_like(y))
+        return mode.rows
+
+    real, fake = run(False), run(True)
+    assert any(name.startswith(f"aten.{op}.") for name, _ in real)
+    assert fake == real
 
 
 def test_only_small_seedless_constants_are_made_for_real():

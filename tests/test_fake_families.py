@@ -126,6 +126,13 @@ def _roberta():
                                                      "labels": ids}
 
 
+def _swin():
+    config = transformers.SwinConfig(embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, patch_size=4,
+                                     image_size=32, num_labels=5)
+    return (transformers.SwinForImageClassification(config),
+            {"pixel_values": torch.randn(BATCH, 3, 32, 32), "labels": torch.tensor([1, 4, 0, 2])})
+
+
 def _resnet():
     config = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                        layer_type="basic", num_labels=5)
@@ -156,6 +163,15 @@ FAMILIES = {
     "falcon": _falcon,
     "roberta": _roberta,
     "resnet": _resnet,
+    # layer norm after a permute: its backward's kernel makes a contiguous gradient where the meta function
+    # kept the permuted strides, and the fake graph copied it in a later reshape (fake.py _LAYOUTS)
+    "swin": _swin,
+    # multi-head latent attention writes its keys into slices of a fresh buffer (key_states[..., :n].copy_):
+    # under fake tensors autograd replays those views, and the trace waited forever on a view's mutex
+    "deepseek_v3": _decoder("DeepseekV3Config", "DeepseekV3ForCausalLM", num_hidden_layers=1, kv_lora_rank=16,
+                            q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH,
+                            first_k_dense_replace=1, n_group=1, topk_group=1),
 }
 
 

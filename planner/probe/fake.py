@@ -100,6 +100,8 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
         known = _track_range(func, args, out)
         if known is not None:
             return known
+        if func in _LAYOUTS:
+            out = _kernel_layout(func, args, out)
     if not tensors and _small_constant(func, out):
         with _disable_current_modes():
             return func(*args, **kwargs)
@@ -110,6 +112,38 @@ _aten = torch.ops.aten
 # uniform draws: their values lie in [0, 1), taken as [0, 1] so as not to rely on how a kernel treats 1
 _UNIFORM = (_aten.rand, _aten.rand_like)
 _RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()   # fake tensor -> (low, high) of its values
+
+
+# Outputs whose layout the kernels (CPU and CUDA alike) choose otherwise than the meta function that fake
+# tensors run: (output, rule) with rule "contiguous" (the kernel allocates it contiguous) or an argument's
+# index (in that argument's suggested memory format: channels-last in, channels-last out, else contiguous),
+# where the meta function follows the incoming strides. A fake output of another layout changes what the
+# step copies later (a reshape of a non-contiguous gradient copies; Swin's layer norm after a permute had
+# an 8 KiB copy in the fake graph that the real step never made). Found by running each op on permuted
+# inputs and gradients, real against fake; tests/test_fake.py checks every entry against the kernel.
+_LAYOUTS: dict[Any, tuple[tuple[int, str | int], ...]] = {
+    _aten.native_layer_norm_backward.default: ((0, "contiguous"),),
+    _aten._log_softmax_backward_data.default: ((0, "contiguous"),),
+    _aten.mse_loss_backward.default: ((0, "contiguous"),),
+    _aten.native_batch_norm.default: ((0, 0),),
+    _aten.native_batch_norm_backward.default: ((0, 1),),
+}
+
+
+def _kernel_layout(func: Any, args: tuple, out: Any) -> Any:
+    """``out`` with the outputs :data:`_LAYOUTS` names in the kernel's layout (fresh fake tensors: the
+    kernel allocates these outputs, so nothing aliases them)."""
+    from torch._prims_common import suggest_memory_format
+
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    for index, rule in _LAYOUTS[func]:
+        t = outs[index] if index < len(outs) else None
+        if not isinstance(t, FakeTensor):
+            continue
+        fmt = torch.contiguous_format if rule == "contiguous" else suggest_memory_format(args[rule])
+        if not t.is_contiguous(memory_format=fmt):
+            outs[index] = torch.empty_like(t, memory_format=fmt)
+    return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
 
 
 def _answer(always: bool, never: bool) -> bool | None:
@@ -212,6 +246,64 @@ def _small_constant(func: Any, out: Any) -> bool:
     if sum(t.numel() * t.element_size() for t in outs) > REAL_CONSTANT_MAX_BYTES:
         return False
     return all(holds_real_tensors(t.device) for t in outs)
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (its schema's mutable arguments: ``self`` of ``copy_``,
+    ``out=``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out: list[torch.Tensor] = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif isinstance(value, (list, tuple)):
+                out += [v for v in value if isinstance(v, torch.Tensor)]
+    return out
+
+
+class ViewReplays:
+    """Autograd's replays of fake views, which are not ops of the program.
+
+    A view of a fake tensor (a subclass with the Python dispatch key) keeps the view function that made it
+    rather than as_strided metadata. When an in-place write makes such a view require grad
+    (``buf[..., :n].copy_(x)``, ``out[i] = y``; DeepSeek-V3's attention builds its keys so), autograd
+    rebases the view's history and rebuilds its ``grad_fn`` by replaying that function on the base: one view
+    op per level of the view (``select`` then ``slice`` for ``buf[i][..., :n]``), dispatched to every mode
+    like the program's own ops, inside the write's call and with the view's autograd mutex held. A real step
+    does none of this. So a mode that records a fake step skips them (else the fake graph has ops the real
+    step never runs, and the executor's matching refuses the plan), and must not read that view's
+    ``grad_fn`` while one runs: the read takes the same mutex, and the step waited on it forever.
+
+    Use: ``replaying(func, args)`` first in ``__torch_dispatch__`` (True: run the call, give its output to
+    ``replayed``, record nothing); ``after_write(func, args, kwargs)`` once a recorded call has run."""
+
+    def __init__(self) -> None:
+        self._next: torch.Tensor | None = None  # what the next replayed view op is applied to
+
+    def after_write(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Expect a replay after ``func`` when it wrote a fake view in place and autograd will rebase it: grad
+        mode on and the write's arguments (the view included) requiring grad."""
+        self._next = None
+        if not torch.is_grad_enabled():
+            return
+        written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, FakeTensor) and t._is_view()]
+        if written and any(t.requires_grad for t in pytree.tree_leaves((args, kwargs))
+                           if isinstance(t, torch.Tensor)):
+            self._next = written[0]._base  # every level of a view of a view replays from the root base
+
+    def replaying(self, func: Any, args: tuple) -> bool:
+        """Whether this call is a replayed view op (the next one after a rebasing write, or the next level of
+        the replay under way); forgets the expectation otherwise."""
+        nxt, self._next = self._next, None
+        return (nxt is not None and getattr(func, "is_view", False) and len(args) > 0 and args[0] is nxt)
+
+    def replayed(self, out: Any) -> None:
+        """The replayed op's output: a deeper level of the view replays from it."""
+        self._next = out if isinstance(out, torch.Tensor) else None
 
 
 class FakeGuard(TorchDispatchMode):

@@ -25,7 +25,7 @@ from memplan.planner.core.build import Trace, TraceOp, TraceStorage
 from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.graph import DETACH
 from memplan.planner.probe.device import Device
-from memplan.planner.probe.fake import fake_call
+from memplan.planner.probe.fake import ViewReplays, fake_call, written_tensors
 from memplan.planner.probe.hostheap import Shadow
 from memplan.planner.probe.measure import allocation_highs, allocator_events
 from memplan.planner.probe.optime import OpCall, record_call
@@ -66,7 +66,7 @@ class Tracer(TorchDispatchMode):
         self.by_key: dict[int, int] = {}  # live storage _cdata -> storage id
         self.refs: dict[int, weakref.ref] = {}
         self.pending: tuple[int, list[torch.Tensor]] | None = None  # last op's outputs, for their grad_fn
-        self.written: dict[Any, list[tuple[int, str]]] = {}
+        self.replays = ViewReplays()      # autograd's replays of fake views: not ops of the program
         self.shadow: Shadow | None = None  # fake CPU steps: each new storage's shadow block (hostheap.py)
 
     # -- storages ---------------------------------------------------------------------------------------
@@ -171,25 +171,19 @@ class Tracer(TorchDispatchMode):
                 self.trace.storages[tid].requires_grad = True
         del outs
 
-    def _writes(self, func, args, kwargs) -> list[torch.Tensor]:
-        spec = self.written.get(func)
-        if spec is None:
-            spec = [(i, a.name) for i, a in enumerate(func._schema.arguments)
-                    if a.alias_info is not None and a.alias_info.is_write]
-            self.written[func] = spec
-        out: list[torch.Tensor] = []
-        for i, name in spec:
-            value = args[i] if i < len(args) else kwargs.get(name)
-            out += tensors_in(value)
-        return out
-
     def _forward(self, func, args, kwargs):
+        if self.replays.replaying(func, args):
+            # autograd rebuilding a fake view's grad_fn (ViewReplays): not an op of the program, and the
+            # pending outputs' grad_fn must not be read now (that view's mutex is held)
+            out = self._fake_call(func, args, kwargs) if self.memory == "fake" else func(*args, **kwargs)
+            self.replays.replayed(out)
+            return out
         self.resolve_pending()
         k = len(self.trace.ops)
         self.clock = k
         fresh = func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
         inputs = [] if fresh else [self.register(t, "buffer") for t in tensors_in((args, kwargs))]
-        writes = [self.register(t, "buffer") for t in self._writes(func, args, kwargs)]
+        writes = [self.register(t, "buffer") for t in written_tensors(func, args, kwargs)]
         if self.modules:
             module = self.modules[-1]
         else:
@@ -209,6 +203,7 @@ class Tracer(TorchDispatchMode):
                 rec.outputs.append(tid)
                 rec.positions.append(position)
         self.pending = (k, outs)
+        self.replays.after_write(func, args, kwargs)
         return out
 
     def _backward(self, func, args, kwargs):
@@ -429,6 +424,7 @@ class LifetimeMode(TorchDispatchMode):
         self.deaths: list[list[int | None]] = []
         self.known: set[int] = set()
         self.refs: list[weakref.ref] = []
+        self.replays = ViewReplays()     # autograd's replays of fake views: not ops of the program
 
     def _track(self, s: torch.UntypedStorage, row: list[int | None] | None) -> None:
         """Know ``s`` while it lives (as the traced step's ``by_key`` does, so that "new output" means the
@@ -450,11 +446,16 @@ class LifetimeMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in METADATA:
             return func(*args, **kwargs)
+        if self.replays.replaying(func, args):
+            out = fake_call(func, args, kwargs, "the lifetime pass") if self.fake else func(*args, **kwargs)
+            self.replays.replayed(out)
+            return out
         for t in tensors_in((args, kwargs)):
             s = storage_of(t)
             if s is not None and s._cdata not in self.known:
                 self._track(s, None)
         out = fake_call(func, args, kwargs, "the lifetime pass") if self.fake else func(*args, **kwargs)
+        self.replays.after_write(func, args, kwargs)
         self.names.append(str(func))
         row: list[int | None] = []
         self.deaths.append(row)
