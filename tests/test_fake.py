@@ -390,15 +390,15 @@ LAYOUT_CASES = {
 
 @pytest.mark.parametrize("op", list(LAYOUT_CASES))
 def test_outputs_whose_layout_the_kernel_chooses_have_it_under_fake_tensors(op):
-    """Each entry of planner/probe/fake.py's ``_LAYOUTS``: the op on permuted inputs (and gradients), run
+    """Each entry of planner/probe/fake.py's ``KERNEL_LAYOUTS``: the op on permuted inputs (and gradients), run
     for real and under fake tensors through ``fake_call``, makes outputs of the same strides, op by op
     (the meta functions alone follow the incoming strides: without the entry this fails)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.planner.probe.fake import _LAYOUTS, FakeGuard
+    from memplan.planner.probe.fake import KERNEL_LAYOUTS, FakeGuard
 
     fn, shape, perm, transposed_grad = LAYOUT_CASES[op]
-    assert getattr(torch.ops.aten, op).default in _LAYOUTS
+    assert getattr(torch.ops.aten, op).default in KERNEL_LAYOUTS
 
     class Strides(FakeGuard):
         def __init__(self, fake):

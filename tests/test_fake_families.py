@@ -164,7 +164,7 @@ FAMILIES = {
     "roberta": _roberta,
     "resnet": _resnet,
     # layer norm after a permute: its backward's kernel makes a contiguous gradient where the meta function
-    # kept the permuted strides, and the fake graph copied it in a later reshape (fake.py _LAYOUTS)
+    # kept the permuted strides, and the fake graph copied it in a later reshape (fake.py KERNEL_LAYOUTS)
     "swin": _swin,
     # multi-head latent attention writes its keys into slices of a fresh buffer (key_states[..., :n].copy_):
     # under fake tensors autograd replays those views, and the trace waited forever on a view's mutex

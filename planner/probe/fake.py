@@ -23,6 +23,11 @@ batch is, and what is computed from it and the batch alone runs for real: such c
 branch on, and takes the real path. (Telling transformers that fake tensors are not traced would not do:
 a branch on a fake activation's values cannot be taken at all, and is refused as above.)
 
+Two things fake tensors do that a real step does not are undone here. Autograd replays a fake view's view
+function when an in-place write rebases it (:class:`ViewReplays`: the recording modes skip those ops), and a
+few meta functions lay out an output otherwise than the kernel does (:data:`KERNEL_LAYOUTS`: the output is
+given the kernel's layout).
+
 A branch on a random draw whose answer does not depend on the draw is taken too: transformers 5.17's
 LayerDrop draws ``torch.rand([])`` in every training step and skips the layer when it is below
 ``layerdrop``, 0.0 by default, which no draw is. A uniform draw (``rand``, ``rand_like``) stays fake (its
@@ -100,7 +105,7 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
         known = _track_range(func, args, out)
         if known is not None:
             return known
-        if func in _LAYOUTS:
+        if func in KERNEL_LAYOUTS:
             out = _kernel_layout(func, args, out)
     if not tensors and _small_constant(func, out):
         with _disable_current_modes():
@@ -121,7 +126,7 @@ _RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()   # fake tensor -> (low, hi
 # step copies later (a reshape of a non-contiguous gradient copies; Swin's layer norm after a permute had
 # an 8 KiB copy in the fake graph that the real step never made). Found by running each op on permuted
 # inputs and gradients, real against fake; tests/test_fake.py checks every entry against the kernel.
-_LAYOUTS: dict[Any, tuple[tuple[int, str | int], ...]] = {
+KERNEL_LAYOUTS: dict[Any, tuple[tuple[int, str | int], ...]] = {
     _aten.native_layer_norm_backward.default: ((0, "contiguous"),),
     _aten._log_softmax_backward_data.default: ((0, "contiguous"),),
     _aten.mse_loss_backward.default: ((0, "contiguous"),),
@@ -131,12 +136,12 @@ _LAYOUTS: dict[Any, tuple[tuple[int, str | int], ...]] = {
 
 
 def _kernel_layout(func: Any, args: tuple, out: Any) -> Any:
-    """``out`` with the outputs :data:`_LAYOUTS` names in the kernel's layout (fresh fake tensors: the
+    """``out`` with the outputs :data:`KERNEL_LAYOUTS` names in the kernel's layout (fresh fake tensors: the
     kernel allocates these outputs, so nothing aliases them)."""
     from torch._prims_common import suggest_memory_format
 
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    for index, rule in _LAYOUTS[func]:
+    for index, rule in KERNEL_LAYOUTS[func]:
         t = outs[index] if index < len(outs) else None
         if not isinstance(t, FakeTensor):
             continue
