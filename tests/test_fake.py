@@ -385,6 +385,15 @@ LAYOUT_CASES = {
     "mse_loss_backward": (lambda x: nn.functional.mse_loss(x, torch.zeros_like(x)), (4, 8, 16), (0, 2, 1), False),
     "native_batch_norm": (_batch_norm, (2, 4, 6, 6), (0, 1, 3, 2), False),
     "native_batch_norm_backward": (_batch_norm, (2, 4, 6, 6), (0, 2, 3, 1), True),
+    "smooth_l1_loss_backward": (lambda x: nn.functional.smooth_l1_loss(x, torch.zeros_like(x)), (4, 8, 16), (0, 2, 1),
+                                False),
+    "huber_loss_backward": (lambda x: nn.functional.huber_loss(x, torch.zeros_like(x)), (4, 8, 16), (0, 2, 1), False),
+    "log_sigmoid_forward": (nn.functional.logsigmoid, (4, 8, 16), (0, 2, 1), False),
+    "softplus_backward": (nn.functional.softplus, (4, 8, 16), (0, 2, 1), True),
+    "hardswish_backward": (nn.functional.hardswish, (4, 8, 16), (0, 2, 1), True),
+    "hardsigmoid_backward": (nn.functional.hardsigmoid, (4, 8, 16), (0, 2, 1), True),
+    "hardtanh_backward": (nn.functional.relu6, (4, 8, 16), (0, 2, 1), True),
+    "elu_backward": (nn.functional.selu, (4, 8, 16), (0, 2, 1), True),
 }
 
 

@@ -120,18 +120,28 @@ _RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()   # fake tensor -> (low, hi
 
 
 # Outputs whose layout the kernels (CPU and CUDA alike) choose otherwise than the meta function that fake
-# tensors run: (output, rule) with rule "contiguous" (the kernel allocates it contiguous) or an argument's
-# index (in that argument's suggested memory format: channels-last in, channels-last out, else contiguous),
-# where the meta function follows the incoming strides. A fake output of another layout changes what the
+# tensors run: (output, rule) with rule "contiguous" (the kernel allocates it contiguous), an argument's
+# index (in that argument's suggested memory format: channels-last in, channels-last out, else contiguous)
+# or a pair of argument indices (the kernel is an elementwise TensorIterator over the gradient and the
+# input: the layout ``add`` of the two gets, whose meta function is that iterator's), where the meta
+# function (a Python decomposition) follows one argument's strides. A fake output of another layout changes what the
 # step copies later (a reshape of a non-contiguous gradient copies; Swin's layer norm after a permute had
 # an 8 KiB copy in the fake graph that the real step never made). Found by running each op on permuted
 # inputs and gradients, real against fake; tests/test_fake.py checks every entry against the kernel.
-KERNEL_LAYOUTS: dict[Any, tuple[tuple[int, str | int], ...]] = {
+KERNEL_LAYOUTS: dict[Any, tuple[tuple[int, str | int | tuple[int, int]], ...]] = {
     _aten.native_layer_norm_backward.default: ((0, "contiguous"),),
     _aten._log_softmax_backward_data.default: ((0, "contiguous"),),
     _aten.mse_loss_backward.default: ((0, "contiguous"),),
     _aten.native_batch_norm.default: ((0, 0),),
     _aten.native_batch_norm_backward.default: ((0, 1),),
+    _aten.smooth_l1_loss_backward.default: ((0, "contiguous"),),
+    _aten.huber_loss_backward.default: ((0, "contiguous"),),
+    _aten.log_sigmoid_forward.default: ((0, "contiguous"), (1, "contiguous")),
+    _aten.softplus_backward.default: ((0, (0, 1)),),
+    _aten.hardswish_backward.default: ((0, (0, 1)),),
+    _aten.hardsigmoid_backward.default: ((0, (0, 1)),),
+    _aten.hardtanh_backward.default: ((0, (0, 1)),),
+    _aten.elu_backward.default: ((0, (0, 5)),),
 }
 
 
@@ -144,6 +154,11 @@ def _kernel_layout(func: Any, args: tuple, out: Any) -> Any:
     for index, rule in KERNEL_LAYOUTS[func]:
         t = outs[index] if index < len(outs) else None
         if not isinstance(t, FakeTensor):
+            continue
+        if isinstance(rule, tuple):
+            like = _aten.add.Tensor(args[rule[0]], args[rule[1]])
+            if like.shape == t.shape and like.stride() != t.stride():
+                outs[index] = torch.empty_strided(t.shape, like.stride(), dtype=t.dtype, device=t.device)
             continue
         fmt = torch.contiguous_format if rule == "contiguous" else suggest_memory_format(args[rule])
         if not t.is_contiguous(memory_format=fmt):
