@@ -190,3 +190,42 @@ def test_a_grouped_product_is_timed_on_every_row_and_its_flops_counted(a_shape, 
         else:
             want, got = args[0][g] @ args[1][:, rows], out[:, rows]
         assert torch.allclose(got, want, atol=1e-5) and got.abs().sum() > 0
+
+
+@pytest.mark.usefixtures("one_thread")  # the timer's clock is then this thread's CPU time, as spin's
+@pytest.mark.parametrize("bandwidth, charged_ms", [(2 * 2 * 16384 / 0.001, 3.0), (1.0, 10.0)])
+def test_a_cold_call_is_charged_at_most_its_warm_time_plus_two_reads_of_its_cold_bytes(tmp_path, monkeypatch,
+                                                                                        bandwidth, charged_ms):
+    """The flush before a cold run costs a compute-bound call with small cold arguments more than the step
+    pays for them (the GRU's weight-gradient products: twice their warm time): the charge is capped at
+    the warm time plus two reads of the cold bytes at the machine's copy bandwidth, and a call whose
+    flushed time is under that cap keeps it. Here the call spins 2 ms of CPU warm and 10 ms on its first
+    run after a flush (the spare run on spare copies comes between); its two 16 KiB arguments are cold
+    (new to the step). At a bandwidth that reads 64 KiB in 0.5 ms it is charged 2 + 1 ms; at 1 B/s the
+    cap is far above and the flushed 10 ms stays."""
+    import dataclasses
+    import types
+
+    def spin(seconds):  # in the timer's own clock (thread CPU time with one torch thread, else wall time)
+        end = clock() + seconds
+        while clock() < end:
+            pass
+
+    state = {"flushed": False, "since": 0}
+
+    def kernel(a, b):
+        state["since"] += 1
+        spin(0.010 if state["flushed"] and state["since"] == 2 else 0.002)  # flush, spare run, timed run
+        if state["since"] == 2:
+            state["flushed"] = False
+        return torch.mm(a, b)
+
+    a, b = torch.rand(64, 64), torch.rand(64, 64)
+    call = dataclasses.replace(_call(torch.ops.aten.mm.default, a, b), func=kernel)
+    timer = OpTimer(CPU, cache_dir=tmp_path, min_runs=3, target_s=0.0, sweeps=1)
+    clock = timer.layer.clock()
+    monkeypatch.setattr(timer, "flush_caches", lambda: state.update(flushed=True, since=0))
+    monkeypatch.setattr(timer, "local_spec", lambda: types.SimpleNamespace(memory_bandwidth_bytes_per_s=bandwidth))
+    monkeypatch.setattr(timer, "fault_cost_s", lambda: 0.0)
+    (timing,) = timer.time([call])
+    assert timing.time_s * 1e3 == pytest.approx(charged_ms, abs=0.4)
