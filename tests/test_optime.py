@@ -198,13 +198,12 @@ def test_a_cold_call_is_charged_at_most_its_warm_time_plus_two_reads_of_its_cold
                                                                                         bandwidth, charged_ms):
     """The flush before a cold run costs a compute-bound call with small cold arguments more than the step
     pays for them (the GRU's weight-gradient products: twice their warm time): the charge is capped at
-    the warm time plus two reads of the cold bytes at the machine's copy bandwidth, and a call whose
+    the warm time plus two reads of the cold bytes at the bandwidth the flushes wrote at, and a call whose
     flushed time is under that cap keeps it. Here the call spins 2 ms of CPU warm and 10 ms on its first
     run after a flush (the spare run on spare copies comes between); its two 16 KiB arguments are cold
     (new to the step). At a bandwidth that reads 64 KiB in 0.5 ms it is charged 2 + 1 ms; at 1 B/s the
     cap is far above and the flushed 10 ms stays."""
     import dataclasses
-    import types
 
     def spin(seconds):  # in the timer's own clock (thread CPU time with one torch thread, else wall time)
         end = clock() + seconds
@@ -224,8 +223,21 @@ def test_a_cold_call_is_charged_at_most_its_warm_time_plus_two_reads_of_its_cold
     call = dataclasses.replace(_call(torch.ops.aten.mm.default, a, b), func=kernel)
     timer = OpTimer(CPU, cache_dir=tmp_path, min_runs=3, target_s=0.0, sweeps=1)
     clock = timer.layer.clock()
-    monkeypatch.setattr(timer, "flush_caches", lambda: state.update(flushed=True, since=0))
-    monkeypatch.setattr(timer, "local_spec", lambda: types.SimpleNamespace(memory_bandwidth_bytes_per_s=bandwidth))
+
+    def flush():  # as the timer's flush: marks the cold arguments evicted and records its write rate
+        state.update(flushed=True, since=0)
+        timer._flush_rates.append(bandwidth)
+
+    monkeypatch.setattr(timer, "flush_caches", flush)
     monkeypatch.setattr(timer, "fault_cost_s", lambda: 0.0)
     (timing,) = timer.time([call])
     assert timing.time_s * 1e3 == pytest.approx(charged_ms, abs=0.4)
+
+
+def test_each_cache_flush_measures_the_memory_bandwidth_it_wrote_at(tmp_path):
+    """The cold charge's cap reads its bandwidth from the flushes themselves (no other buffer: a process
+    under an address-space cap had no room for a second 64 MiB one, test_capped)."""
+    timer = _timer(tmp_path)
+    for _ in range(3):
+        timer.flush_caches()
+    assert len(timer._flush_rates) == 3 and all(1e8 < r < 1e13 for r in timer._flush_rates)

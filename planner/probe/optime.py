@@ -15,7 +15,7 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
   buffer twice the size of the last-level cache (CPU; L2 on CUDA) and one untimed run on a spare copy
   of the cold arguments, which brings the kernel's code, the dispatch path and the hot arguments back
   into cache and leaves the cold ones in memory; a call with none is timed warm, as before. A cold call
-  is charged at most its warm time plus two reads of its cold bytes at this machine's copy bandwidth:
+  is charged at most its warm time plus two reads of its cold bytes at the bandwidth its flushes write at:
   the flush costs a compute-bound call with a small cold argument far more than the step pays for it. Timed all
   warm (the same tensors again and again), a memory-bound op looked up to 8 times faster on CPU than in
   the step; timed all cold (everything flushed, code included), a tiny op looked 20 times slower.
@@ -76,12 +76,13 @@ _MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
 _SWEEPS = 3
 _MAX_COLD_RUNS = 9  # each cold run also writes the flush buffer: fewer runs, still a median
 # A cold call costs at most its warm time plus this many times what reading its cold arguments once at the
-# machine's copy bandwidth takes. The flush (twice the last-level cache written) costs a compute-bound call
+# memory bandwidth (the flushes' own write rate) takes. The flush (twice the last-level cache written) costs a compute-bound call
 # with a small cold argument far more than the step pays for that argument: the unrolled GRU's weight-
 # gradient products (a 64 KiB saved hidden state cold) timed 0.80 ms after a flush against 0.40 ms warm,
 # which put the rnn's fake step 16-26% over the measured one where its real profile was within 5%.
 # A memory-bound call's flushed time is about that sum already, and stays.
 _COLD_READS = 2.0
+_FLUSH_RATES = 64  # the bandwidth is the median of the latest flushes' rates
 
 
 def default_cache_dir() -> Path:
@@ -543,6 +544,7 @@ class OpTimer:
         # are charged apart, where the step takes them
         self.net_faults = spec is None and self.layer.returns_pages
         self._fault_s: float | None = None
+        self._flush_rates: list[float] = []  # bytes/s of each cache flush's write
 
     @property
     def identity(self) -> str:
@@ -563,11 +565,20 @@ class OpTimer:
 
     def flush_caches(self) -> None:
         """Evict the device's caches: write a buffer of twice the last-level cache's bytes (allocated
-        once per timer, so no page is touched for the first time here)."""
+        once per timer, so no page is touched for the first time here). Each write is timed: the memory
+        bandwidth a cold call's charge is capped with (:meth:`_cold_ceiling`), measured without another
+        buffer (a capped process has room for this one)."""
         if self._flush is None:
             self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.float32, device=self.device)
+            self._flush.fill_(1.0)  # first touch: its page faults are not bandwidth
+            self._sync()
+        clock = self.layer.clock()
+        start = clock()
         self._flush.fill_(1.0)
         self._sync()
+        seconds = clock() - start
+        if seconds > 0:
+            self._flush_rates.append(self._flush.nbytes / seconds)
 
     def fault_cost_s(self) -> float:
         """Seconds a fresh page's first write costs here, taken off each timed run per fault it took (0
@@ -693,7 +704,7 @@ class OpTimer:
                       clock: Callable[[], float], fault_s: float) -> float:
         """The most a call with ``cold`` arguments is charged: its warm time (the median of ``min_runs``
         runs on the arguments the cold runs left in cache) plus :data:`_COLD_READS` reads of the cold
-        arguments' bytes at this machine's copy bandwidth."""
+        arguments' bytes at the memory bandwidth the cache flushes wrote at (their median)."""
         warm: list[float] = []
         for _ in range(self.min_runs):
             faults = process_faults() if fault_s else 0
@@ -707,7 +718,9 @@ class OpTimer:
             del out
         touched = call.argument_storage_bytes()
         cold_bytes = sum(touched[i] for i in cold if i < len(touched))
-        bandwidth = self.local_spec().memory_bandwidth_bytes_per_s
+        if not self._flush_rates:
+            return math.inf
+        bandwidth = statistics.median(self._flush_rates[-_FLUSH_RATES:])
         return statistics.median(warm) + _COLD_READS * cold_bytes / bandwidth
 
     def _high_water(self, todo: dict[str, OpCall]) -> tuple[dict[str, int], dict[str, tuple[int, ...]], set[str]]:
