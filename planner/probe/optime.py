@@ -685,37 +685,32 @@ class OpTimer:
                     out = call.func(*spare_args, **spare_kwargs)
                     self._sync()
                     del out
-                faults = process_faults() if fault_s else 0
-                start = clock()
-                out = call.func(*args, **kwargs)
-                self._sync()
-                seconds = clock() - start
-                if fault_s:
-                    seconds = max(0.0, seconds - (process_faults() - faults) * fault_s)
-                times.append(seconds)
-                del out  # one output at a time: the working set stays one call's
+                times.append(self._one_run(call, args, kwargs, clock, fault_s))
             if not cold:
                 return statistics.median(times)
             return min(statistics.median(times), self._cold_ceiling(call, cold, args, kwargs, clock, fault_s))
         except Exception:  # noqa: BLE001 - any failure means "cannot run alone": analytic instead
             return None
 
+    def _one_run(self, call: OpCall, args: tuple, kwargs: dict, clock: Callable[[], float], fault_s: float) -> float:
+        """Seconds of one run of ``call``, net of the page faults it took at ``fault_s`` each. Its output is
+        dropped at once: the working set stays one call's."""
+        faults = process_faults() if fault_s else 0
+        start = clock()
+        out = call.func(*args, **kwargs)
+        self._sync()
+        seconds = clock() - start
+        del out
+        if fault_s:
+            seconds = max(0.0, seconds - (process_faults() - faults) * fault_s)
+        return seconds
+
     def _cold_ceiling(self, call: OpCall, cold: frozenset[int], args: tuple, kwargs: dict,
                       clock: Callable[[], float], fault_s: float) -> float:
         """The most a call with ``cold`` arguments is charged: its warm time (the median of ``min_runs``
         runs on the arguments the cold runs left in cache) plus :data:`_COLD_READS` reads of the cold
         arguments' bytes at the memory bandwidth the cache flushes wrote at (their median)."""
-        warm: list[float] = []
-        for _ in range(self.min_runs):
-            faults = process_faults() if fault_s else 0
-            start = clock()
-            out = call.func(*args, **kwargs)
-            self._sync()
-            seconds = clock() - start
-            if fault_s:
-                seconds = max(0.0, seconds - (process_faults() - faults) * fault_s)
-            warm.append(seconds)
-            del out
+        warm = [self._one_run(call, args, kwargs, clock, fault_s) for _ in range(self.min_runs)]
         touched = call.argument_storage_bytes()
         cold_bytes = sum(touched[i] for i in cold if i < len(touched))
         if not self._flush_rates:
