@@ -271,18 +271,23 @@ def _small_constant(func: Any, out: Any) -> bool:
 def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (its schema's mutable arguments: ``self`` of ``copy_``,
     ``out=``)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return []
+    spec = _WRITTEN.get(func)
+    if spec is None:
+        schema = getattr(func, "_schema", None)
+        spec = () if schema is None else tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                                               if a.alias_info is not None and a.alias_info.is_write)
+        _WRITTEN[func] = spec
     out: list[torch.Tensor] = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(a.name)
-            if isinstance(value, torch.Tensor):
-                out.append(value)
-            elif isinstance(value, (list, tuple)):
-                out += [v for v in value if isinstance(v, torch.Tensor)]
+    for i, name in spec:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out += [v for v in value if isinstance(v, torch.Tensor)]
     return out
+
+
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> its mutable arguments (index, name)
 
 
 class ViewReplays:
