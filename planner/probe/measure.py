@@ -452,6 +452,7 @@ def fused_extra_s(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torc
     these steps). Negative when fusion is faster (the updates hide under the device's work)."""
     if rounds < 1:
         raise ValueError(f"fused_extra_s needs rounds >= 1, got {rounds}")
+
     def timed() -> float:
         return time_steps(model, batch, loss_fn, optimizer, steps=1, device=device, clock=clock).step_s
 

@@ -76,10 +76,11 @@ _MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
 _SWEEPS = 3
 _MAX_COLD_RUNS = 9  # each cold run also writes the flush buffer: fewer runs, still a median
 # A cold call costs at most its warm time plus this many times what reading its cold arguments once at the
-# memory bandwidth (the flushes' own write rate) takes. The flush (twice the last-level cache written) costs a compute-bound call
-# with a small cold argument far more than the step pays for that argument: the unrolled GRU's weight-
-# gradient products (a 64 KiB saved hidden state cold) timed 0.80 ms after a flush against 0.40 ms warm,
-# which put the rnn's fake step 16-26% over the measured one where its real profile was within 5%.
+# memory bandwidth (the flushes' own write rate) takes. The flush (twice the last-level cache written)
+# costs a compute-bound call with a small cold argument far more than the step pays for that argument: the
+# unrolled GRU's weight-gradient products (a 64 KiB saved hidden state cold) timed 0.80 ms after a flush
+# against 0.40 ms warm, which put the rnn's fake step 16-26% over the measured one where its real profile
+# was within 5%.
 # A memory-bound call's flushed time is about that sum already, and stays.
 _COLD_READS = 2.0
 _FLUSH_RATES = 64  # the bandwidth is the median of the latest flushes' rates
@@ -710,11 +711,11 @@ class OpTimer:
         """The most a call with ``cold`` arguments is charged: its warm time (the median of ``min_runs``
         runs on the arguments the cold runs left in cache) plus :data:`_COLD_READS` reads of the cold
         arguments' bytes at the memory bandwidth the cache flushes wrote at (their median)."""
+        if not self._flush_rates:
+            return math.inf
         warm = [self._one_run(call, args, kwargs, clock, fault_s) for _ in range(self.min_runs)]
         touched = call.argument_storage_bytes()
         cold_bytes = sum(touched[i] for i in cold if i < len(touched))
-        if not self._flush_rates:
-            return math.inf
         bandwidth = statistics.median(self._flush_rates[-_FLUSH_RATES:])
         return statistics.median(warm) + _COLD_READS * cold_bytes / bandwidth
 
