@@ -84,9 +84,9 @@ def _plans(graph: Graph, offload: bool, prefetch: str,
         yield actions, points
 
 
-@register("oracle", description="exhaustive search over every plan, prefetch points included (tiny graphs "
-                                "only; the reference)", exact=True, offload=True, max_ops=MAX_SAVED,
-          config=Config)
+@register("oracle", description="exhaustive search over keep / recompute (/ offload at every prefetch point; "
+                                "recompute_each with per_use) (tiny graphs only; the reference)",
+          exact=True, offload=True, max_ops=MAX_SAVED, config=Config)
 def solve_oracle(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, offload: bool = False,
                  host_budget_bytes: int | None = None, config: Config = DEFAULT) -> Proposal:
     """Minimise simulated step time subject to simulated peak <= budget (and host peak <= host budget);
