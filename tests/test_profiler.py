@@ -167,11 +167,13 @@ def test_bad_loss_and_arguments():
         profile(model, torch.randn(2, 4), _sum_loss, warmup=0, progress=False)
 
 
-def test_profiling_trains_the_model_and_measures():
+def test_profiling_measures_and_leaves_the_model_as_it_was_unless_asked():
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     before = model.weight.detach().clone()
     g = profile(model, torch.randn(2, 4), _sum_loss, device="cpu", progress=False, repeats=1)
+    assert torch.equal(before, model.weight) and model.weight.grad is None  # the profile's steps were undone
+    profile(model, torch.randn(2, 4), _sum_loss, device="cpu", progress=False, repeats=1, restore=False)
     assert not torch.equal(before, model.weight)
     assert g.measured.peak_bytes is not None and g.measured.peak_bytes >= g.fixed.resident_bytes
     assert g.fixed.optimizer_state_bytes == 2 * g.fixed.params_bytes + 4 * 2  # exp_avg, exp_avg_sq, step

@@ -20,7 +20,7 @@ from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.core.units import format_bytes, parse_budget
-from memplan.planner.probe.family import profile_family, restored, twin_optimizer
+from memplan.planner.probe.family import profile_family, twin_optimizer
 from memplan.planner.probe.measure import PeakReading, peak_window
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import LossFn
@@ -159,15 +159,14 @@ class StepPlanner:
         is trained."""
         device = next(model.parameters()).device
         name = type(model).__name__
-        # fake profiling (#10) goes here: the twin optimizer and ``restored`` are then unnecessary
-        with restored(model):
-            if self.max_seq_len is None:
-                graph = profile(model, batch, loss_fn, optimizer=twin_optimizer(optimizer), warmup=1,
-                                repeats=self.repeats, device=device, progress=False, measure=False, name=name)
-            else:
-                graph = profile_family(model, sequence_family(batch, self.max_seq_len), loss_fn,
-                                       optimizer=twin_optimizer(optimizer), repeats=self.repeats, device=device,
-                                       progress=False, measure=False, name=name)
+        # the profile puts the model, gradients and random streams back; the twin leaves ``optimizer`` untouched
+        if self.max_seq_len is None:
+            graph = profile(model, batch, loss_fn, optimizer=twin_optimizer(optimizer), warmup=1,
+                            repeats=self.repeats, device=device, progress=False, measure=False, name=name)
+        else:
+            graph = profile_family(model, sequence_family(batch, self.max_seq_len), loss_fn,
+                                   optimizer=twin_optimizer(optimizer), repeats=self.repeats, device=device,
+                                   progress=False, measure=False, name=name)
         budget = parse_budget(self.budget, activation_bytes=activation_bytes(graph),
                               fixed_bytes=graph.fixed.resident_bytes)
         # The profiled step starts without gradients. A later micro-batch starts with those the earlier

@@ -6,16 +6,15 @@
 
 The first batch is the largest shape: it is profiled as :func:`memplan.planner.probe.profiler.profile` profiles
 (its timings and measurement are the graph's). The others only need the step's structure and sizes: one
-warm-up and one traced step each, on a twin of the optimizer, with the model's parameters, buffers,
-gradients and random streams restored afterwards (:func:`restored`). The fit itself is
+warm-up and one traced step each, on a twin of the optimizer. The model's parameters, buffers and
+gradients, the optimizer's state and the random streams are restored afterwards (:func:`restored`). The fit itself is
 :func:`memplan.planner.core.shapes.fit_family` (torch-free; its docstring states the size and time models).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,28 +23,9 @@ from torch import nn
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.shapes import fit_family
-from memplan.planner.probe.device import generator_devices
 from memplan.planner.probe.profiler import profile
+from memplan.planner.probe.restore import restored
 from memplan.planner.workloads import LossFn, default_optimizer
-
-
-@contextlib.contextmanager
-def restored(model: nn.Module) -> Iterator[None]:
-    """Run the block, then put back ``model``'s parameters, buffers and gradients (bit for bit) and the CPU
-    and CUDA random streams: whatever steps the block trains, training continues as if it had not run."""
-    tensors = list(itertools.chain(model.parameters(), model.buffers()))
-    saved = [t.detach().clone() for t in tensors]
-    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-    devices = generator_devices(tensors)
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for t, v in zip(tensors, saved, strict=True):
-                    t.copy_(v)
-                for p, g in zip(model.parameters(), grads, strict=True):
-                    p.grad = g
 
 
 def twin_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -63,13 +43,14 @@ def twin_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def profile_family(model: nn.Module, batches: Sequence[tuple[Mapping[str, int], Any]], loss_fn: LossFn, *,
                    optimizer: torch.optim.Optimizer | None = None, warmup: int = 1, repeats: int = 3,
                    device: str | torch.device | None = None, progress: bool = True, measure: bool = True,
-                   name: str = "graph") -> Graph:
+                   name: str = "graph", restore: bool = True) -> Graph:
     """Profile ``model``'s training step at each ``(dimensions, batch)`` and return the largest shape's
     graph with its shape family (``graph.meta["shape_family"]``).
 
     ``batches[0]`` is the largest shape, profiled with ``optimizer``, ``warmup``, ``repeats`` and
-    ``measure`` as :func:`memplan.planner.probe.profiler.profile` does (the model is trained by those steps, as
-    there); the others get a structure-only profile under :func:`restored`. Raises :class:`GraphError`
+    ``measure`` as :func:`memplan.planner.probe.profiler.profile` does; the others get a structure-only profile
+    each, on a twin of the optimizer. The model, its gradients, ``optimizer``'s state and the random streams
+    are put back afterwards, as ``profile`` puts them back (:func:`restored`; ``restore=False``: not). Raises :class:`GraphError`
     when the step's structure differs between shapes or a size is no polynomial of the dimensions (see
     :func:`memplan.planner.core.shapes.fit_family`), :class:`MemplanError` as ``profile`` does.
     """
@@ -79,11 +60,11 @@ def profile_family(model: nn.Module, batches: Sequence[tuple[Mapping[str, int], 
     optimizer = optimizer or default_optimizer(model)
     graphs: list[tuple[Mapping[str, int], Graph]] = []
     # fake profiling (#10) goes here: the smaller shapes need only the structure and sizes of a step
-    with restored(model):
+    with restored(model, optimizer) if restore else contextlib.nullcontext():
         for point, batch in batches[1:]:
             g = profile(model, batch, loss_fn, optimizer=twin_optimizer(optimizer), warmup=1, repeats=1,
-                        device=device, progress=progress, measure=False, name=name)
+                        device=device, progress=progress, measure=False, name=name, restore=False)
             graphs.append((point, g))
-    largest = profile(model, batches[0][1], loss_fn, optimizer=optimizer, warmup=warmup, repeats=repeats,
-                      device=device, progress=progress, measure=measure, name=name)
+        largest = profile(model, batches[0][1], loss_fn, optimizer=optimizer, warmup=warmup, repeats=repeats,
+                          device=device, progress=progress, measure=measure, name=name, restore=False)
     return fit_family([(batches[0][0], largest), *graphs])

@@ -83,6 +83,7 @@ from memplan.planner.probe.fake import FakeGuard, fake_step_state
 from memplan.planner.probe.kernels import cuda_kernel_choices
 from memplan.planner.probe.measure import fused_extra_s, max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpTimer
+from memplan.planner.probe.restore import restored
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
 from memplan.planner.probe.tracing import forward_lifetimes, module_stack, traced_step
 from memplan.planner.workloads import LossFn, default_optimizer, training_step
@@ -103,7 +104,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
             device: str | torch.device | None = None, progress: bool = True, measure: bool = True,
             name: str = "graph", fake: bool = False, device_spec: DeviceSpec | None = None,
             cache_dir: str | Path | None = None, timer: OpTimer | None = None,
-            fuse: str | Sequence[str] | None = None) -> Graph:
+            fuse: str | Sequence[str] | None = None, restore: bool = True) -> Graph:
     """Profile real training steps of ``model`` and return their :class:`Graph` (``memplan.graph/1``).
 
     One step is ``optimizer.zero_grad(set_to_none=True); loss = loss_fn(model, example_batch);
@@ -117,6 +118,11 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     least :data:`FUSED_ROUNDS`), interleaved with as many plain ones
     (:func:`memplan.planner.probe.measure.fused_extra_s`), into ``graph.fused_extra_s``: what the
     simulator charges a fused step (a fake profile runs no real step: it leaves them unmeasured).
+
+    Those steps train the model. With ``restore`` (the default) its parameters, buffers and gradients, the
+    ``optimizer``'s state and the random streams are put back afterwards, bit for bit, from copies in host
+    memory (:func:`memplan.planner.probe.restore.restored`): training after a profile is training without
+    one. ``restore=False`` skips the copies (host memory of the model's size) and leaves the model trained.
 
     With ``fake`` (implied by ``device_spec``) nothing of the step is allocated: see :func:`_profile_fake`;
     ``warmup``, ``repeats`` and ``measure`` then do not apply. Its ops are timed by ``timer`` when given,
@@ -138,8 +144,17 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         raise ValueError(f"profile needs warmup >= 1 (to create the optimizer state) and repeats >= 1, "
                          f"got warmup={warmup}, repeats={repeats}")
     layer = device_of(device)
-    device = layer.torch_device  # where the tensors live (an emulated GPU's on the CPU)
-    model.to(device)
+    model.to(layer.torch_device)  # where the tensors live (an emulated GPU's on the CPU)
+    with restored(model, optimizer) if restore else contextlib.nullcontext():
+        return _profile_real(model, example_batch, loss_fn, layer, optimizer=optimizer, warmup=warmup,
+                             repeats=repeats, progress=progress, measure=measure, name=name, modes=modes)
+
+
+def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: Device, *,
+                  optimizer: torch.optim.Optimizer | None, warmup: int, repeats: int, progress: bool,
+                  measure: bool, name: str, modes: list[str]) -> Graph:
+    """:func:`profile`'s real steps on ``layer``'s device (the model already there)."""
+    device = layer.torch_device
     batch = move_batch(example_batch, device)
     model.train()
     optimizer = optimizer or default_optimizer(model)
