@@ -84,19 +84,20 @@ class Replaying:
         ex = self.ex
         stats = ex.segment_stats
         busy, ex.busy = ex.busy, True  # the executor's own ops (Executor.internal, without its generator)
-        grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
         try:
-            compiled = self._compiled(seg) if ex.reuse_replays else None
-            if compiled is not None:
-                stats["compiled reused"] += 1
-                self._run_compiled(compiled, made, made_tensors)
-            else:
-                stats["recompiled" if seg.compiled else "compiled"] += 1
-                seg.compiled.insert(0, self._run_traced(r, made, made_tensors))
-                del seg.compiled[COMPILED_PER_SEGMENT:]
+            # grad mode on, as in the forward the ops were recorded in (oneDNN's LSTM makes the workspace its
+            # backward reads only then: under no_grad, backward's own mode, it returns none), and below
+            # autograd, so that the replayed ops build no graph on the parameters they read
+            with torch.enable_grad(), torch._C._AutoDispatchBelowAutograd():
+                compiled = self._compiled(seg) if ex.reuse_replays else None
+                if compiled is not None:
+                    stats["compiled reused"] += 1
+                    self._run_compiled(compiled, made, made_tensors)
+                else:
+                    stats["recompiled" if seg.compiled else "compiled"] += 1
+                    seg.compiled.insert(0, self._run_traced(r, made, made_tensors))
+                    del seg.compiled[COMPILED_PER_SEGMENT:]
         finally:
-            torch.set_grad_enabled(grad)
             ex.busy = busy
         for u in r.kept:
             self.cache[u] = made[u]

@@ -26,7 +26,7 @@ a branch on a fake activation's values cannot be taken at all, and is refused as
 Two things fake tensors do that a real step does not are undone here. Autograd replays a fake view's view
 function when an in-place write rebases it (:class:`ViewReplays`: the recording modes skip those ops), and a
 few meta functions lay out an output otherwise than the kernel does (:data:`KERNEL_LAYOUTS`: the output is
-given the kernel's layout).
+given the kernel's layout) or give it another size (:data:`KERNEL_SHAPES`: the kernel runs on zeros).
 
 A branch on a random draw whose answer does not depend on the draw is taken too: transformers 5.17's
 LayerDrop draws ``torch.rand([])`` in every training step and skips the layer when it is below
@@ -88,7 +88,7 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
         with _disable_current_modes():
             return func(*args, **kwargs)
     try:
-        out = func(*args, **kwargs)
+        out = _kernel_shaped(func, args, kwargs, tensors) if func in KERNEL_SHAPES else func(*args, **kwargs)
     except _CANNOT as e:
         if isinstance(e, DynamicOutputShapeException):
             # a real profile records one draw of such shapes: its plan holds for steps that draw the same
@@ -143,6 +143,23 @@ KERNEL_LAYOUTS: dict[Any, tuple[tuple[int, str | int | tuple[int, int]], ...]] =
     _aten.hardtanh_backward.default: ((0, (0, 1)),),
     _aten.elu_backward.default: ((0, (0, 5)),),
 }
+
+
+# Ops whose meta function gives an output another size than the kernel makes, where the kernel's does not
+# depend on the inputs' values: such a call runs the device's kernel on zeros (:func:`_kernel_on_zeros`).
+# ``mkldnn_rnn_layer`` (nn.LSTM on a CPU) returns its workspace, which its backward saves, as uint8[0] from
+# the meta function; oneDNN's is the primitive's own size (335,872 B for a 2-layer LSTM of width 64 over
+# 20 steps of 4 sequences), and the executor refused the real step's tensor as another model's.
+KERNEL_SHAPES = frozenset({_aten.mkldnn_rnn_layer.default})
+
+
+def _kernel_shaped(func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
+    """A :data:`KERNEL_SHAPES` call's outputs as the kernel makes them; the meta function's where the kernel
+    cannot run here (a fake device without real tensors)."""
+    try:
+        return _kernel_on_zeros(func, args, kwargs, tensors, RuntimeError(f"{func}: no kernel here"))
+    except RuntimeError:
+        return func(*args, **kwargs)
 
 
 def _kernel_layout(func: Any, args: tuple, out: Any) -> Any:

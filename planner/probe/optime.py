@@ -65,6 +65,7 @@ from memplan.planner.probe.device import Device, device_here, device_of
 from memplan.planner.probe.grouped import TIMING_VALUES, fill_offsets, grouped_mm_flops, is_grouped_mm
 from memplan.planner.probe.hostheap import fresh_page_cost_s, process_faults
 from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
+from memplan.planner.probe.workspaces import fill_workspaces
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
 _MIN_RUNS, _MAX_RUNS, _TARGET_S = 3, 50, 0.05
@@ -390,6 +391,7 @@ def materialise(call: OpCall, device: torch.device,
 
     args, kwargs = _replace(call.args, real), _replace(call.kwargs, real)
     fill_offsets(call.func, args, kwargs)  # a grouped product's groups split its rows, not all empty
+    fill_workspaces(call.func, args, kwargs)  # a backward's private state as its forward writes it
     return args, kwargs
 
 

@@ -1,0 +1,223 @@
+"""torch.nn's own layers, not transformers': the fake trace is the real step, and a plan that recomputes
+inside each layer trains bitwise as plain training does (issue #21's matrix, for models written with
+``nn.LSTM``, ``nn.TransformerEncoder``, ``nn.EmbeddingBag``, parametrizations...).
+
+``nn.LSTM`` on a CPU failed three ways before the fixes here. Its fake profile crashed the process: the
+isolated timing of oneDNN's backward (``mkldnn_rnn_layer_backward``) read a workspace of zeros and
+segfaulted (planner/probe/workspaces.py rebuilds it with the forward). The fake graph had the forward's
+workspace as ``uint8[0]``, the meta function's size, where oneDNN makes 335,872 B (fake.py
+``KERNEL_SHAPES``: the kernel runs on zeros). And a replay of the layer made no workspace at all: the
+executor replayed under ``no_grad``, where the kernel skips it; replays now run in grad mode, below
+autograd (as the forward ran, building no graph).
+"""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from memplan.executor import apply
+from memplan.planner.core.schedule import schedule
+from memplan.planner.core.simulator import simulate
+from memplan.planner.probe.optime import OpTimer
+from memplan.planner.probe.profiler import profile
+from memplan.solvers import solve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind: str, bidirectional: bool = False):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(16, 24, num_layers=2, batch_first=True, dropout=0.1,
+                                     bidirectional=bidirectional)
+        self.head = nn.Linear(24 * (2 if bidirectional else 1), 5)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, x):
+        return self.head(self.enc(self.emb(x), is_causal=True,
+                                  mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1])))
+
+
+class Signal(nn.Module):
+    """1-D convolutions with group and batch norm (running statistics: a replay must not move them twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv1d(4, 16, 5, padding=2), nn.GroupNorm(4, 16), nn.GELU(),
+                                 nn.Conv1d(16, 16, 3, dilation=2, padding=2), nn.BatchNorm1d(16),
+                                 nn.ReLU(inplace=True), nn.AdaptiveAvgPool1d(4), nn.Flatten(), nn.Linear(64, 5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(200, 16, mode="mean")
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+
+    def forward(self, x):
+        return self.mlp(self.bag(x))
+
+
+class Parametrized(nn.Module):
+    """Weight and spectral norm: each weight is computed from its parametrization in every forward (spectral
+    norm's power iteration writes its ``_u`` / ``_v`` buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.utils.parametrizations.weight_norm(nn.Linear(16, 32))
+        self.b = nn.utils.parametrizations.spectral_norm(nn.Linear(32, 32))
+        self.c = nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.c(F.mish(self.b(F.softplus(self.a(x)))))
+
+
+def _classes(n: int) -> torch.Tensor:
+    return torch.randint(0, 5, (n,))
+
+
+# name -> (model, batch, the module a manual plan checkpoints)
+CASES = {
+    "lstm": (lambda: Recurrent("LSTM"), lambda: (torch.randn(4, 12, 16), _classes(4)), "rnn"),
+    "lstm_bidirectional": (lambda: Recurrent("LSTM", True), lambda: (torch.randn(4, 12, 16), _classes(4)), "rnn"),
+    "gru": (lambda: Recurrent("GRU"), lambda: (torch.randn(4, 12, 16), _classes(4)), "rnn"),
+    "transformer_encoder": (Encoder, lambda: (torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4 * 16,))),
+                            "enc"),
+    "conv1d_norms": (Signal, lambda: (torch.randn(4, 4, 32), _classes(4)), "net"),
+    "embedding_bag": (Bag, lambda: (torch.randint(0, 200, (8, 6)), _classes(8)), "mlp"),
+    "parametrizations": (Parametrized, lambda: (torch.randn(8, 16), _classes(8)), "b"),
+}
+
+
+def _loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, -2), y)
+
+
+def _state(model):
+    return [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()]
+
+
+def _train(model, batch, steps, plan=None, graph=None):
+    """``steps`` AdamW steps from seed 5 (dropout draws alike); the parameters and buffers after them."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ex = apply(model, plan, graph=graph, optimizer=optimizer) if plan is not None else None
+    torch.manual_seed(5)
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            _loss(model, batch).backward()
+            optimizer.step()
+    finally:
+        if ex is not None:
+            ex.remove()
+    return [t.detach().clone() for t in model.state_dict().values()], ex
+
+
+@pytest.fixture(scope="module")
+def timer(tmp_path_factory):
+    return OpTimer(torch.device("cpu"), cache_dir=tmp_path_factory.mktemp("optimes"), min_runs=1, target_s=0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_fake_trace_is_the_real_step_and_a_plan_inside_each_layer_trains_bitwise(case, timer, same_structure):
+    build, data, module = CASES[case]
+    torch.manual_seed(0)
+    model, batch = build(), data()
+    fake = profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=timer, name=case)
+    real = profile(copy.deepcopy(model), batch, _loss, device="cpu", progress=False, measure=False, repeats=1,
+                   name=case)
+    same_structure(real, fake)
+
+    plan = solve(fake, None, "manual", checkpoint=[module]).plan  # every activation made inside ``module``
+    want, _ = _train(copy.deepcopy(model), batch, 2)
+    got, ex = _train(copy.deepcopy(model), batch, 2, plan, fake)
+    assert ex.last_step.replays == simulate(fake, plan).recomputed_ops > 0
+    assert all(map(torch.equal, got, want))
+    if case.startswith("lstm"):  # the replays ran oneDNN's LSTM layer, and its backward read their workspaces
+        replayed = {p for e in schedule(fake, plan).of("recompute") for p in e.ops}
+        assert any(fake.ops[p].name == "aten.mkldnn_rnn_layer.default" for p in replayed)
+
+
+def test_lstm_backward_timed_alone_runs_on_its_forwards_workspace(tmp_path):
+    """The isolated timing of ``mkldnn_rnn_layer_backward`` on materialised arguments. Given a workspace of
+    the meta function's size (none: how the fake trace recorded it before ``KERNEL_SHAPES``), oneDNN read
+    past it and segfaulted (the process dies: a child runs it); the workspace is now rebuilt by the forward
+    where it has the forward's size (timed alone), and the call is timed analytically where it has not."""
+    code = "\n".join([
+        "import dataclasses, torch",
+        "from torch.utils._python_dispatch import TorchDispatchMode",
+        "from memplan.planner.probe.optime import OpTimer, record_call",
+        "calls = []",
+        "class Record(TorchDispatchMode):",
+        "    def __torch_dispatch__(self, func, types, args, kwargs=None):",
+        "        out = func(*args, **(kwargs or {}))",
+        "        if func is torch.ops.aten.mkldnn_rnn_layer_backward.default:",
+        "            calls.append(record_call(func, args, kwargs or {}, out))",
+        "        return out",
+        "lstm, x = torch.nn.LSTM(16, 24, num_layers=2), torch.randn(12, 4, 16)",
+        "with Record():",
+        "    lstm(x)[0].sum().backward()",
+        "assert len(calls) == 2, calls",
+        "empty = dataclasses.replace(calls[0].args[22], shape=(0,), stride=(1,), storage_bytes=0)",
+        "calls.append(dataclasses.replace(calls[0], args=(*calls[0].args[:22], empty)))",
+        f"timer = OpTimer(torch.device('cpu'), cache_dir={str(tmp_path)!r}, min_runs=1, target_s=0.0)",
+        "timings = timer.time(calls)",
+        "assert [t.source for t in timings] == ['isolated', 'isolated', 'analytic'], timings",
+        "assert all(t.time_s > 0 for t in timings), timings",
+    ])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+
+
+def test_a_profile_leaves_the_model_its_gradients_the_optimizer_and_the_random_streams_as_they_were():
+    """A real profile trains several steps (here AdamW at lr 1e-2, batch norm and dropout): afterwards the
+    model is bit for bit the one given, as are its gradients, the optimizer's state and the random streams;
+    ``restore=False`` leaves it trained."""
+    torch.manual_seed(0)
+    model, batch = Recurrent("GRU"), (torch.randn(4, 12, 16), _classes(4))
+    model.head.register_buffer("seen", torch.zeros(()))  # a buffer the forward writes
+
+    def count(module, args, out):
+        module.seen.add_(1)
+
+    model.head.register_forward_hook(count)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer.zero_grad(set_to_none=True)
+    _loss(model, batch).backward()
+    optimizer.step()  # a state to keep, and gradients left from the step
+    before = copy.deepcopy((model.state_dict(), _state(model), optimizer.state_dict()))
+    rng = torch.get_rng_state()
+
+    profile(model, batch, _loss, optimizer=optimizer, device="cpu", progress=False, repeats=2)
+    after = (model.state_dict(), _state(model), optimizer.state_dict())
+    assert all(map(torch.equal, before[0].values(), after[0].values()))
+    assert all(map(torch.equal, before[1], after[1]))
+    for p, s in before[2]["state"].items():
+        assert s.keys() == after[2]["state"][p].keys()
+        assert all(torch.equal(v, after[2]["state"][p][k]) for k, v in s.items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    profile(model, batch, _loss, optimizer=optimizer, device="cpu", progress=False, repeats=1, restore=False)
+    assert not torch.equal(model.head.weight, before[0]["head.weight"])
+    assert model.head.seen.item() > before[0]["head.seen"].item()
