@@ -39,10 +39,10 @@ def test_measuring_fusion_trains_as_plain_steps_and_records_both_modes():
     a, b = _model(), _model()
     opt_a, opt_b = _opt(a), _opt(b)
     graph = profile(a, X, _loss, optimizer=opt_a, device="cpu", progress=False, repeats=2,
-                    fuse=("backward", "forward"))
+                    fuse=("backward", "forward"), restore=False)  # kept trained, to compare with plain steps
     assert set(graph.fused_extra_s) == {"backward", "forward"}
     assert all(abs(v) < 1.0 for v in graph.fused_extra_s.values())
-    plain = profile(b, X, _loss, optimizer=opt_b, device="cpu", progress=False, repeats=2)
+    plain = profile(b, X, _loss, optimizer=opt_b, device="cpu", progress=False, repeats=2, restore=False)
     assert plain.fused_extra_s == {}
     for _ in range(2 * 3 * 5):  # per mode, 5 rounds of a plain step, an untimed fused one and a timed one
         training_step(b, X, _loss, opt_b)
