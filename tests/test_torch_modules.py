@@ -190,10 +190,10 @@ def test_lstm_backward_timed_alone_runs_on_its_forwards_workspace(tmp_path):
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
 
 
-def test_a_profile_leaves_the_model_its_gradients_the_optimizer_and_the_random_streams_as_they_were():
+def test_a_profile_leaves_the_model_its_gradients_the_optimizer_and_the_random_streams_as_they_were(tmp_path):
     """A real profile trains several steps (here AdamW at lr 1e-2, batch norm and dropout): afterwards the
     model is bit for bit the one given, as are its gradients, the optimizer's state and the random streams;
-    ``restore=False`` leaves it trained."""
+    a fake one leaves the random streams too; ``restore=False`` leaves the model trained."""
     torch.manual_seed(0)
     model, batch = Recurrent("GRU"), (torch.randn(4, 12, 16), _classes(4))
     model.head.register_buffer("seen", torch.zeros(()))  # a buffer the forward writes
@@ -217,6 +217,11 @@ def test_a_profile_leaves_the_model_its_gradients_the_optimizer_and_the_random_s
         assert s.keys() == after[2]["state"][p].keys()
         assert all(torch.equal(v, after[2]["state"][p][k]) for k, v in s.items())
     assert torch.equal(torch.get_rng_state(), rng)
+
+    fake = profile(model, batch, _loss, optimizer=optimizer, device="cpu", progress=False, fake=True,
+                   timer=OpTimer(torch.device("cpu"), cache_dir=tmp_path, min_runs=1, target_s=0.0))
+    assert fake.ops and torch.equal(torch.get_rng_state(), rng)  # its timings drew random arguments
+    assert all(map(torch.equal, before[0].values(), model.state_dict().values()))
 
     profile(model, batch, _loss, optimizer=optimizer, device="cpu", progress=False, repeats=1, restore=False)
     assert not torch.equal(model.head.weight, before[0]["head.weight"])

@@ -123,6 +123,8 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     ``optimizer``'s state and the random streams are put back afterwards, bit for bit, from copies in host
     memory (:func:`memplan.planner.probe.restore.restored`): training after a profile is training without
     one. ``restore=False`` skips the copies (host memory of the model's size) and leaves the model trained.
+    A fake profile trains nothing; with ``restore`` it leaves the random streams as they were too (its
+    isolated timings draw from them).
 
     With ``fake`` (implied by ``device_spec``) nothing of the step is allocated: see :func:`_profile_fake`;
     ``warmup``, ``repeats`` and ``measure`` then do not apply. Its ops are timed by ``timer`` when given,
@@ -134,9 +136,11 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     """
     modes = _fuse_modes(fuse)  # a typo is refused before any step runs
     if fake or device_spec is not None:
-        graph = _profile_fake(model, example_batch, loss_fn, optimizer=optimizer, device=device,
-                              device_spec=device_spec, cache_dir=cache_dir, progress=progress, name=name,
-                              timer=timer)
+        # nothing real is trained, but the isolated timings draw random arguments and replay random ops
+        with _random_streams_kept() if restore else contextlib.nullcontext():
+            graph = _profile_fake(model, example_batch, loss_fn, optimizer=optimizer, device=device,
+                                  device_spec=device_spec, cache_dir=cache_dir, progress=progress, name=name,
+                                  timer=timer)
         if modes:  # asked for, and said why it is not there (the simulator then charges no fusion cost)
             graph.meta["fused_extra_s"] = "not measured: a fake profile runs no real step"
         return graph
@@ -148,6 +152,12 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     with restored(model, optimizer) if restore else contextlib.nullcontext():
         return _profile_real(model, example_batch, loss_fn, layer, optimizer=optimizer, warmup=warmup,
                              repeats=repeats, progress=progress, measure=measure, name=name, modes=modes)
+
+
+def _random_streams_kept() -> contextlib.AbstractContextManager:
+    """The CPU random stream, and the current GPU's where a real one is here, put back after the block."""
+    gpus = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=gpus)
 
 
 def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: Device, *,
