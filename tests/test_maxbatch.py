@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from memplan.api.cli import app
 from memplan.planner.core.errors import GraphError, Infeasible
 from memplan.planner.core.shapes import at_shape, fit_family
+from memplan.planner.core.simulator import simulate
 from memplan.planner.core.synthetic import linear_chain
 from memplan.solvers import keep_all_report, smallest_known_peak, solve
 from memplan.solvers.maxbatch import max_dim
@@ -126,6 +127,56 @@ def test_every_builtin_answers(name):
     budget = keep_all_report(at_shape(graph, {"batch": 3 * b0}, extrapolate=True)).peak_bytes
     answer = max_dim(graph, budget, method="greedy")  # the search on every model; the ILP's time is its own
     assert answer.value >= 3 * b0 and answer.result.report.peak_bytes <= budget
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_a_fake_family_is_the_real_one_and_answers_alike(name, tmp_path):
+    """``profile_family(fake=True)`` (``memplan maxbatch --fake``): three fake traces, nothing allocated, fit
+    into the real family's polynomials (sizes to the byte); the answer's plan has the same peak on the real
+    family's graph at that batch."""
+    if name != "mlp":
+        pytest.importorskip("transformers", reason="the models extra (transformers) is not installed")
+    import torch
+
+    from memplan.api.integrations.common import dim_family
+    from memplan.planner.probe.family import profile_family
+    from memplan.planner.probe.optime import OpTimer
+    from memplan.planner.workloads import load_workload
+
+    real = _family(name)
+    w = load_workload(name, **TINY[name])
+    timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path, min_runs=1, target_s=0.0)
+    fake = profile_family(w.model, dim_family(w.batch, "batch"), w.loss_fn, progress=False, fake=True, timer=timer)
+    assert all(op.time_source != "measured" for op in fake.ops)
+    for key in ("dims", "at", "points", "tensor_shape", "tensor_bytes", "op_bytes", "inputs_bytes"):
+        assert fake.meta["shape_family"][key] == real.meta["shape_family"][key], key
+    b0 = real.meta["shape_family"]["at"]["batch"]
+    budget = keep_all_report(at_shape(real, {"batch": 3 * b0}, extrapolate=True)).peak_bytes
+    # the answers are the heuristic's under each graph's own times; the fake answer's plan holds on the real graph
+    answer = max_dim(fake, budget, method="greedy")
+    on_real = simulate(at_shape(real, {"batch": answer.value}, extrapolate=True), answer.result.plan)
+    assert answer.value >= 3 * b0 and on_real.peak_bytes == answer.result.report.peak_bytes <= budget
+
+
+def test_cli_maxbatch_fake_sizes_a_meta_model(tmp_path):
+    """A workload built on the meta device: a real family cannot be profiled at all; ``--fake`` answers."""
+    workload = tmp_path / "wl.py"
+    workload.write_text(
+        "import torch\n"
+        "def build(batch_size: int = 16):\n"
+        "    with torch.device('meta'):\n"
+        "        model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))\n"
+        "    return model, torch.randn(batch_size, 32), lambda m, b: m(b).pow(2).mean()\n")
+    args = ["maxbatch", f"{workload}:build", "--budget", "2MiB", "--json", "-o", str(tmp_path / "plan.json"),
+            "--graph", str(tmp_path / "graph.json")]
+    runner = CliRunner()
+    res = runner.invoke(app, [*args, "--fake"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert got["value"] > 16 and got["predicted_peak_bytes"] <= 2 << 20 < got["next"]["min_feasible_bytes"]
+    res = runner.invoke(app, args)  # without --fake the meta model cannot run a step: one line, no traceback
+    assert res.exit_code != 0 and "Traceback" not in res.output
 
 
 # ---- CLI and service ------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ import typer
 
 from memplan.api.cli.base import app, emit_json, guard, out, working
 from memplan.api.cli.options import (
+    FakeOpt,
     JsonOpt,
     SetOpt,
+    SpecOpt,
     workload_options,
 )
 from memplan.planner.core.errors import MemplanError
@@ -50,13 +52,16 @@ def maxbatch(
     family_output: Annotated[Path | None, typer.Option("--save-family", help="also write the profiled shape "
                                                        "family (a graph file maxbatch and POST /v1/maxbatch read)")] = None,
     options: SetOpt = None,
+    fake: FakeOpt = False,
+    device_spec: SpecOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """The largest batch size (or --dim seq) whose best plan fits BUDGET within --max-overhead, and the plan.
 
     Answered from one profile: WORKLOAD's step is profiled at its batch and at 3/4 and 1/2 of it along
     DIM, the sizes are fitted as polynomials of DIM (a shape family), and each candidate is that family
-    evaluated and solved; no candidate is trained."""
+    evaluated and solved; no candidate is trained. With --fake (or --device-spec) the three profiles are
+    fake: a batch the device cannot hold, or a model on the meta device, is sized without allocating it."""
     from memplan.solvers.maxbatch import MAX_VALUE, max_dim
 
     if budget.strip().endswith("%"):
@@ -69,12 +74,14 @@ def maxbatch(
         name = graph.name
     else:
         from memplan.api.integrations.common import dim_family
+        from memplan.planner.core.devicespec import load_device_spec
         from memplan.planner.probe.family import profile_family
         from memplan.planner.workloads import load_workload
 
         w = load_workload(workload, **workload_options(options))
+        spec = load_device_spec(device_spec) if device_spec else None
         graph = profile_family(w.model, dim_family(w.batch, dim), w.loss_fn, name=w.name,
-                               progress=not json_out)
+                               progress=not json_out, fake=fake, device_spec=spec)
         name = w.name
         if family_output is not None:
             graph.save(str(family_output))
