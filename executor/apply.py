@@ -56,6 +56,7 @@ from memplan.planner.core.watch import forward_watch, fused_forward_watch
 from memplan.planner.probe.device import device_of
 from memplan.planner.probe.fusion import FusedOptimizer
 from memplan.planner.probe.profiler import model_fingerprint
+from memplan.planner.workloads import refuse_compiled
 
 
 def _fingerprint_diff(model: nn.Module, graph: Graph | None) -> str:
@@ -567,6 +568,7 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, graph: Graph | str | Pat
     :class:`PlanMismatch` if the plan was made for another graph or model (naming the first differing
     parameter), and, during a step, if the model's forward ops diverge from the graph's (naming the op).
     """
+    refuse_compiled(model)
     plan, graph = _load(plan, graph)
     return Executor(model, plan, graph, optimizer=optimizer, fuse=fuse, accumulation_steps=accumulation_steps,
                     max_grad_norm=max_grad_norm)

@@ -88,6 +88,20 @@ T = typing.TypeVar("T")
 PhaseRunner = Callable[[str, Callable[[], T]], T]
 
 
+def refuse_compiled(model: nn.Module) -> None:
+    """:class:`WorkloadError` when ``model`` or a module in it is compiled (``torch.compile(module)``, or
+    ``module.compile()``): memplan traces and runs eager steps op by op, and a compiled module runs its own
+    graphs (the profile fails inside torch, and a plan could not reach the compiled code's activations)."""
+    for name, m in model.named_modules():
+        wrapped = type(m).__name__ == "OptimizedModule" and type(m).__module__.startswith("torch._dynamo")
+        if wrapped or getattr(m, "_compiled_call_impl", None) is not None:
+            what = f"module {name!r}" if name else "the model"
+            how = (f"pass the module it wraps ({name or 'model'}._orig_mod) instead" if wrapped
+                   else "build it without .compile()")
+            raise WorkloadError(f"{what} is compiled with torch.compile: memplan profiles and runs eager training "
+                                f"steps; {how}, and train that, uncompiled, under the plan")
+
+
 def _run(_phase: str, fn: Callable[[], T]) -> T:
     return fn()
 

@@ -226,3 +226,66 @@ def test_a_profile_leaves_the_model_its_gradients_the_optimizer_and_the_random_s
     profile(model, batch, _loss, optimizer=optimizer, device="cpu", progress=False, repeats=1, restore=False)
     assert not torch.equal(model.head.weight, before[0]["head.weight"])
     assert model.head.seen.item() > before[0]["head.seen"].item()
+
+
+class SparseBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16, sparse=True)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.emb(x).mean(1))
+
+
+def test_sparse_gradients_profile_for_real_and_are_refused_in_one_line_under_fake(timer):
+    """``nn.Embedding(sparse=True)`` makes a sparse gradient in backward: fake tensors do not trace it (the
+    tracer read its storage and failed with NotImplementedError). The fake profile says so in one line; the
+    real profile plans it, and the plan trains bitwise (SGD takes sparse gradients)."""
+    from memplan.planner.probe.fake import FakeTraceError
+
+    torch.manual_seed(0)
+    model, batch = SparseBag(), (torch.randint(0, 100, (8, 6)), _classes(8))
+    with pytest.raises(FakeTraceError, match=r"in the backward \(EmbeddingBackward0\) makes a sparse_coo tensor "
+                                             r".*profile without --fake") as e:
+        profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=timer,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "\n" not in str(e.value)
+    real = profile(model, batch, _loss, device="cpu", progress=False, measure=False, repeats=1,
+                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    plan = solve(real, None, "manual", checkpoint=["head"]).plan
+    runs = []
+    for p in (None, plan):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        ex = apply(m, p, graph=real, optimizer=opt) if p is not None else None
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            _loss(m, batch).backward()
+            opt.step()
+        if ex is not None:
+            ex.remove()
+        runs.append([t.detach().clone() for t in m.state_dict().values()])
+    assert all(map(torch.equal, *runs))
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model[0].compile()"])
+def test_a_compiled_model_is_refused_in_one_line_by_profile_and_apply(how):
+    """memplan traces and runs eager steps; a compiled module failed inside torch with an internal assert."""
+    from memplan.planner.core.errors import WorkloadError
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    graph = profile(model, torch.randn(4, 8), lambda m, b: m(b).sum(), device="cpu", progress=False,
+                    measure=False, repeats=1)
+    plan = solve(graph, None, "manual", checkpoint=["0"]).plan
+    if how == "torch.compile(model)":
+        compiled, match = torch.compile(model), r"the model is compiled with torch\.compile.*model\._orig_mod"
+    else:
+        model[0].compile()
+        compiled, match = model, r"module '0' is compiled with torch\.compile.*without \.compile\(\)"
+    for call in (lambda: profile(compiled, torch.randn(4, 8), lambda m, b: m(b).sum(), device="cpu",
+                                 progress=False, fake=True),
+                 lambda: apply(compiled, plan, graph=graph)):
+        with pytest.raises(WorkloadError, match=match) as e:
+            call()
+        assert "\n" not in str(e.value)

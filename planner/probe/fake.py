@@ -110,6 +110,12 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
     if not tensors and _small_constant(func, out):
         with _disable_current_modes():
             return func(*args, **kwargs)
+    sparse = next((t.layout for t in pytree.tree_leaves(out)
+                   if isinstance(t, torch.Tensor) and t.layout != torch.strided), None)
+    if sparse is not None:
+        raise FakeTraceError(f"{func} in {where} makes a {str(sparse).removeprefix('torch.')} tensor (a sparse "
+                             f"gradient: nn.Embedding(sparse=True)?); a fake profile traces dense tensors only: "
+                             f"profile without --fake (fake=False), or use dense gradients")
     return out
 
 
@@ -356,9 +362,18 @@ class FakeGuard(TorchDispatchMode):
         super().__init__()
         self.modules = modules
         self.model_called = False
+        self.backward_seen = False  # a call ran inside an autograd node: what follows outside the model is the
+                                    # optimizer's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        where = self.modules[-1] if self.modules else ("loss" if self.model_called else "the step")
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            self.backward_seen = True
+            where = f"the backward ({node.name()})"
+        elif self.modules:
+            where = self.modules[-1]
+        else:  # outside the model: before its backward the loss, after it the optimizer's step
+            where = ("the optimizer step" if self.backward_seen else "loss") if self.model_called else "the step"
         return fake_call(func, args, kwargs or {}, where or "the model")
 
 

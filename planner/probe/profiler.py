@@ -86,7 +86,7 @@ from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.restore import restored
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
 from memplan.planner.probe.tracing import forward_lifetimes, module_stack, traced_step
-from memplan.planner.workloads import LossFn, default_optimizer, training_step
+from memplan.planner.workloads import LossFn, default_optimizer, refuse_compiled, training_step
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -135,6 +135,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     (:class:`memplan.planner.probe.fake.FakeTraceError` if a fake step cannot run).
     """
     modes = _fuse_modes(fuse)  # a typo is refused before any step runs
+    refuse_compiled(model)
     if fake or device_spec is not None:
         # nothing real is trained, but the isolated timings draw random arguments and replay random ops
         with _random_streams_kept() if restore else contextlib.nullcontext():
@@ -363,6 +364,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         # state of steady training, and its last steps are counted
         warmups = hostheap.WARMUP_STEPS if shadow is not None else 1
         for i in range(warmups):
+            guard.model_called = guard.backward_seen = False  # each step names its loss and optimizer anew
             with module_stack(model, stack, [guard]), guard, \
                     hostheap.ShadowMode(shadow) if shadow is not None else contextlib.nullcontext(), \
                     shadow.step() if shadow is not None and i > 0 else contextlib.nullcontext():

@@ -148,6 +148,8 @@ class Tracer(TorchDispatchMode):
         :class:`FakeTraceError` naming it and the module that ran it."""
         if self.phase == "backward" and 0 <= self.clock < len(self.trace.ops):
             where = f"the backward of {self.trace.ops[self.clock].module or 'the model'}"
+        elif self.phase == "optimizer":
+            where = "the optimizer step"
         else:
             where = self.modules[-1] if self.modules else ("loss" if self.model_called else "the step")
         return fake_call(func, args, kwargs, where)
