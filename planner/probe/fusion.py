@@ -69,6 +69,7 @@ class FusedOptimizer:
                                f"the model (first shape {list(missing[0].shape)}); fuse only the model's own")
         self.ready = [0] * len(self.buckets)
         self.pending: dict[nn.Parameter, torch.Tensor] = {}   # forward fusion: parameter -> its gradient
+        self.pending_settings: list[dict[str, Any]] | None = None  # the groups' settings at its step()
         self.pending_keys: set[int] = set()
         self.handles = []
         self._step = optimizer.step  # the real step (the executor shadows optimizer.step with user_step)
@@ -94,6 +95,9 @@ class FusedOptimizer:
         params = [p for p in self.bucket_of if p.grad is not None]
         if self.max_grad_norm is not None and params:
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        # the update is the one this step() makes: with the groups' settings of now, not of when it is applied
+        # (an LR scheduler's step() in between would change the learning rate of the pending update)
+        self.pending_settings = group_settings(self.optimizer)
         for p in params:  # keep the gradients away from zero_grad until the update is applied
             self.pending[p] = p.grad
             self.pending_keys.add(p.untyped_storage()._cdata)
@@ -127,7 +131,7 @@ class FusedOptimizer:
             p.grad = g
             self.pending_keys.discard(p.untyped_storage()._cdata)
         try:
-            self.step_params(params)
+            self.step_params(params, self.pending_settings)
         except BaseException:
             for p, g in grads.items():
                 p.grad = None
@@ -152,9 +156,10 @@ class FusedOptimizer:
                                    f"owns it; use fuse='backward' or no fusion for this model")
 
     # ---- stepping a subset ------------------------------------------------------------------------
-    def step_params(self, params: list[nn.Parameter]) -> None:
-        """Step only ``params`` with the user's optimizer, then free their gradients."""
-        with narrowed_groups(self.optimizer, params), torch.no_grad():
+    def step_params(self, params: list[nn.Parameter], settings: list[dict[str, Any]] | None = None) -> None:
+        """Step only ``params`` with the user's optimizer (its groups' ``settings`` for the call when given),
+        then free their gradients."""
+        with narrowed_groups(self.optimizer, params, settings), torch.no_grad():
             self._step()
         for p in params:
             p.grad = None
@@ -166,19 +171,35 @@ class FusedOptimizer:
         self.handles = []
 
 
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """A copy of each parameter group's settings (everything but its parameters: learning rate, betas,
+    weight decay...), tensors cloned (a scheduler updates a tensor learning rate in place)."""
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
 @contextlib.contextmanager
-def narrowed_groups(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> Iterator[None]:
+def narrowed_groups(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+                    settings: list[dict[str, Any]] | None = None) -> Iterator[None]:
     """The optimizer's parameter groups narrowed to ``params`` for the block (each group keeps its
-    hyper-parameters and state; emptied groups are skipped by every torch optimizer), restored after."""
+    hyper-parameters and state; emptied groups are skipped by every torch optimizer), restored after. With
+    ``settings`` (:func:`group_settings` taken earlier) the groups also have those settings for the block,
+    and their own again after it."""
     chosen = {id(p) for p in params}
     groups = optimizer.param_groups
     saved = [g["params"] for g in groups]
+    own = [dict(g) for g in groups] if settings is not None else None
     try:
-        for g in groups:
+        for i, g in enumerate(groups):
             g["params"] = [p for p in g["params"] if id(p) in chosen]
+            if settings is not None and i < len(settings):
+                g.update(settings[i])
         yield
     finally:
-        for g, ps in zip(groups, saved, strict=True):
+        for i, (g, ps) in enumerate(zip(groups, saved, strict=True)):
+            if own is not None:
+                g.clear()
+                g.update(own[i])
             g["params"] = ps
 
 
