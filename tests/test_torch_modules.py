@@ -289,3 +289,14 @@ def test_a_compiled_model_is_refused_in_one_line_by_profile_and_apply(how):
         with pytest.raises(WorkloadError, match=match) as e:
             call()
         assert "\n" not in str(e.value)
+
+
+def test_a_real_profile_of_a_meta_model_is_refused_in_one_line():
+    """A real profile trains the model; on the meta device it has no data (torch's NotImplementedError
+    from ``model.to`` reached the CLI as an internal error). The fake profile is the way."""
+    from memplan.planner.core.errors import WorkloadError
+
+    with torch.device("meta"):
+        model = Parametrized()
+    with pytest.raises(WorkloadError, match=r"the model is on the meta device \(a\.bias has no data\).*fake=True"):
+        profile(model, (torch.randn(8, 16), _classes(8)), _loss, device="cpu", progress=False)

@@ -68,7 +68,7 @@ from torch import nn
 
 from memplan.planner.core.build import build_graph
 from memplan.planner.core.devicespec import DeviceSpec, round_allocation
-from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.errors import MemplanError, WorkloadError
 from memplan.planner.core.graph import FUSE_MODES, FixedMemory, Graph, Measured
 from memplan.planner.probe import hostheap
 from memplan.planner.probe.device import (
@@ -148,6 +148,10 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     if warmup < 1 or repeats < 1:
         raise ValueError(f"profile needs warmup >= 1 (to create the optimizer state) and repeats >= 1, "
                          f"got warmup={warmup}, repeats={repeats}")
+    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise WorkloadError(f"the model is on the meta device ({meta} has no data): a real profile trains it; "
+                            f"profile it with fake=True (--fake), then materialize it under the plan")
     layer = device_of(device)
     model.to(layer.torch_device)  # where the tensors live (an emulated GPU's on the CPU)
     with restored(model, optimizer) if restore else contextlib.nullcontext():
