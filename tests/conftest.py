@@ -171,3 +171,12 @@ def assert_same_structure(real, fake):
 def same_structure():
     """:func:`assert_same_structure` (test_fake and the family matrix share it)."""
     return assert_same_structure
+
+
+@pytest.fixture(scope="module")
+def quick_timer(tmp_path_factory):
+    """An op timer that times each distinct call once, on the module's own cache: for fake profiles whose
+    graphs a test compares, not their times (the family matrices share it)."""
+    from memplan.planner.probe.optime import OpTimer
+
+    return OpTimer(torch.device("cpu"), cache_dir=tmp_path_factory.mktemp("optimes"), min_runs=1, target_s=0.0)

@@ -27,7 +27,6 @@ from memplan.executor import apply
 from memplan.planner.core.errors import Infeasible
 from memplan.planner.core.simulator import simulate
 from memplan.planner.probe.fake import FakeTraceError
-from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.profiler import profile
 from memplan.solvers import solve
 from memplan.solvers.bounds import memory_lower_bound
@@ -206,17 +205,12 @@ def _step(model, batch, plan=None, graph=None):
     return loss.detach(), [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()], ex
 
 
-@pytest.fixture(scope="module")
-def timer(tmp_path_factory):
-    return OpTimer(torch.device("cpu"), cache_dir=tmp_path_factory.mktemp("optimes"), min_runs=1, target_s=0.0)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_fake_trace_is_the_real_step_and_its_plan_trains(family, timer, same_structure):
+def test_the_fake_trace_is_the_real_step_and_its_plan_trains(family, quick_timer, same_structure):
     torch.manual_seed(0)
     model, batch = FAMILIES[family]()
-    fake = profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=timer, name=family)
+    fake = profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=quick_timer, name=family)
     real = profile(copy.deepcopy(model), batch, _loss, device="cpu", progress=False, measure=False, repeats=1,
                    warmup=1, name=family)
     same_structure(real, fake)
@@ -228,7 +222,7 @@ def test_the_fake_trace_is_the_real_step_and_its_plan_trains(family, timer, same
     assert torch.equal(loss, want_loss) and all(map(torch.equal, grads, want_grads))
 
 
-def test_moe_experts_whose_token_counts_are_data_are_refused_in_one_line(timer):
+def test_moe_experts_whose_token_counts_are_data_are_refused_in_one_line(quick_timer):
     """transformers' ``eager`` experts loop over the experts ``nonzero`` finds and index their tokens: the
     shapes are the routing's, which fake tensors do not have. The fake profile says so in one line naming
     the op and the expert module (the default ``grouped_mm`` experts trace: ``mixtral`` above)."""
@@ -237,5 +231,5 @@ def test_moe_experts_whose_token_counts_are_data_are_refused_in_one_line(timer):
                             experts_implementation="eager", **_MOE)()
     with pytest.raises(FakeTraceError, match=r"^aten\.nonzero\.default in model\.layers\.0\.mlp\.experts "
                                              r"cannot run under fake tensors \(its output's shape depends") as e:
-        profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=timer, name="mixtral")
+        profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=quick_timer, name="mixtral")
     assert "\n" not in str(e.value)

@@ -133,18 +133,13 @@ def _train(model, batch, steps, plan=None, graph=None):
     return [t.detach().clone() for t in model.state_dict().values()], ex
 
 
-@pytest.fixture(scope="module")
-def timer(tmp_path_factory):
-    return OpTimer(torch.device("cpu"), cache_dir=tmp_path_factory.mktemp("optimes"), min_runs=1, target_s=0.0)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_fake_trace_is_the_real_step_and_a_plan_inside_each_layer_trains_bitwise(case, timer, same_structure):
+def test_the_fake_trace_is_the_real_step_and_a_plan_inside_each_layer_trains_bitwise(case, quick_timer, same_structure):
     build, data, module = CASES[case]
     torch.manual_seed(0)
     model, batch = build(), data()
-    fake = profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=timer, name=case)
+    fake = profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=quick_timer, name=case)
     real = profile(copy.deepcopy(model), batch, _loss, device="cpu", progress=False, measure=False, repeats=1,
                    name=case)
     same_structure(real, fake)
@@ -238,7 +233,7 @@ class SparseBag(nn.Module):
         return self.head(self.emb(x).mean(1))
 
 
-def test_sparse_gradients_profile_for_real_and_are_refused_in_one_line_under_fake(timer):
+def test_sparse_gradients_profile_for_real_and_are_refused_in_one_line_under_fake(quick_timer):
     """``nn.Embedding(sparse=True)`` makes a sparse gradient in backward: fake tensors do not trace it (the
     tracer read its storage and failed with NotImplementedError). The fake profile says so in one line; the
     real profile plans it, and the plan trains bitwise (SGD takes sparse gradients)."""
@@ -248,7 +243,7 @@ def test_sparse_gradients_profile_for_real_and_are_refused_in_one_line_under_fak
     model, batch = SparseBag(), (torch.randint(0, 100, (8, 6)), _classes(8))
     with pytest.raises(FakeTraceError, match=r"in the backward \(EmbeddingBackward0\) makes a sparse_coo tensor "
                                              r".*profile without --fake") as e:
-        profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=timer,
+        profile(model, batch, _loss, device="cpu", progress=False, fake=True, timer=quick_timer,
                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert "\n" not in str(e.value)
     real = profile(model, batch, _loss, device="cpu", progress=False, measure=False, repeats=1,

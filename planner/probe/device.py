@@ -568,6 +568,12 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def current_gpus() -> list[torch.device]:
+    """The current CUDA device where a real GPU is here, else none: whose generator a block that may draw on
+    any device (isolated op timings) forks with the CPU's."""
+    return [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
+
+
 def generator_devices(tensors: list[torch.Tensor]) -> list[torch.device]:
     """The CUDA devices among ``tensors``: those whose generators ``torch.random.fork_rng`` must save."""
     return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=lambda d: d.index or 0)

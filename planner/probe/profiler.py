@@ -73,6 +73,7 @@ from memplan.planner.core.graph import FUSE_MODES, FixedMemory, Graph, Measured
 from memplan.planner.probe import hostheap
 from memplan.planner.probe.device import (
     Device,
+    current_gpus,
     default_device_type,
     device_here,
     device_of,
@@ -161,8 +162,7 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
 
 def _random_streams_kept() -> contextlib.AbstractContextManager:
     """The CPU random stream, and the current GPU's where a real one is here, put back after the block."""
-    gpus = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
-    return torch.random.fork_rng(devices=gpus)
+    return torch.random.fork_rng(devices=current_gpus())
 
 
 def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: Device, *,
