@@ -221,6 +221,8 @@ class Executor:
         self._mode_entered = False
         self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
                                      max_grad_norm=max_grad_norm) if fuse is not None else None)
+        if fuse == "backward":
+            _refuse_grad_scaling(self)
         self._handles = [model.register_forward_pre_hook(self._begin)]
         # an exception that leaves the model's forward (a bad batch, a hook, KeyboardInterrupt) ends the step
         # there: the mode and the hooks must not outlive it into the loop's recovery code
@@ -478,6 +480,7 @@ class Executor:
         self._handles = []
         if self.fused is not None:
             self.fused.remove()
+            _BACKWARD_FUSED.discard(self)
         if self.optimizer is not None:
             for name, shadow in (("step", "_step_shadow"), ("zero_grad", "_zero_grad_shadow")):
                 if self.optimizer.__dict__.get(name) is getattr(self, shadow, None):
@@ -552,6 +555,32 @@ def _abandon(executor: weakref.ref) -> None:
     live = executor()
     if live is not None:
         live.abandon()
+
+
+_BACKWARD_FUSED: weakref.WeakSet[Executor] = weakref.WeakSet()  # executors that step inside backward
+
+
+def _refuse_grad_scaling(ex: Executor) -> None:
+    """Register ``ex`` (backward fusion) with the guard on ``torch.amp.GradScaler.scale``, installed once: a
+    loss scaled while a step of such an executor is open is refused before its backward. Backward fusion
+    steps each module's parameters inside backward, with the gradients as they come: scaled ones, before
+    the scaler's ``unscale_`` and its inf check (the steps were made, then torch's scaler failed with "No
+    inf checks were recorded for this optimizer"), as PyTorch's optimizer-in-backward cannot use it either."""
+    _BACKWARD_FUSED.add(ex)
+    cls = torch.amp.GradScaler
+    if getattr(cls.scale, "_memplan_guard", False):
+        return
+    unguarded = cls.scale
+
+    def scale(self, outputs):  # noqa: ANN001, ANN202 - GradScaler.scale's own signature
+        if any(e.step_state is not None for e in _BACKWARD_FUSED):
+            raise MemplanError("fuse='backward' steps each module inside backward, with the gradients before "
+                               "GradScaler.unscale_ and its inf check: with torch.amp.GradScaler use "
+                               "fuse='forward' or no fusion")
+        return unguarded(self, outputs)
+
+    scale._memplan_guard = True  # type: ignore[attr-defined]
+    cls.scale = scale  # type: ignore[method-assign]
 
 
 def apply(model: nn.Module, plan: Plan | str | Path, *, graph: Graph | str | Path | None = None,

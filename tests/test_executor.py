@@ -519,6 +519,45 @@ def test_a_learning_rate_schedule_under_fusion_trains_like_plain_training(optimi
     assert sched.get_last_lr()[0] < opt.defaults["lr"]  # the rate did move between the steps
 
 
+def test_grad_scaling_trains_like_plain_under_forward_fusion_and_is_refused_before_backward_fusion_steps():
+    """``torch.amp.GradScaler``: forward fusion takes the unscaled, inf-checked gradients at ``scaler.step``;
+    backward fusion would step every module with the scaled gradients inside backward (torch's scaler then
+    failed with "No inf checks were recorded", the updates made): it is refused at ``scaler.scale``, before
+    any update, and the scaler works again once the plan is removed."""
+    from memplan.planner.core.errors import MemplanError
+
+    w = workload("mlp")
+
+    def scaled_steps(model, opt, scaler):
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(w.loss_fn(model, w.batch)).backward()  # the graph's fp32 step, its loss scaled
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+
+    runs = []
+    for fuse in (None, "forward"):
+        model = fresh_model("mlp")
+        opt = OPTIMIZERS["adamw"](model)
+        ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse=fuse) if fuse else None
+        scaled_steps(model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**10))
+        if ex is not None:
+            ex.remove()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(map(torch.equal, *runs))
+
+    model = fresh_model("mlp")
+    opt = OPTIMIZERS["adamw"](model)
+    before = [p.detach().clone() for p in model.parameters()]
+    ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse="backward")
+    with pytest.raises(MemplanError, match=r"^fuse='backward' steps each module inside backward.*fuse='forward'"):
+        scaled_steps(model, opt, torch.amp.GradScaler("cpu"))
+    ex.remove()
+    assert all(map(torch.equal, before, model.parameters()))
+    scaled_steps(model, opt, torch.amp.GradScaler("cpu"))  # plain again
+
+
 def test_clipping_in_forward_fusion_trains_like_plain_clipping():
     clipped, unclipped = reference("gpt2", clip=0.05), reference("gpt2")
     assert not all(torch.equal(a, b) for a, b in zip(clipped.params, unclipped.params, strict=True))
