@@ -7,7 +7,8 @@
 The first batch is the largest shape: it is profiled as :func:`memplan.planner.probe.profiler.profile` profiles
 (its timings and measurement are the graph's). The others only need the step's structure and sizes: one
 warm-up and one traced step each, on a twin of the optimizer. The model's parameters, buffers and
-gradients, the optimizer's state and the random streams are restored afterwards (:func:`restored`). The fit itself is
+gradients, the optimizer's state and the random streams are restored afterwards (:func:`restored`). With
+``fake=True`` every shape is a fake trace instead. The fit itself is
 :func:`memplan.planner.core.shapes.fit_family` (torch-free; its docstring states the size and time models).
 """
 
@@ -55,9 +56,9 @@ def profile_family(model: nn.Module, batches: Sequence[tuple[Mapping[str, int], 
     each, on a twin of the optimizer. The model, its gradients, ``optimizer``'s state and the random streams
     are put back afterwards, as ``profile`` puts them back (:func:`restored`; ``restore=False``: not). With
     ``fake`` (implied by ``device_spec``) every shape is traced under fake tensors, as ``profile(fake=True)``
-    does (with ``timer``, or each with its own on the op-time cache: a call the shapes share is timed once): nothing of any step is allocated,
-    and a model on the meta device works. Raises :class:`GraphError` when the step's structure differs
-    between shapes or a size is no polynomial of the dimensions (see
+    does, timed by ``timer`` or on the op-time cache (a call the shapes share is timed once): nothing of any
+    step is allocated, and a model on the meta device works. Raises :class:`GraphError` when the step's
+    structure differs between shapes or a size is no polynomial of the dimensions (see
     :func:`memplan.planner.core.shapes.fit_family`), :class:`MemplanError` as ``profile`` does.
     """
     if len(batches) < 2:
