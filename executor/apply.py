@@ -183,6 +183,9 @@ class Executor:
         # after each position that is not autograd's detach, and what the plan decides at each op
         self.positions = boundary_positions(graph)
         self.recorded_calls = bool(graph.module_calls)
+        # how many times the profiled step called the model (a loss_fn may call it twice: a siamese or
+        # contrastive loss); a call of the model within a step's forward is that step's, up to this many
+        self.model_calls = max(1, sum(1 for c in graph.module_calls if c.path == ""))
         self.next_real = _next_real(graph)
         self.concerns = self._concerns(static_facts(graph).d2h_after)
         self.concern_count = list(itertools.accumulate((p in self.concerns for p in range(len(graph.ops))),
@@ -319,8 +322,13 @@ class Executor:
                 with self.internal():
                     self.fused.before_module(module)
             return
+        step = self.step_state
+        if (step is not None and not step.backward_started and not step.failed
+                and step.model_calls < self.model_calls):
+            step.model_calls += 1  # the step's loss calls the model again, as in the profiled step
+            return
         # a step still open ends here: the loop's next step begins (a forward that raised, or whose backward
-        # never came, is abandoned; a loss_fn that calls the model twice is refused by the op matching)
+        # never came, is abandoned)
         self.end_step()
         if self.fused is not None:
             self.fused.begin_forward()

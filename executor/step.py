@@ -128,6 +128,7 @@ class Step(Offloading, Replaying, Resync):
         self.cursor = 0
         self.forward_done = False
         self.backward_started = False
+        self.model_calls = 1  # the model's forward calls in this step so far
         self.by_key: dict[int, tuple[int, weakref.ref]] = {}   # live storage -> (tensor id or -1, its weakref)
         self.storages: dict[int, weakref.ref] = {}              # tensor id -> weakref to its storage
         self.recipes: dict[int, Recipe] = {}

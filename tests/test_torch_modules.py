@@ -295,3 +295,52 @@ def test_a_real_profile_of_a_meta_model_is_refused_in_one_line():
         model = Parametrized()
     with pytest.raises(WorkloadError, match=r"the model is on the meta device \(a\.bias has no data\).*fake=True"):
         profile(model, (torch.randn(8, 16), _classes(8)), _loss, device="cpu", progress=False)
+
+
+class Siamese(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 32), nn.LayerNorm(32))
+        self.temperature = nn.Parameter(torch.tensor(0.07))
+
+    def forward(self, x):
+        return F.normalize(self.net(x), dim=-1)
+
+
+def _contrastive(model, batch):
+    """The model called twice in one step (two views), as contrastive and siamese losses do."""
+    a, b = model(batch[0]), model(batch[1])
+    return F.cross_entropy(a @ b.t() / model.temperature, torch.arange(a.shape[0]))
+
+
+@pytest.mark.parametrize("fuse", [None, "backward", "forward"])
+def test_a_loss_that_calls_the_model_twice_trains_under_a_plan_bitwise(fuse):
+    """The executor began a new step at every call of the model: the second call's ops were matched against
+    the first's and the step was refused ("forward op 16 differs: the plan expects aten.addmm, the model ran
+    aten.mm"). A call within a step's forward, up to as many as the profiled step made, is now that step's.
+    An evaluation forward between the steps stays outside them."""
+    torch.manual_seed(0)
+    model, batch = Siamese(), (torch.randn(32, 16), torch.randn(32, 16))
+    graph = profile(copy.deepcopy(model), batch, _contrastive, device="cpu", progress=False, measure=False,
+                    repeats=1)
+    assert sum(c.path == "" for c in graph.module_calls) == 2
+    plan = solve(graph, None, "manual", checkpoint=["net"]).plan  # recompute inside both calls
+    runs = []
+    for p in (None, plan):
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        ex = apply(m, p, graph=graph, optimizer=opt, fuse=fuse) if p is not None else None
+        torch.manual_seed(5)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            _contrastive(m, batch).backward()
+            opt.step()
+            m.eval()
+            with torch.no_grad():
+                m(batch[0])
+            m.train()
+        if ex is not None:
+            assert ex.last_step.replays == simulate(graph, plan).recomputed_ops > 0
+            ex.remove()
+        runs.append([t.detach().clone() for t in m.state_dict().values()])
+    assert all(map(torch.equal, *runs))
