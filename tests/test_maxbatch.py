@@ -84,7 +84,7 @@ def _family(name: str):
 
     w = load_workload(name, **TINY[name])
     return profile_family(w.model, dim_family(w.batch, "batch"), w.loss_fn, progress=False, repeats=1,
-                          measure=False)
+                          measure=False, device="cpu")
 
 
 def _measured_peak(name: str, batch_size: int, plan, graph) -> tuple[int, int]:
@@ -147,7 +147,8 @@ def test_a_fake_family_is_the_real_one_and_answers_alike(name, tmp_path):
     real = _family(name)
     w = load_workload(name, **TINY[name])
     timer = OpTimer(torch.device("cpu"), cache_dir=tmp_path, min_runs=1, target_s=0.0)
-    fake = profile_family(w.model, dim_family(w.batch, "batch"), w.loss_fn, progress=False, fake=True, timer=timer)
+    fake = profile_family(w.model, dim_family(w.batch, "batch"), w.loss_fn, progress=False, fake=True, timer=timer,
+                          device="cpu")
     assert all(op.time_source != "measured" for op in fake.ops)
     for key in ("dims", "at", "points", "tensor_shape", "tensor_bytes", "op_bytes", "inputs_bytes"):
         assert fake.meta["shape_family"][key] == real.meta["shape_family"][key], key

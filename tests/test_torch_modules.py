@@ -117,9 +117,10 @@ def _state(model):
     return [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()]
 
 
-def _train(model, batch, steps, plan=None, graph=None):
-    """``steps`` AdamW steps from seed 5 (dropout draws alike); the parameters and buffers after them."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _train(model, batch, steps, plan=None, graph=None, optimizer_class=torch.optim.AdamW):
+    """``steps`` optimizer steps (AdamW by default) from seed 5 (dropout draws alike); the parameters and
+    buffers after them, and the executor when under ``plan``."""
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
     ex = apply(model, plan, graph=graph, optimizer=optimizer) if plan is not None else None
     torch.manual_seed(5)
     try:
@@ -152,6 +153,30 @@ def test_the_fake_trace_is_the_real_step_and_a_plan_inside_each_layer_trains_bit
     if case.startswith("lstm"):  # the replays ran oneDNN's LSTM layer, and its backward read their workspaces
         replayed = {p for e in schedule(fake, plan).of("recompute") for p in e.ops}
         assert any(fake.ops[p].name == "aten.mkldnn_rnn_layer.default" for p in replayed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["lstm", "gru"])
+def test_the_recurrent_layers_under_the_cuda_emulation(case, tmp_path, same_structure):
+    """The same cases under CUDA's rules on the CPU (the allocator's rounding, the emulated device's fake
+    trace): oneDNN's workspace made at the kernel's size and replayed, bitwise. (The timer is made under the
+    emulation: a timer takes its device layer, and the allocator's rounding, when it is made.)"""
+    from memplan.planner.probe.device import emulate_cuda
+
+    build, data, module = CASES[case]
+    with emulate_cuda():
+        torch.manual_seed(0)
+        model, batch = build(), data()
+        timer = OpTimer(torch.device("cuda"), cache_dir=tmp_path, min_runs=1, target_s=0.0)
+        fake = profile(model, batch, _loss, device="cuda", progress=False, fake=True, timer=timer, name=case)
+        real = profile(copy.deepcopy(model), batch, _loss, device="cuda", progress=False, measure=False,
+                       repeats=1, name=case)
+        same_structure(real, fake)
+        plan = solve(fake, None, "manual", checkpoint=[module]).plan
+        want, _ = _train(copy.deepcopy(model), batch, 2)
+        got, ex = _train(copy.deepcopy(model), batch, 2, plan, fake)
+    assert ex.last_step.replays == simulate(fake, plan).recomputed_ops > 0
+    assert all(map(torch.equal, got, want))
 
 
 def test_lstm_backward_timed_alone_runs_on_its_forwards_workspace(tmp_path):
@@ -249,19 +274,9 @@ def test_sparse_gradients_profile_for_real_and_are_refused_in_one_line_under_fak
     real = profile(model, batch, _loss, device="cpu", progress=False, measure=False, repeats=1,
                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     plan = solve(real, None, "manual", checkpoint=["head"]).plan
-    runs = []
-    for p in (None, plan):
-        m = copy.deepcopy(model)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        ex = apply(m, p, graph=real, optimizer=opt) if p is not None else None
-        for _ in range(2):
-            opt.zero_grad(set_to_none=True)
-            _loss(m, batch).backward()
-            opt.step()
-        if ex is not None:
-            ex.remove()
-        runs.append([t.detach().clone() for t in m.state_dict().values()])
-    assert all(map(torch.equal, *runs))
+    want, _ = _train(copy.deepcopy(model), batch, 2, optimizer_class=torch.optim.SGD)
+    got, _ = _train(copy.deepcopy(model), batch, 2, plan, real, optimizer_class=torch.optim.SGD)
+    assert all(map(torch.equal, got, want))
 
 
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model[0].compile()"])
