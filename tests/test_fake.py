@@ -536,3 +536,54 @@ def test_a_call_whose_meta_function_refuses_what_the_kernel_runs_runs_the_kernel
     same_structure(real, fake)
     assert "aten._grouped_mm.default" in [op.name for op in fake.ops]
     assert "failed while attempting to run meta" not in caplog.text
+
+
+MIXED_CASES = {  # a float32 input cast to bfloat16 (as autocast hands a norm a matmul's output), float32 weights
+    "layer_norm": (lambda: nn.LayerNorm(16), (4, 8, 16)),
+    "layer_norm_without_affine": (lambda: nn.LayerNorm(16, elementwise_affine=False), (4, 8, 16)),
+    "group_norm": (lambda: nn.GroupNorm(4, 16), (4, 16, 8)),
+    "batch_norm": (lambda: nn.BatchNorm1d(16), (4, 16, 8)),
+    "batch_norm_eval": (lambda: nn.BatchNorm1d(16).eval(), (4, 16, 8)),
+    "batch_norm_without_running_stats": (lambda: nn.BatchNorm1d(16, track_running_stats=False), (4, 16, 8)),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXED_CASES))
+def test_mixed_precision_norms_have_the_cpu_kernels_dtypes_under_fake_tensors(case):
+    """planner/probe/fake.py's ``MIXED_DTYPE_OUTPUTS``: a bfloat16 input into a float32-weighted norm on the
+    CPU, forward and backward, run for real and under fake tensors through ``fake_call``: every op's
+    outputs have the same dtypes (the meta functions give the statistics bfloat16 and group norm's input
+    gradient float32: without the table this fails), and the same ops run (no cast autograd adds)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.planner.probe.fake import MIXED_DTYPE_OUTPUTS, FakeGuard
+
+    build, shape = MIXED_CASES[case]
+
+    class Dtypes(FakeGuard):
+        def __init__(self, fake):
+            super().__init__([])
+            self.fake, self.rows = fake, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
+            if func is not torch.ops.prim.device.default:
+                outs = out if isinstance(out, (tuple, list)) else [out]
+                self.rows.append((func, [o.dtype for o in outs if isinstance(o, torch.Tensor)]))
+            return out
+
+    def run(fake):
+        torch.manual_seed(0)
+        norm = build()
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            x = torch.randn(*shape, requires_grad=True)
+            mode = Dtypes(fake)
+            with mode:
+                norm(x.to(torch.bfloat16)).float().sum().backward()
+        return mode.rows
+
+    real, fake = run(False), run(True)
+    assert [(str(f), d) for f, d in fake] == [(str(f), d) for f, d in real]
+    assert any(f in MIXED_DTYPE_OUTPUTS for f, _ in real)

@@ -91,6 +91,20 @@ class Parametrized(nn.Module):
         return self.c(F.mish(self.b(F.softplus(self.a(x)))))
 
 
+class Autocast(nn.Module):
+    """``inner`` under CPU autocast to bfloat16 (what a Trainer's ``bf16=True`` does on a CPU): its linear
+    and convolution outputs are bfloat16 and reach the float32 weights of its LayerNorm, GroupNorm and
+    BatchNorm, whose CPU kernels then keep their statistics in float32 (fake.py ``MIXED_DTYPE_STATS``)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x).float()
+
+
 def _classes(n: int) -> torch.Tensor:
     return torch.randint(0, 5, (n,))
 
@@ -103,6 +117,12 @@ CASES = {
     "transformer_encoder": (Encoder, lambda: (torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4 * 16,))),
                             "enc"),
     "conv1d_norms": (Signal, lambda: (torch.randn(4, 4, 32), _classes(4)), "net"),
+    "mlp_layer_norm_bf16_autocast": (lambda: Autocast(nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(),
+                                                                    nn.Linear(32, 32), nn.LayerNorm(32),
+                                                                    nn.Linear(32, 5))),
+                                     lambda: (torch.randn(8, 16), _classes(8)), "inner"),
+    "conv1d_norms_bf16_autocast": (lambda: Autocast(Signal()), lambda: (torch.randn(4, 4, 32), _classes(4)),
+                                   "inner.net"),
     "embedding_bag": (Bag, lambda: (torch.randint(0, 200, (8, 6)), _classes(8)), "mlp"),
     "parametrizations": (Parametrized, lambda: (torch.randn(8, 16), _classes(8)), "b"),
 }

@@ -107,6 +107,8 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
             return known
         if func in KERNEL_LAYOUTS:
             out = _kernel_layout(func, args, out)
+        if func in MIXED_DTYPE_OUTPUTS:
+            out = _mixed_dtype_outputs(func, args, out)
     if not tensors and _small_constant(func, out):
         with _disable_current_modes():
             return func(*args, **kwargs)
@@ -157,6 +159,48 @@ KERNEL_LAYOUTS: dict[Any, tuple[tuple[int, str | int | tuple[int, int]], ...]] =
 # the meta function; oneDNN's is the primitive's own size (335,872 B for a 2-layer LSTM of width 64 over
 # 20 steps of 4 sequences), and the executor refused the real step's tensor as another model's.
 KERNEL_SHAPES = frozenset({_aten.mkldnn_rnn_layer.default})
+
+# Normalisations on a CPU with a bfloat16 or float16 input and float32 weights, biases or statistics ("mixed
+# dtype (CPU)"): what autocast on a CPU runs, a bfloat16 activation into the module's float32 LayerNorm,
+# GroupNorm or BatchNorm. The CPU's kernels keep the statistics they return (mean and rstd / invstd, which
+# backward saves) in float32, and group norm's backward returns the input's gradient in the input's dtype;
+# the meta functions (torch._refs' layer norm, the batch- and group-norm decompositions) give the statistics
+# the input's dtype and that gradient float32. The fake graph had the statistics at half their bytes and a
+# cast autograd added after group norm's backward, and the executor refused the real step ("float32[8, 32, 1];
+# the profiled graph has bfloat16[8, 32, 1]"). Per op: (output index, the index of the argument whose dtype
+# it takes, or None for float32), applied where the trace runs the CPU's kernels (not a GPU's: CUDA keeps
+# its own accumulation dtype, which its meta functions follow). tests/test_fake.py checks them against the
+# kernels.
+MIXED_DTYPE_OUTPUTS: dict[Any, tuple[int, tuple[tuple[int, int | None], ...]]] = {
+    # op: (the input's argument index, ((output, dtype source), ...))
+    _aten.native_layer_norm.default: (0, ((1, None), (2, None))),
+    _aten.native_group_norm.default: (0, ((1, None), (2, None))),
+    _aten.native_batch_norm.default: (0, ((1, None), (2, None))),
+    _aten.native_group_norm_backward.default: (1, ((0, 1),)),
+}
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _mixed_dtype_outputs(func: Any, args: tuple, out: Any) -> Any:
+    """``out`` with the dtypes a CPU's kernel gives a :data:`MIXED_DTYPE_OUTPUTS` call whose input is reduced
+    precision beside a float32 tensor argument (fresh fake tensors of the same shapes and strides: the
+    kernel allocates these outputs)."""
+    from memplan.planner.probe.kernels import gpu_choices_active
+
+    at, rules = MIXED_DTYPE_OUTPUTS[func]
+    x = args[at] if len(args) > at else None
+    if (not isinstance(x, FakeTensor) or x.device.type != "cpu" or x.dtype not in _REDUCED
+            or gpu_choices_active() or not isinstance(out, (tuple, list))):
+        return out
+    if not any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+        return out
+    outs = list(out)
+    for index, source in rules:
+        t = outs[index] if index < len(outs) else None
+        dtype = torch.float32 if source is None else args[source].dtype
+        if isinstance(t, FakeTensor) and t.dtype != dtype:
+            outs[index] = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+    return type(out)(outs)
 
 
 def _kernel_shaped(func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:

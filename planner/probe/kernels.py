@@ -102,6 +102,15 @@ def _dropout(original: Any):
     return dropout
 
 
+_ACTIVE = [0]  # how many cuda_kernel_choices blocks are open
+
+
+def gpu_choices_active() -> bool:
+    """Whether the running fake trace is for a GPU (inside :func:`cuda_kernel_choices`): the kernels whose
+    choices it models are CUDA's, not this CPU's."""
+    return _ACTIVE[0] > 0
+
+
 @contextlib.contextmanager
 def cuda_kernel_choices() -> Iterator[None]:
     """Inside the block, ``torch.nn.functional.scaled_dot_product_attention`` and ``dropout`` (what
@@ -110,7 +119,9 @@ def cuda_kernel_choices() -> Iterator[None]:
     saved = F.scaled_dot_product_attention, F.dropout
     F.scaled_dot_product_attention = _attention(saved[0])
     F.dropout = _dropout(saved[1])
+    _ACTIVE[0] += 1
     try:
         yield
     finally:
+        _ACTIVE[0] -= 1
         F.scaled_dot_product_attention, F.dropout = saved
