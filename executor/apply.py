@@ -589,6 +589,47 @@ def _refuse_grad_scaling(ex: Executor) -> None:
 
     scale._memplan_guard = True  # type: ignore[attr-defined]
     cls.scale = scale  # type: ignore[method-assign]
+    _refuse_clipping_after_fused_backward()
+
+
+_CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+
+
+def _refuse_clipping_after_fused_backward() -> None:
+    """Guard torch's gradient clipping (``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_``,
+    ``clip_grads_with_norm_``, what loops, Lightning and accelerate call), installed once: clipping the
+    parameters of a model whose last backward stepped it under backward fusion is refused. That backward
+    applied each module's update with its unclipped gradients and freed them, so the clip found no gradient
+    and did nothing (silently: the loop trained unclipped). A function imported by name before
+    ``apply`` (``from torch.nn.utils import clip_grad_norm_``) is not reached."""
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    for name in _CLIPPERS:
+        unguarded = getattr(clip_grad, name, None)
+        if unguarded is None or getattr(unguarded, "_memplan_guard", False):
+            continue
+
+        def clip(parameters, *args, _unguarded=unguarded, _name=name, **kwargs):  # noqa: ANN001, ANN202
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if params:
+                keys = {id(p) for p in params}
+                for ex in list(_BACKWARD_FUSED):
+                    fused = ex.fused
+                    if fused is not None and fused.stepped_in_backward and any(id(p) in keys for p in fused.bucket_of):
+                        raise MemplanError(
+                            f"{_name} after a backward under fuse='backward': that backward already stepped the "
+                            f"model with its unclipped gradients and freed them, so there is nothing to clip; "
+                            f"use fuse='forward' (apply(..., max_grad_norm=...) or the loop's own clipping) or "
+                            f"no fusion")
+            return _unguarded(params, *args, **kwargs)
+
+        clip._memplan_guard = True  # type: ignore[attr-defined]
+        clip.__name__ = clip.__qualname__ = name
+        clip.__doc__ = unguarded.__doc__
+        for module in (clip_grad, utils):
+            if getattr(module, name, None) is unguarded:
+                setattr(module, name, clip)
 
 
 def apply(model: nn.Module, plan: Plan | str | Path, *, graph: Graph | str | Path | None = None,

@@ -558,6 +558,53 @@ def test_grad_scaling_trains_like_plain_under_forward_fusion_and_is_refused_befo
     scaled_steps(model, opt, torch.amp.GradScaler("cpu"))  # plain again
 
 
+def test_a_loop_that_accumulates_or_clips_without_saying_so_is_refused_under_backward_fusion():
+    """Backward fusion applies each module's update inside backward and frees its gradients. A loop that
+    accumulates micro-batches without ``accumulation_steps``, or clips after backward, trained silently
+    otherwise than plain PyTorch (every micro-batch stepped; the clip found no gradient). Both are refused in
+    one line at the first point they can be seen: the second micro-batch's forward, and the clip. The loop's
+    own clipping and accumulation under forward fusion train bitwise as plain (its ``step()`` takes the
+    gradients), and declared accumulation under backward fusion too
+    (test_gradient_accumulation_trains_like_plain_accumulation)."""
+    from memplan.planner.core.errors import MemplanError
+
+    w = workload("mlp")
+
+    def accumulate(model, opt):
+        opt.zero_grad(set_to_none=True)
+        for _ in range(2):
+            (w.loss_fn(model, w.batch) / 2).backward()
+        opt.step()
+
+    def clip(model, opt):
+        opt.zero_grad(set_to_none=True)
+        w.loss_fn(model, w.batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+
+    for loop, refusal in ((accumulate, r"^fuse='backward' stepped the model in the last backward.*accumulation_steps"),
+                          (clip, r"^clip_grad_norm_ after a backward under fuse='backward'.*fuse='forward'")):
+        runs = []
+        for fuse in (None, "forward"):
+            model = fresh_model("mlp")
+            opt = OPTIMIZERS["adamw"](model)
+            ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse=fuse) if fuse else None
+            for _ in range(STEPS):
+                loop(model, opt)
+            if ex is not None:
+                ex.remove()
+            runs.append([p.detach().clone() for p in model.parameters()])
+        assert all(map(torch.equal, *runs))
+
+        model = fresh_model("mlp")
+        opt = OPTIMIZERS["adamw"](model)
+        ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse="backward")
+        with pytest.raises(MemplanError, match=refusal):
+            loop(model, opt)
+        ex.remove()
+        loop(model, opt)  # plain again: the guards concern executors that step in backward only
+
+
 def test_clipping_in_forward_fusion_trains_like_plain_clipping():
     clipped, unclipped = reference("gpt2", clip=0.05), reference("gpt2")
     assert not all(torch.equal(a, b) for a, b in zip(clipped.params, unclipped.params, strict=True))

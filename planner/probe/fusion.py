@@ -68,6 +68,8 @@ class FusedOptimizer:
             raise MemplanError(f"optimizer fusion: {len(missing)} optimizer parameter(s) belong to no module of "
                                f"the model (first shape {list(missing[0].shape)}); fuse only the model's own")
         self.ready = [0] * len(self.buckets)
+        # backward fusion: a backward stepped the model and the loop's optimizer.step() has not come since
+        self.stepped_in_backward = False
         self.pending: dict[nn.Parameter, torch.Tensor] = {}   # forward fusion: parameter -> its gradient
         self.pending_settings: list[dict[str, Any]] | None = None  # the groups' settings at its step()
         self.pending_keys: set[int] = set()
@@ -79,6 +81,13 @@ class FusedOptimizer:
 
     # ---- the training loop's calls ------------------------------------------------------------
     def begin_forward(self) -> None:
+        if self.stepped_in_backward:
+            # plain training would add this micro-batch's gradients to the last one's before a step; backward
+            # fusion has already applied and freed those (the last backward updated the model)
+            raise MemplanError(
+                f"fuse='backward' stepped the model in the last backward, and a training forward began before "
+                f"optimizer.step(): gradient accumulation? apply(..., accumulation_steps=N) with the loop's "
+                f"micro-batches per step (now {self.accumulation_steps}), or fuse='forward' or no fusion")
         self.micro += 1
         self.ready = [0] * len(self.buckets)
 
@@ -90,6 +99,7 @@ class FusedOptimizer:
         if closure is not None:
             raise MemplanError("optimizer fusion does not support step(closure)")
         if self.mode == "backward":
+            self.stepped_in_backward = False
             return self._step()  # what backward did not step (parameters whose hook never fired)
         self.flush()  # a step not followed by a forward yet: apply it before taking new gradients
         params = [p for p in self.bucket_of if p.grad is not None]
@@ -111,6 +121,7 @@ class FusedOptimizer:
         b = self.bucket_of[p]
         self.ready[b] += 1
         if self.ready[b] == len(self.buckets[b]):
+            self.stepped_in_backward = True
             self.step_params(self.buckets[b])
 
     # ---- forward fusion ----------------------------------------------------------------------------
