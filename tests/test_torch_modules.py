@@ -332,6 +332,52 @@ def test_a_real_profile_of_a_meta_model_is_refused_in_one_line():
         profile(model, (torch.randn(8, 16), _classes(8)), _loss, device="cpu", progress=False)
 
 
+def _gradient_penalty(model, batch):
+    """WGAN-GP's loss: the gradient of the output with respect to the input, in the graph (create_graph)."""
+    x, y = batch
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    gx, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return F.cross_entropy(out, y) + 0.1 * gx.pow(2).mean()
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_a_loss_that_runs_autograd_in_its_forward_is_refused_in_one_line(fake):
+    """A gradient penalty runs backward nodes before the loss is returned. The real profile crashed in its
+    lifetime pass (autograd read a saved tensor that pass's hooks do not keep: "Output of saved tensor
+    unpack_hook expected to be a Tensor", reported as the user's loss_fn failing); now both profiles name
+    what the step does. (A plan made for the loss without the penalty still trains the penalised loop
+    bitwise: the executor lets autograd's ops through.)"""
+    from memplan.planner.core.errors import WorkloadError
+
+    torch.manual_seed(0)
+    model, batch = Parametrized(), (torch.randn(8, 16), _classes(8))
+    with pytest.raises(WorkloadError, match=r"^loss_fn runs autograd inside the step's forward \(in loss: "
+                                            r"torch\.autograd\.grad.*train this loss without a plan") as e:
+        profile(model, batch, _gradient_penalty, device="cpu", progress=False, fake=fake, measure=False,
+                repeats=1)
+    assert "\n" not in str(e.value)
+    if fake:
+        return
+    graph = profile(model, batch, _loss, device="cpu", progress=False, measure=False, repeats=1)
+    plan = solve(graph, None, "manual", checkpoint=["b"]).plan
+    runs = []
+    for p in (None, plan):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+        ex = apply(m, p, graph=graph, optimizer=opt) if p is not None else None
+        torch.manual_seed(5)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            _gradient_penalty(m, batch).backward()
+            opt.step()
+        if ex is not None:
+            assert ex.last_step.replays > 0
+            ex.remove()
+        runs.append([t.detach().clone() for t in m.state_dict().values()])
+    assert all(map(torch.equal, *runs))
+
+
 class Siamese(nn.Module):
     def __init__(self):
         super().__init__()

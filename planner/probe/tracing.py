@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.planner.core.build import Trace, TraceOp, TraceStorage
+from memplan.planner.core.errors import WorkloadError
 from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.graph import DETACH
 from memplan.planner.probe.device import Device
@@ -37,6 +38,14 @@ TAG = "memplan_op"  # key of the forward op's number in an autograd node's metad
 # autograd asks while it wires up an output): not ops of the program, never recorded.
 METADATA = frozenset({torch.ops.prim.device.default, torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
                       torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default})
+
+
+# An autograd pass inside the step's forward: the ops of a backward node run before the loss is returned
+AUTOGRAD_IN_FORWARD = (
+    "loss_fn runs autograd inside the step's forward (in {where}: torch.autograd.grad or a backward before the "
+    "loss is returned, as a gradient penalty, a second-order method or a physics-informed loss do); memplan "
+    "plans a step whose forward builds the graph and whose one backward consumes it: train this loss without "
+    "a plan")
 
 
 class Tracer(TorchDispatchMode):
@@ -180,6 +189,9 @@ class Tracer(TorchDispatchMode):
             out = self._fake_call(func, args, kwargs) if self.memory == "fake" else func(*args, **kwargs)
             self.replays.replayed(out)
             return out
+        if torch._C._current_graph_task_id() != -1:
+            raise WorkloadError(AUTOGRAD_IN_FORWARD.format(where=self.modules[-1] if self.modules else
+                                                           ("loss" if self.model_called else "the step")))
         self.resolve_pending()
         k = len(self.trace.ops)
         self.clock = k
