@@ -382,10 +382,15 @@ class Step(Offloading, Replaying, Resync):
                 self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}): {problem}; re-profile "
                            f"the family up to this shape and re-solve")
             charged = f", {nbytes} B as the {self.ex.device.type} allocator charges it" if nbytes != raw else ""
+            smaller = (dtype == info.dtype and len(t.shape) == len(info.shape)
+                       and all(a <= b for a, b in zip(t.shape, info.shape, strict=True)))
+            advice = ("a smaller batch than the profiled one (the last, partial batch of a DataLoader?): profile a "
+                      "shape family (profile_family; README, 'Shapes that vary') or drop it (drop_last=True)"
+                      if smaller else "re-profile and re-solve for this model and batch")
             self._fail(f"forward op {k} ({op.name}, module {op.module or '?'}) made tensor {tid} as "
                        f"{dtype}{list(t.shape)} ({raw} B{charged}); the profiled graph has "
                        f"{info.dtype}{info.shape} ({info.bytes} B): the batch or the model differs from the "
-                       f"profiled one; re-profile and re-solve for this model and batch")
+                       f"profiled one; {advice}")
 
     def _fail(self, message: str) -> NoReturn:
         """Abandon the step, then raise: the dispatch mode and the saved-tensor hooks stay entered until

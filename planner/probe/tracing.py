@@ -339,10 +339,8 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
             except RuntimeError:  # released, or an undefined optional tensor
                 continue
         if isinstance(node, torch.autograd.function.BackwardCFunction):
-            try:
-                values.append([_packed_or_unpacked(r) for r in node._raw_saved_tensors])
-            except RuntimeError:
-                pass
+            raw = node._raw_saved_tensors
+            values.append(_packed(raw) if _hooked(raw) else node.saved_tensors)
         tids = [tracer.register(t, "buffer") for t in tensors_in(values)]
         tids = list(dict.fromkeys(t for t in tids if t is not None))
         del values
@@ -361,21 +359,30 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
 
 def _saved_value(node: Any, attr: str) -> Any:
     """``node``'s saved attribute ``attr`` (``_saved_self``...) without running an unpack hook: through its
-    raw :class:`SavedTensor` (``_raw_saved_self``) where the node has one."""
+    raw :class:`SavedTensor` (``_raw_saved_self``) where one was packed by hooks."""
     raw = getattr(node, "_raw" + attr, None)
-    if raw is None:
-        return getattr(node, attr)  # not a tensor (sizes, scalars), or a list of them
+    if raw is None or not _hooked(raw):
+        return getattr(node, attr)  # no hook (an output saved is only unpacked whole), or not a tensor
+    return _packed(raw)
+
+
+def _hooked(raw: Any) -> bool:
     if isinstance(raw, (tuple, list)):
-        return [_packed_or_unpacked(r) for r in raw]
-    return _packed_or_unpacked(raw)
+        return any(_hooked(r) for r in raw)
+    return getattr(raw, "unpack_hook", None) is not None
 
 
-def _packed_or_unpacked(raw: Any) -> Any:
-    """A saved tensor as the step holds it: what its pack hook returned when the program packed it with
+def _packed(raw: Any) -> Any:
+    """Saved tensors as the step holds them: what the pack hook returned for one the program packed with
     hooks of its own (read, not unpacked), else the tensor."""
+    if isinstance(raw, (tuple, list)):
+        return [_packed(r) for r in raw]
     if raw.unpack_hook is not None:
         return raw.data
-    return raw.unpack()
+    try:
+        return raw.unpack()
+    except RuntimeError:  # a saved output cannot be unpacked alone: it is among the graph's tensors anyway
+        return None
 
 
 def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
