@@ -606,6 +606,32 @@ def test_a_loop_that_accumulates_or_clips_without_saying_so_is_refused_under_bac
         loop(model, opt)  # plain again: the guards concern executors that step in backward only
 
 
+def test_a_checkpoint_saved_between_steps_under_forward_fusion_holds_every_update():
+    """Forward fusion defers each update to the module's next forward: ``model.state_dict()`` and
+    ``optimizer.state_dict()`` read after ``optimizer.step()`` (what torch.save of a checkpoint reads) were one
+    update behind, parameters and AdamW's moments, silently. Reading either now applies what is pending."""
+    w = workload("mlp")
+    saved = []
+    for fuse in (None, "forward"):
+        model = fresh_model("mlp")
+        opt = OPTIMIZERS["adamw"](model)
+        ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse=fuse) if fuse else None
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            w.loss_fn(model, w.batch).backward()
+            opt.step()
+        state = copy.deepcopy(opt.state_dict()["state"])  # the optimizer's first: its read applies too
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        if ex is not None:
+            ex.remove()
+        saved.append((weights, state))
+    (want, want_state), (got, got_state) = saved
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert want_state.keys() == got_state.keys()
+    for i in want_state:
+        assert all(torch.equal(want_state[i][k], got_state[i][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
 def test_clipping_in_forward_fusion_trains_like_plain_clipping():
     clipped, unclipped = reference("gpt2", clip=0.05), reference("gpt2")
     assert not all(torch.equal(a, b) for a, b in zip(clipped.params, unclipped.params, strict=True))

@@ -6,7 +6,8 @@
   not reach (parameters without a gradient are skipped by every torch optimizer).
 * **forward** fusion: ``optimizer.step()`` only takes the gradients (so that ``zero_grad`` does not touch
   them); each bucket's update is applied just before its module's next forward (a forward pre-hook), and
-  its gradients are freed then. Global information (the gradient norm) is available at ``step()``, so
+  its gradients are freed then, or when the model's or the optimizer's ``state_dict()`` is read (a
+  checkpoint saved between steps). Global information (the gradient norm) is available at ``step()``, so
   ``max_grad_norm`` clipping works. ``flush()`` applies what is still pending (before evaluation, saving,
   or comparing parameters). A deferred update that fails stays pending and is applied by the retry.
 
@@ -78,6 +79,16 @@ class FusedOptimizer:
         if mode == "backward":
             for p in self.bucket_of:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        else:
+            # a checkpoint saved between steps (``model.state_dict()``, ``optimizer.state_dict()``, what
+            # torch.save and save_pretrained read) gets the updates of every step() so far, as in plain
+            # training: they were one update behind, silently
+            def flush_before_saving(*_args: Any) -> None:
+                self.flush()
+
+            for module in model.modules():
+                self.handles.append(module.register_state_dict_pre_hook(flush_before_saving))
+            self.handles.append(optimizer.register_state_dict_pre_hook(flush_before_saving))
 
     # ---- the training loop's calls ------------------------------------------------------------
     def begin_forward(self) -> None:
