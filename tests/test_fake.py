@@ -587,3 +587,38 @@ def test_mixed_precision_norms_have_the_cpu_kernels_dtypes_under_fake_tensors(ca
     real, fake = run(False), run(True)
     assert [(str(f), d) for f, d in fake] == [(str(f), d) for f, d in real]
     assert any(f in MIXED_DTYPE_OUTPUTS for f, _ in real)
+
+
+def test_fold_unfold_gradients_have_the_cpu_kernels_storage_under_fake_tensors():
+    """``STORAGE_OF_INPUT``: ``F.unfold``'s backward (``col2im``) returns the image's gradient in a storage the
+    size of the columns on a CPU; under fake tensors every op's outputs now have the kernel's storage bytes
+    (the meta function's were smaller, and the fake graph read the rest as scratch)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.planner.probe.fake import FakeGuard
+
+    class Storages(FakeGuard):
+        def __init__(self, fake):
+            super().__init__([])
+            self.fake, self.rows = fake, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
+            if func is not torch.ops.prim.device.default:
+                outs = out if isinstance(out, (tuple, list)) else [out]
+                self.rows.append((str(func), [o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor)]))
+            return out
+
+    def run(fake):
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            x = torch.randn(6, 4, 4, 4, requires_grad=True)
+            mode = Storages(fake)
+            with mode:
+                torch.nn.functional.unfold(x * 2, 2).pow(2).sum().backward()
+        return mode.rows
+
+    real, fake = run(False), run(True)
+    assert ("aten.col2im.default", [6 * 16 * 9 * 4]) in real
+    assert fake == real

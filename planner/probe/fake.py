@@ -109,6 +109,8 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
             out = _kernel_layout(func, args, out)
         if func in MIXED_DTYPE_OUTPUTS:
             out = _mixed_dtype_outputs(func, args, out)
+        if func in STORAGE_OF_INPUT:
+            out = _storage_of_input(args[STORAGE_OF_INPUT[func]], out)
     if not tensors and _small_constant(func, out):
         with _disable_current_modes():
             return func(*args, **kwargs)
@@ -179,6 +181,27 @@ MIXED_DTYPE_OUTPUTS: dict[Any, tuple[int, tuple[tuple[int, int | None], ...]]] =
     _aten.native_group_norm_backward.default: (1, ((0, 1),)),
 }
 _REDUCED = (torch.bfloat16, torch.float16)
+
+# Ops whose CPU kernel returns its output in a storage the size of an input (it allocates like the input,
+# then resizes smaller): ``col2im``, ``F.unfold``'s backward (``F.fold``), returns the [6, 4, 4, 4] gradient
+# of a [6, 16, 9] column tensor in a 3,456-byte storage, where the meta function's is 1,536 bytes; the
+# fake graph then read the difference as the backward's scratch instead of the gradient's bytes. Per op,
+# the index of that input; for the CPU's kernels only.
+STORAGE_OF_INPUT: dict[Any, int] = {_aten.col2im.default: 0}
+
+
+def _storage_of_input(x: Any, out: Any) -> Any:
+    """``out`` as a view of a fresh storage of ``x``'s bytes where that is larger and the kernel is the CPU's
+    (:data:`STORAGE_OF_INPUT`)."""
+    from memplan.planner.probe.kernels import gpu_choices_active
+
+    if (not isinstance(out, FakeTensor) or not isinstance(x, FakeTensor) or out.device.type != "cpu"
+            or gpu_choices_active() or x.dtype != out.dtype or not out.is_contiguous()):
+        return out
+    if x.untyped_storage().nbytes() <= out.untyped_storage().nbytes():
+        return out
+    flat = torch.empty(x.untyped_storage().nbytes() // x.element_size(), dtype=out.dtype, device=out.device)
+    return flat.as_strided(out.shape, out.stride())
 
 
 def _mixed_dtype_outputs(func: Any, args: tuple, out: Any) -> Any:
