@@ -1,6 +1,7 @@
 """torch.nn's own layers, not transformers': the fake trace is the real step, and a plan that recomputes
 inside each layer trains bitwise as plain training does (issue #21's matrix, for models written with
-``nn.LSTM``, ``nn.TransformerEncoder``, ``nn.EmbeddingBag``, parametrizations...).
+``nn.LSTM``, ``nn.TransformerEncoder``, ``nn.Transformer``, ``nn.MultiheadAttention``, 2-D CNNs in channels-last,
+``nn.EmbeddingBag``, ``F.unfold``, parametrizations, CPU autocast to bfloat16...).
 
 ``nn.LSTM`` on a CPU failed three ways before the fixes here. Its fake profile crashed the process: the
 isolated timing of oneDNN's backward (``mkldnn_rnn_layer_backward``) read a workspace of zeros and
@@ -91,6 +92,76 @@ class Parametrized(nn.Module):
         return self.c(F.mish(self.b(F.softplus(self.a(x)))))
 
 
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` returning its averaged weights too (``need_weights=True``, the default)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 32)
+        self.att = nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = self.emb(x)
+        a, w = self.att(h, h, h)
+        return self.head(a[:, -1] + w.sum(1)[:, :1])
+
+
+class Seq2Seq(nn.Module):
+    """``nn.Transformer``: encoder and decoder, a causal target mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.t = nn.Transformer(32, 4, 1, 1, 64, 0.1, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        e = self.emb(x)
+        return self.head(self.t(e, e[:, :8], tgt_mask=nn.Transformer.generate_square_subsequent_mask(8))[:, -1])
+
+
+class Vision(nn.Module):
+    """A classic CNN: 2-D convolutions, batch norm, max pooling, channel dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                                 nn.Dropout2d(0.1), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                                 nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Patches(nn.Module):
+    """Bilinear, pixel shuffle, ``F.unfold`` (its backward's gradient lives in a larger storage on a CPU:
+    fake.py ``STORAGE_OF_INPUT``), ``cdist``, ``topk`` and ``gather``, ``einsum``, after an embedding with
+    ``max_norm``, which renormalises its weight in place in every forward."""
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bil = nn.Bilinear(8, 8, 16)
+            self.shuffle = nn.PixelShuffle(2)
+
+        def forward(self, e):
+            img = self.shuffle(self.bil(e, e.flip(1)).view(-1, 16, 1, 1).repeat(1, 1, 2, 2))
+            u = F.unfold(img.tanh(), 2).mean(-1)
+            d = torch.cdist(u.unsqueeze(0), u.unsqueeze(0)).squeeze(0).mean(1, keepdim=True)
+            _, top = u.topk(4, dim=1)
+            return torch.einsum("nk,nk->nk", u, u) + d + torch.gather(u, 1, top).sum(1, keepdim=True)
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 8, padding_idx=0, max_norm=1.0)
+        self.body = self.Body()
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x).mean(1)))
+
+
 class Autocast(nn.Module):
     """``inner`` under CPU autocast to bfloat16 (what a Trainer's ``bf16=True`` does on a CPU): its linear
     and convolution outputs are bfloat16 and reach the float32 weights of its LayerNorm, GroupNorm and
@@ -121,6 +192,12 @@ CASES = {
                                                                     nn.Linear(32, 32), nn.LayerNorm(32),
                                                                     nn.Linear(32, 5))),
                                      lambda: (torch.randn(8, 16), _classes(8)), "inner"),
+    "multihead_attention_weights": (Attention, lambda: (torch.randn(4, 10, 8), _classes(4)), "att"),
+    "transformer_seq2seq": (Seq2Seq, lambda: (torch.randint(0, 50, (4, 12)), _classes(4)), "t"),
+    "conv2d_channels_last": (lambda: Vision().to(memory_format=torch.channels_last),
+                             lambda: (torch.randn(4, 3, 16, 16).to(memory_format=torch.channels_last), _classes(4)),
+                             "net"),
+    "patches_and_max_norm": (Patches, lambda: (torch.randint(0, 100, (6, 5)), _classes(6)), "body"),
     "conv1d_norms_bf16_autocast": (lambda: Autocast(Signal()), lambda: (torch.randn(4, 4, 32), _classes(4)),
                                    "inner.net"),
     "embedding_bag": (Bag, lambda: (torch.randint(0, 200, (8, 6)), _classes(8)), "mlp"),
