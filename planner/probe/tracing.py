@@ -316,8 +316,14 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
     non-reentrant hooks, ``save_on_cpu``) is read packed, never unpacked: what its pack hook kept is what
     the step holds (checkpoint's holder: nothing; save_on_cpu: the host copy). Unpacking it here ran
     checkpoint's recomputation during the walk: the recomputed activations became every checkpointed node's
-    "saved" tensors (a 4-block model checkpointed per block predicted 17.3 MB where it measured 6.8 MB)."""
+    "saved" tensors (a 4-block model checkpointed per block predicted 17.3 MB where it measured 6.8 MB).
+
+    Such a checkpointed region's inputs, which its frame keeps for the recomputation, are read when backward
+    reaches the region's last op (the first unpack recomputes the whole region) and held with the frame
+    until the region's first op's backward: they are saved by those two ops. A plan that recomputed the input of GPT-2's first checkpointed block
+    predicted it rebuilt at that block's first op's backward, and measured 32 KiB over its prediction."""
     out: dict[int, list[int]] = {}
+    frames: dict[int, tuple[Any, list[int]]] = {}  # checkpoint frame -> the forward ops of its nodes
     attrs_of: dict[type, list[str]] = {}
     seen: set[int] = set()
     keep: list[Any] = []  # holds the node wrappers during the walk so that id() stays unique
@@ -344,9 +350,13 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
         tids = [tracer.register(t, "buffer") for t in tensors_in(values)]
         tids = list(dict.fromkeys(t for t in tids if t is not None))
         del values
+        tag = node.metadata.get(TAG)
+        if tag is not None:
+            for frame in _checkpoint_frames(node, attrs_of[cls]):
+                frames.setdefault(id(frame), (frame, []))[1].append(tag)
         if not tids:
             continue
-        op = node.metadata.get(TAG)
+        op = tag
         if op is None:  # untagged node: the latest op that produced one of its saved tensors
             storages = tracer.trace.storages
             producers = [storages[t].producer for t in tids if storages[t].producer is not None]
@@ -354,7 +364,59 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
                 continue
             op = max(producers)
         out.setdefault(op, []).extend(tids)
+    for frame, ops in frames.values():
+        tids = [tracer.register(t, "buffer") for t in tensors_in(_frame_inputs(frame))]
+        tids = [t for t in tids if t is not None]
+        if tids and ops:  # read from the region's last op's backward until its first op's (the frame's life)
+            for op in (max(ops), min(ops)):
+                out.setdefault(op, []).extend(tids)
     return {op: list(dict.fromkeys(tids)) for op, tids in out.items()}
+
+
+def _checkpoint_frames(node: Any, attrs: list[str]) -> list[Any]:
+    """The ``torch.utils.checkpoint`` frames (non-reentrant) whose hooks packed a tensor ``node`` saved: found
+    in its unpack hooks' closures."""
+    raws: list[Any] = []
+    for a in attrs:
+        raw = getattr(node, "_raw" + a, None)
+        if raw is not None:
+            raws.extend(raw if isinstance(raw, (tuple, list)) else [raw])
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        raws.extend(node._raw_saved_tensors)
+    found = []
+    for raw in raws:
+        hook = getattr(raw, "unpack_hook", None)
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if type(value).__name__ == "_CheckpointFrame" and all(value is not f for f in found):
+                found.append(value)
+    return found
+
+
+def _frame_inputs(frame: Any) -> list[Any]:
+    """The inputs a checkpoint frame keeps for its recomputation: ``saved_args`` (SavedTensors, torch 2.12
+    and later) or its input saver's saved tensors (earlier), unpacked (no hook of the program's packs them:
+    they are saved outside the region)."""
+    saved = getattr(frame, "saved_args", None)
+    if saved:
+        out = []
+        for arg in saved:
+            if hasattr(arg, "unpack") and getattr(arg, "unpack_hook", None) is None:
+                try:
+                    out.append(arg.unpack())
+                except RuntimeError:
+                    continue
+        return out
+    saver = getattr(getattr(frame, "input_saver", None), "grad_fn", None)
+    if saver is not None:
+        try:
+            return list(saver.saved_tensors)
+        except RuntimeError:
+            return []
+    return []
 
 
 def _saved_value(node: Any, attr: str) -> Any:
