@@ -132,7 +132,7 @@ def simulate_job(graph: Graph | str, plan: Plan | dict[str, Any] | None, *, time
 def frontier_job(graph: Graph | str, *, budgets: list[int | str], solvers: list[str], time_limit_s: float,
                  offload: bool) -> dict[str, Any]:
     """Predicted overhead at each budget for each solver; returns a ``FrontierResponse``."""
-    from memplan.solvers import keep_all_report, solve_frontier
+    from memplan.solvers import frontier_points, keep_all_report
 
     g = load_graph(graph)
     resolved = []
@@ -144,9 +144,10 @@ def frontier_job(graph: Graph | str, *, budgets: list[int | str], solvers: list[
     base = keep_all_report(g)
     series = []
     for name in solvers:
-        points = solve_frontier(g, resolved, name, time_limit_s=time_limit_s, offload=offload)
+        points = frontier_points(g, resolved, name, time_limit_s=time_limit_s, offload=offload)
         series.append({"solver": name, "points": [
-            {"budget": str(label), "budget_bytes": b, "overhead": ov}
-            for label, (b, ov) in zip(budgets, points, strict=True)]})
+            {"budget": str(label), "budget_bytes": p.budget_bytes, "overhead": p.overhead, "status": p.status,
+             "space": p.space}
+            for label, p in zip(budgets, points, strict=True)]})
     return {"graph_fingerprint": g.fingerprint, "keep_all_peak_bytes": base.peak_bytes,
             "keep_all_step_time_s": base.time_s, "series": series}

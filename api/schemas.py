@@ -328,6 +328,11 @@ class FrontierPoint(_Out):
     budget: str = Field(description="the budget as given")
     budget_bytes: int
     overhead: float | None = Field(description="predicted step-time overhead; None: infeasible")
+    status: str = Field(description="what the solve at this budget claims: optimal, feasible, timeout or "
+                                    "infeasible")
+    space: str | None = Field(description="the plans the status holds over ('all', or e.g. 'keep/recompute': "
+                                          "another solver's plan from outside it can be faster); None: "
+                                          "infeasible")
 
 
 class FrontierSeries(_Out):

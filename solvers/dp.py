@@ -65,7 +65,7 @@ from memplan.solvers.chain.table import OutOfTime, full_spare
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
 from memplan.solvers.multilevel import multilevel_search, per_use_everything
-from memplan.solvers.registry import ALL_PLANS, Proposal, plan_space, register
+from memplan.solvers.registry import ALL_PLANS, FrontierPoint, Proposal, plan_space, register
 
 Actions = dict[int, Action]
 
@@ -364,17 +364,29 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
 
 
 def dp_frontier(graph: Graph, budgets: list[int], *, per_use: bool = True) -> list[tuple[int, float | None]]:
-    """(budget, predicted overhead) for each budget: on a chain graph the exact optimum at every budget
-    from one engine (one pass, then one read per budget, when the engine is exact); on a DAG, ``dp`` run
-    at each budget. Overhead = step time / keep-everything's - 1; None where no plan fits. Equal to
-    ``solve(graph, b, "dp", per_use=per_use)`` at each budget by construction: both read the same code path."""
+    """(budget, predicted overhead) for each budget (:func:`dp_frontier_points` without the claims)."""
+    return [(p.budget_bytes, p.overhead) for p in dp_frontier_points(graph, budgets, per_use=per_use)]
+
+
+def dp_frontier_points(graph: Graph, budgets: list[int], *, per_use: bool = True) -> list[FrontierPoint]:
+    """A :class:`FrontierPoint` for each budget: on a chain graph the exact optimum at every budget from one
+    engine (one pass, then one read per budget, when the engine is exact); on a DAG, ``dp`` run at each
+    budget. Overhead = step time / keep-everything's - 1; None where no plan fits. Equal to
+    ``solve(graph, b, "dp", per_use=per_use)`` at each budget by construction, its status and space too:
+    both read the same code path."""
     base = keep_all_report(graph).time_s
     budgets = list(budgets)
     if not budgets:
         return []
     floor = memory_lower_bound(graph)
     ch = op_chain(graph)
-    out: list[tuple[int, float | None]] = []
+    out: list[FrontierPoint] = []
+
+    def point(b: int, time_s: float | None, status: str, space: str | None) -> FrontierPoint:
+        if time_s is None:
+            return FrontierPoint(b, None, "infeasible", None)
+        return FrontierPoint(b, time_s / base - 1.0 if base > 0 else 0.0, status, space)
+
     table = _each_table(graph, ch, max(budgets), time.perf_counter() + 60.0) if ch is not None and per_use else None
     if table is not None:
         # one table read at every budget, as solve_dp reads its own (the same answer: clipping at the
@@ -387,7 +399,7 @@ def dp_frontier(graph: Graph, budgets: list[int], *, per_use: bool = True) -> li
                 except Infeasible:
                     p = None
             time_s = None if p is None else simulate_actions(graph, p.actions).time_s
-            out.append((b, None if time_s is None else (time_s / base - 1.0 if base > 0 else 0.0)))
+            out.append(point(b, time_s, p.status if p else "infeasible", p.space if p else None))
         return out
     if ch is not None:
         # the one table for the largest budget when it is exact (its answer at a smaller budget is then the
@@ -398,16 +410,19 @@ def dp_frontier(graph: Graph, budgets: list[int], *, per_use: bool = True) -> li
         for b in budgets:
             engine = top if top.exact else engine_for(ch, b - ch.fixed_bytes)
             sol = read_plan(graph, ch, engine, b, base) if b >= floor else None
-            # the plan's simulated time, as solve reports it (the DP's value leaves out the executor's watch)
-            time_s = None if sol is None else simulate_actions(graph, sol.actions).time_s
-            if sol is None and b >= floor:  # as solve_dp: a recompute_each plan where no keep / recompute one fits
-                found = per_use_fallback(graph, b, per_use_until)
-                time_s = None if found is None else found[1].time_s
-            out.append((b, None if time_s is None else (time_s / base - 1.0 if base > 0 else 0.0)))
+            if sol is not None:
+                # the plan's simulated time and claims, as solve reports them (the DP's value leaves out the
+                # executor's watch)
+                p = keep_recompute_proposal(graph, sol)
+                out.append(point(b, p.stats["predicted_time_s"], p.status, p.space))
+                continue
+            found = per_use_fallback(graph, b, per_use_until) if b >= floor else None
+            # as solve_dp: a recompute_each plan where no keep / recompute one fits
+            out.append(point(b, None if found is None else found[1].time_s, "feasible", KEEP_RECOMPUTE))
         return out
     # a DAG: each budget solved as solve_dp solves it (the same code path), scored by the simulator
     for b in budgets:
-        overhead = None
+        time_s, status, space = None, "infeasible", None
         if b >= floor:
             try:
                 p = solve_dp(graph, b)
@@ -416,6 +431,6 @@ def dp_frontier(graph: Graph, budgets: list[int], *, per_use: bool = True) -> li
             if p is not None and p.status != "infeasible":
                 r = simulate_actions(graph, p.actions, prefetch_at=p.prefetch_at)
                 if r.peak_bytes <= b:
-                    overhead = r.time_s / base - 1.0 if base > 0 else 0.0
-        out.append((b, overhead))
+                    time_s, status, space = r.time_s, p.status, p.space
+        out.append(point(b, time_s, status, space))
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ConfigDict, ValidationError
 from pydantic.dataclasses import dataclass as config_dataclass
@@ -47,6 +47,18 @@ def plan_space(*, per_use: bool, offload: bool, prefetch: str = "choose") -> str
 #: What every strategy's ``Config`` is declared with: frozen, keyword-only, unknown fields refused,
 #: no silent coercion (``"3"`` is not an int, ``True`` is not a number).
 CONFIG = ConfigDict(extra="forbid", strict=True)
+
+
+class FrontierPoint(NamedTuple):
+    """One budget of a frontier: the predicted overhead (step time over keep-everything's, minus one; None
+    where no plan fits), and what the solve at that budget claims: its ``status`` (``optimal``,
+    ``feasible``, ``timeout`` or ``infeasible``) and the ``space`` of plans the claim holds over (None where
+    no plan fits)."""
+
+    budget_bytes: int
+    overhead: float | None
+    status: str
+    space: str | None
 
 
 @dataclass

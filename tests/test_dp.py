@@ -19,7 +19,7 @@ from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import simulate_actions
 from memplan.planner.core.synthetic import linear_chain, random_dag
-from memplan.solvers import keep_all_report, memory_lower_bound, solve, solve_frontier
+from memplan.solvers import frontier_points, keep_all_report, memory_lower_bound, solve, solve_frontier
 from memplan.solvers.baselines import revolve_checkpoints
 from memplan.solvers.chain import solve as chain_solve
 from memplan.solvers.chain.grid import Grid
@@ -103,6 +103,11 @@ def test_frontier_from_one_table_equals_solving_each_budget(case):
         expected.append((b, None if r is None else r.report.time_s / base - 1.0))
     got = solve_frontier(g, budgets, "dp")
     assert [b for b, _ in got] == budgets
+    # and what each point claims is what solve claims there (status, and the plans it holds over)
+    claims = [(p.status, p.space) for p in frontier_points(g, budgets, "dp")]
+    for b, claim in zip(budgets, claims, strict=True):
+        r = _solve_or_none(g, b, "dp")
+        assert claim == (("infeasible", None) if r is None else (r.status, r.space)), f"budget {b}"
     for (b, want), (_, have) in zip(expected, got, strict=True):
         assert (want is None) == (have is None), f"budget {b}: solve says {want}, the frontier {have}"
         if want is not None:

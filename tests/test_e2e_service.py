@@ -124,6 +124,14 @@ def test_frontier(http, graph):
         # the served oracle is the one in this process (keep / recompute, its default space) ...
         here = _overhead_or_none(graph, b, base)
         assert exact["overhead"] == (None if here is None else pytest.approx(here))
+        # ... and each point says what it claims over which plans: the oracle's optimum holds over keep /
+        # recompute, so a greedy plan that beats it must come from outside that space
+        if exact["overhead"] is None:
+            assert exact["status"] == "infeasible" and exact["space"] is None
+        else:
+            assert exact["status"] == "optimal" and exact["space"] == "keep/recompute"
+        if heuristic["overhead"] is not None:
+            assert heuristic["status"] in ("feasible", "optimal") and heuristic["space"]
         # ... and greedy never beats the oracle over every plan: greedy also uses recompute_each, which the
         # default oracle does not enumerate (a CI run had greedy 9% under the keep / recompute oracle's 17%)
         if heuristic["overhead"] is not None:

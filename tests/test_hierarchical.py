@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from memplan.planner.core.errors import Infeasible
 from memplan.planner.core.simulator import simulate_actions
 from memplan.solvers import keep_all_report, smallest_known_peak, solve
-from memplan.solvers.dp import dp_frontier
+from memplan.solvers.dp import dp_frontier_points
 from memplan.solvers.hierarchical import Option, block_saved, block_subgraph, blocks, chain_dp, has_blocks
 
 REL = 1e-9
@@ -115,9 +115,10 @@ def test_the_frontier_on_a_model_is_solve_at_each_budget(gpt):
     lo, hi = smallest_known_peak(gpt), keep_all_report(gpt).peak_bytes
     budgets = [lo + (hi - lo) // 2]
     base = keep_all_report(gpt).time_s
-    for b, overhead in dp_frontier(gpt, budgets):
+    for b, overhead, status, space in dp_frontier_points(gpt, budgets):
         r = solve(gpt, b, "dp")
         assert overhead == pytest.approx(r.report.time_s / base - 1, rel=1e-9, abs=1e-12)
+        assert (status, space) == (r.status, r.space)
 
 
 def test_options_are_refused_with_a_clear_message():
