@@ -622,3 +622,23 @@ def test_fold_unfold_gradients_have_the_cpu_kernels_storage_under_fake_tensors()
     real, fake = run(False), run(True)
     assert ("aten.col2im.default", [6 * 16 * 9 * 4]) in real
     assert fake == real
+
+
+def test_a_timer_made_for_another_device_layer_is_refused(tmp_path):
+    """An OpTimer reads kernel scratch with the device layer it was made with: one made on the CPU and used
+    by a profile under the CUDA emulation charged unrounded bytes, silently. Refused in one line; made
+    inside, it works."""
+    from memplan.planner.core.errors import MemplanError
+    from memplan.planner.probe.device import emulate_cuda
+    from memplan.planner.probe.optime import OpTimer
+    from memplan.planner.probe.profiler import profile
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    outside = OpTimer(torch.device("cpu"), cache_dir=tmp_path, min_runs=1, target_s=0.0)
+    with emulate_cuda():
+        with pytest.raises(MemplanError, match=r"^the op timer runs on Device\(cpu\) and this profile on "
+                                               r"EmulatedCudaDevice\(cpu\).*inside emulate_cuda"):
+            profile(model, torch.randn(4, 8), lambda m, b: m(b).sum(), progress=False, fake=True, timer=outside)
+        inside = OpTimer(torch.device("cuda"), cache_dir=tmp_path, min_runs=1, target_s=0.0)
+        graph = profile(model, torch.randn(4, 8), lambda m, b: m(b).sum(), progress=False, fake=True, timer=inside)
+    assert graph.device == "cuda" and all(t.bytes % 512 == 0 for t in graph.tensors)

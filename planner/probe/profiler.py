@@ -391,6 +391,12 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         lifetimes = forward_lifetimes(model, st.batch, loss_fn, [op.name for op in first.ops], fake=True)
         optimizer_name = type(st.optimizer).__name__
         advance()
+    if timer is not None and timer.spec is None and layer is not None and (
+            type(timer.layer) is not type(layer) or timer.layer.emulated != layer.emulated):
+        # the timer reads kernel scratch with its own device layer's rounding: a CPU's timer under the CUDA
+        # emulation charged unrounded bytes, silently
+        raise MemplanError(f"the op timer runs on {timer.layer!r} and this profile on {layer!r}: make the OpTimer "
+                           f"where the profile runs (inside emulate_cuda, if the profile is), or pass none")
     timer = timer or OpTimer(layer.torch_device if layer is not None else device, spec=device_spec,
                              cache_dir=cache_dir)
     timings = timer.time([call for *_, call in tracer.calls])
