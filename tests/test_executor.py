@@ -632,6 +632,30 @@ def test_a_checkpoint_saved_between_steps_under_forward_fusion_holds_every_updat
         assert all(torch.equal(want_state[i][k], got_state[i][k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
+def test_an_average_of_the_model_under_forward_fusion_takes_every_update():
+    """``torch.optim.swa_utils.AveragedModel`` (EMA here) reads the parameters right after ``optimizer.step()``;
+    under forward fusion they lacked that step's update until the next forward, so every average lagged one
+    update behind plain training's. The pending updates are now applied first."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    w = workload("mlp")
+    averages = []
+    for fuse in (None, "forward"):
+        model = fresh_model("mlp")
+        opt = OPTIMIZERS["adamw"](model)
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse=fuse) if fuse else None
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            w.loss_fn(model, w.batch).backward()
+            opt.step()
+            ema.update_parameters(model)
+        if ex is not None:
+            ex.remove()
+        averages.append([p.detach().clone() for p in ema.parameters()])
+    assert all(map(torch.equal, *averages))
+
+
 def test_clipping_in_forward_fusion_trains_like_plain_clipping():
     clipped, unclipped = reference("gpt2", clip=0.05), reference("gpt2")
     assert not all(torch.equal(a, b) for a, b in zip(clipped.params, unclipped.params, strict=True))

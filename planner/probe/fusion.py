@@ -7,7 +7,7 @@
 * **forward** fusion: ``optimizer.step()`` only takes the gradients (so that ``zero_grad`` does not touch
   them); each bucket's update is applied just before its module's next forward (a forward pre-hook), and
   its gradients are freed then, or when the model's or the optimizer's ``state_dict()`` is read (a
-  checkpoint saved between steps). Global information (the gradient norm) is available at ``step()``, so
+  checkpoint saved between steps) or ``torch.optim.swa_utils.AveragedModel`` averages the model (EMA, SWA). Global information (the gradient norm) is available at ``step()``, so
   ``max_grad_norm`` clipping works. ``flush()`` applies what is still pending (before evaluation, saving,
   or comparing parameters). A deferred update that fails stays pending and is applied by the retry.
 
@@ -19,6 +19,7 @@ the parameters are those of plain training. Supported: SGD (with or without mome
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -89,6 +90,8 @@ class FusedOptimizer:
             for module in model.modules():
                 self.handles.append(module.register_state_dict_pre_hook(flush_before_saving))
             self.handles.append(optimizer.register_state_dict_pre_hook(flush_before_saving))
+            _FORWARD_FUSED.add(self)
+            _flush_before_averaging()
 
     # ---- the training loop's calls ------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -191,6 +194,32 @@ class FusedOptimizer:
         for h in self.handles:
             h.remove()
         self.handles = []
+        _FORWARD_FUSED.discard(self)
+
+
+_FORWARD_FUSED: weakref.WeakSet[FusedOptimizer] = weakref.WeakSet()  # forward fusions with updates to defer
+
+
+def _flush_before_averaging() -> None:
+    """Guard ``torch.optim.swa_utils.AveragedModel.update_parameters`` (EMA and SWA), installed once: the
+    model it averages from gets its pending forward-fused updates first. It reads the parameters directly,
+    after ``optimizer.step()``: without the flush every average lagged one update behind plain training's."""
+    from torch.optim.swa_utils import AveragedModel
+
+    if getattr(AveragedModel.update_parameters, "_memplan_guard", False):
+        return
+    unguarded = AveragedModel.update_parameters
+
+    def update_parameters(self, model):  # noqa: ANN001, ANN202 - AveragedModel's own signature
+        params = {id(p) for p in model.parameters()}
+        for fused in list(_FORWARD_FUSED):
+            if any(id(p) in params for p in fused.bucket_of):
+                fused.flush()
+        return unguarded(self, model)
+
+    update_parameters._memplan_guard = True  # type: ignore[attr-defined]
+    update_parameters.__doc__ = unguarded.__doc__
+    AveragedModel.update_parameters = update_parameters  # type: ignore[method-assign]
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
