@@ -162,6 +162,22 @@ class Patches(nn.Module):
         return self.head(self.body(self.emb(x).mean(1)))
 
 
+class PackedRecurrent(nn.Module):
+    """A GRU over padded sequences packed by their lengths (``pack_padded_sequence``: its kernel reads the
+    lengths, a real tensor in the fake trace; timed alone on made-up ones it failed, and the fake graph lost
+    its scratch: optime.py keeps a small real argument's values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        lengths = torch.tensor([12, 10, 7, 3])
+        _, h = self.rnn(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True))
+        return self.head(h[-1])
+
+
 class Autocast(nn.Module):
     """``inner`` under CPU autocast to bfloat16 (what a Trainer's ``bf16=True`` does on a CPU): its linear
     and convolution outputs are bfloat16 and reach the float32 weights of its LayerNorm, GroupNorm and
@@ -192,6 +208,7 @@ CASES = {
                                                                     nn.Linear(32, 32), nn.LayerNorm(32),
                                                                     nn.Linear(32, 5))),
                                      lambda: (torch.randn(8, 16), _classes(8)), "inner"),
+    "gru_packed_sequences": (PackedRecurrent, lambda: (torch.randn(4, 12, 8), _classes(4)), "rnn"),
     "multihead_attention_weights": (Attention, lambda: (torch.randn(4, 10, 8), _classes(4)), "att"),
     "transformer_seq2seq": (Seq2Seq, lambda: (torch.randint(0, 50, (4, 12)), _classes(4)), "t"),
     "conv2d_channels_last": (lambda: Vision().to(memory_format=torch.channels_last),

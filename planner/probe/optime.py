@@ -106,6 +106,9 @@ class TensorMeta:
     dtype: torch.dtype
     storage: int
     storage_bytes: int
+    # a small tensor the step computed for real (not fake: from the batch or Python numbers, such as the
+    # lengths ``pack_padded_sequence`` reads): its storage's bytes, which the isolated run is given
+    values: bytes | None = None
 
     @property
     def nbytes(self) -> int:
@@ -179,7 +182,8 @@ class OpCall:
 
 def _describe(x: Any) -> str:
     if isinstance(x, TensorMeta):
-        return f"T({x.dtype},{list(x.shape)},{list(x.stride)},{x.offset},s{x.storage}:{x.storage_bytes})"
+        values = "" if x.values is None else f",v{_hashed(x.values.hex())}"
+        return f"T({x.dtype},{list(x.shape)},{list(x.stride)},{x.offset},s{x.storage}:{x.storage_bytes}{values})"
     if isinstance(x, (tuple, list)):
         inner = ",".join(_describe(y) for y in x)
         return f"[{inner}]" if isinstance(x, list) else f"({inner})"
@@ -261,7 +265,8 @@ def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
         if index == len(objects):
             objects.append(s)
         device = x.device.type
-        return TensorMeta(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, index, s.nbytes())
+        return TensorMeta(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, index, s.nbytes(),
+                          _real_values(x, s))
 
     margs, mkwargs = _replace(args, meta), _replace(kwargs, meta)
     flops = 0
@@ -287,6 +292,22 @@ def record_call(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCall:
     written_storages = {storage_number(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}
     return OpCall(func, margs, mkwargs, device, flops, written, ids, tuple(written_storages),
                   tuple(written_storages.values()))
+
+
+REAL_VALUES_MAX_BYTES = 4096  # a real argument up to this size keeps its values in the recorded call
+
+
+def _real_values(x: torch.Tensor, s: Any) -> bytes | None:
+    """The bytes of ``x``'s storage when ``x`` is a small real CPU tensor among a fake call's arguments (its
+    values are the step's: a kernel that reads them, as ``pack_padded_sequence`` reads its lengths, cannot
+    run alone on made-up ones); None otherwise."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if isinstance(x, FakeTensor) or x.device.type != "cpu" or s.nbytes() > REAL_VALUES_MAX_BYTES:
+        return None
+    with _disable_current_modes():
+        return bytes(s.tolist())
 
 
 def _collect_tensors(x: Any, out: list[torch.Tensor]) -> None:
@@ -379,6 +400,9 @@ def materialise(call: OpCall, device: torch.device,
         if not isinstance(x, TensorMeta):
             return x
         filled = storages.get(x.storage)
+        if filled is None and x.values is not None:  # the step's own values
+            filled = torch.frombuffer(bytearray(x.values), dtype=torch.uint8).to(device)
+            storages[x.storage] = filled = filled.view(x.dtype) if len(x.values) % x.dtype.itemsize == 0 else filled
         if filled is None:
             n = -(-x.storage_bytes // x.dtype.itemsize)
             if x.dtype.is_floating_point and x.dtype.itemsize >= 2:
