@@ -101,6 +101,13 @@ def test_frontier_plot_one_line_per_solver(files, tmp_path):
     doc = json.loads(r.stdout)
     assert doc["plot"] == str(png) and [s["solver"] for s in doc["series"]] == ["oracle", "greedy"]
     assert_drawn(png, 1000, 600)
+    # each point says what its solve claims: the oracle's optimum holds over keep / recompute plans
+    oracle = doc["series"][0]["points"]
+    assert all((p["status"], p["space"]) == ("infeasible", None) if p["overhead"] is None
+               else (p["status"], p["space"]) == ("optimal", "keep/recompute") for p in oracle)
+    r = run("frontier", graph, "--solver", "oracle", "--budgets", "100%")
+    text = " ".join(r.stdout.split())  # the caption wraps at the table's width
+    assert r.returncode == 0 and "0.0% optimal*" in text and "optimal over keep/recompute plans only" in text
 
 
 def test_plot_functions_size_and_refusals(tmp_path):

@@ -109,8 +109,9 @@ def frontier(
     device_spec: SpecOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Predicted step-time overhead at each budget: memory against time."""
-    from memplan.solvers import keep_all_report, solve_frontier
+    """Predicted step-time overhead at each budget: memory against time, and what each solve claims."""
+    from memplan.solvers import frontier_points, keep_all_report
+    from memplan.solvers.registry import ALL_PLANS
 
     texts = budget_list(budgets)
     writable(plot)
@@ -131,8 +132,9 @@ def frontier(
         for name in names:
             for label, b in pairs:
                 progress.update(task, what=f"{name} at {label}")
-                (_, ov), = solve_frontier(graph, [b], name, time_limit_s=time_limit)
-                series[name].append({"budget": label, "budget_bytes": b, "overhead": ov})
+                (p,) = frontier_points(graph, [b], name, time_limit_s=time_limit)
+                series[name].append({"budget": label, "budget_bytes": b, "overhead": p.overhead,
+                                     "status": p.status, "space": p.space})
                 progress.advance(task)
     if plot is not None:
         from memplan.api.plots import frontier_png
@@ -155,10 +157,24 @@ def frontier(
     t.add_column("bytes", justify="right")
     for n in names:
         t.add_column("overhead" if len(names) == 1 else n, justify="right")
+    spaces: set[str] = set()
+
+    def cell(r: dict[str, Any]) -> str:
+        if r["overhead"] is None:
+            return "infeasible"
+        text = f"{r['overhead'] * 100:.1f}%"
+        if r["status"] != "optimal":
+            return text
+        if r["space"] not in (None, ALL_PLANS):
+            spaces.add(r["space"])
+            return f"{text} optimal*"
+        return f"{text} optimal"
+
     for i, r in enumerate(rows):
-        t.add_row(r["budget"], format_bytes(r["budget_bytes"]),
-                  *("infeasible" if series[n][i]["overhead"] is None else f"{series[n][i]['overhead'] * 100:.1f}%"
-                    for n in names))
+        t.add_row(r["budget"], format_bytes(r["budget_bytes"]), *(cell(series[n][i]) for n in names))
+    if spaces:
+        t.caption = (f"* optimal over {', '.join(sorted(spaces))} plans only: a plan from outside that space "
+                     f"(recompute_each, offload) can be faster")
     out.print(t)
     if plot is not None:
         out.print(f"wrote [bold]{plot}[/bold]", soft_wrap=True)
