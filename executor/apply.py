@@ -54,7 +54,7 @@ from memplan.planner.core.shapes import family_of
 from memplan.planner.core.simulator import static_facts
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
 from memplan.planner.probe.device import device_of
-from memplan.planner.probe.fusion import FusedOptimizer
+from memplan.planner.probe.fusion import BACKWARD_STEPPERS, FusedOptimizer
 from memplan.planner.probe.profiler import model_fingerprint
 from memplan.planner.workloads import refuse_compiled
 
@@ -589,13 +589,13 @@ def _refuse_grad_scaling(ex: Executor) -> None:
 
     scale._memplan_guard = True  # type: ignore[attr-defined]
     cls.scale = scale  # type: ignore[method-assign]
-    _refuse_clipping_after_fused_backward()
+    refuse_clipping_after_fused_backward()
 
 
 _CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
 
 
-def _refuse_clipping_after_fused_backward() -> None:
+def refuse_clipping_after_fused_backward() -> None:
     """Guard torch's gradient clipping (``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_``,
     ``clip_grads_with_norm_``, what loops, Lightning and accelerate call), installed once: clipping the
     parameters of a model whose last backward stepped it under backward fusion is refused. That backward
@@ -614,9 +614,8 @@ def _refuse_clipping_after_fused_backward() -> None:
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             if params:
                 keys = {id(p) for p in params}
-                for ex in list(_BACKWARD_FUSED):
-                    fused = ex.fused
-                    if fused is not None and fused.stepped_in_backward and any(id(p) in keys for p in fused.bucket_of):
+                for stepper in list(BACKWARD_STEPPERS):
+                    if stepper.stepped_in_backward and any(id(p) in keys for p in stepper.params):
                         raise MemplanError(
                             f"{_name} after a backward under fuse='backward': that backward already stepped the "
                             f"model with its unclipped gradients and freed them, so there is nothing to clip; "

@@ -45,12 +45,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.executor.apply import Executor, apply
+from memplan.executor.apply import Executor, apply, refuse_clipping_after_fused_backward
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.probe.distributed import DistributedPlanError, cross_unit_recomputes
-from memplan.planner.probe.fusion import SUPPORTED, narrowed_groups
+from memplan.planner.probe.fusion import BACKWARD_STEPPERS, SUPPORTED, accumulation_refused, narrowed_groups
 
 
 class DistributedError(DistributedPlanError):
@@ -235,6 +235,9 @@ class _CommHookFusion:
         self._real_step = optimizer.step  # the executor's shadow (it ends the step, then steps)
         self._handle = ddp.module.register_forward_pre_hook(self._count)
         ddp.register_comm_hook(None, self._hook)
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        BACKWARD_STEPPERS.add(self)
+        refuse_clipping_after_fused_backward()
 
         def step(closure=None):
             if closure is not None:
@@ -248,8 +251,15 @@ class _CommHookFusion:
         optimizer.step = step  # type: ignore[method-assign]
         self._shadow = step
 
+    @property
+    def stepped_in_backward(self) -> bool:
+        """Buckets were stepped after their allreduce in the last backward, and no optimizer.step() came since."""
+        return bool(self.stepped)
+
     def _count(self, module: nn.Module, _args) -> None:
         if module.training and torch.is_grad_enabled():
+            if self.stepped:  # a micro-batch after a stepping backward: plain DDP would accumulate (as fusion.py)
+                raise MemplanError(accumulation_refused(self.accumulation_steps))
             self.micro += 1
 
     def _last_micro_batch(self) -> bool:
@@ -287,6 +297,7 @@ class _CommHookFusion:
 
     def remove(self) -> None:
         self._handle.remove()
+        BACKWARD_STEPPERS.discard(self)
         if self.optimizer.__dict__.get("step") is self._shadow:
             self.optimizer.step = self._real_step  # type: ignore[method-assign]
 

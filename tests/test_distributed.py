@@ -142,6 +142,27 @@ def _ddp_worker(rank: int, out_dir: str) -> None:
         r.update(replays=step.replays, offloaded=len(step.host), bucket_steps=bucket_steps,
                  buckets=len(ddp._get_ddp_logging_data().get("bucket_sizes", "").split(", ")))
         results[f"{plan_name}/fuse={fuse}/accumulation={accumulation}"] = r
+    # backward fusion without accumulation_steps: a loop that accumulates (without no_sync) or clips after
+    # backward is refused in one line (each bucket was stepped after its allreduce already)
+    refusals = {}
+    for loop in ("accumulate", "clip"):
+        model = copy.deepcopy(model0)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ex = apply_distributed(ddp, plans["recompute"], graph=graph, optimizer=opt, fuse="backward")
+        try:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(ddp, batches[0]).backward()
+            if loop == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            else:
+                loss_fn(ddp, batches[1]).backward()
+            refusals[loop] = None
+        except Exception as e:  # noqa: BLE001 - the refusal, recorded for the test
+            refusals[loop] = f"{type(e).__name__}: {e}"
+        finally:
+            ex.remove()
+    results["refusals"] = refusals
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -261,6 +282,15 @@ def test_ddp_under_a_plan_trains_exactly_like_plain_ddp(ddp_results, scenario):
             # every bucket of every optimizer step was stepped by the comm hook, after its allreduce;
             # with accumulation, only on the last micro-batch (no_sync skips the hook on the others)
             assert r["bucket_steps"] == STEPS * r["buckets"]
+
+
+def test_ddp_backward_fusion_refuses_undeclared_accumulation_and_clipping(ddp_results):
+    """Backward fusion under DDP steps each bucket after its allreduce: a second micro-batch without
+    ``no_sync`` and ``accumulation_steps``, or a clip after backward, trained otherwise than plain DDP."""
+    for results in ddp_results:
+        r = results["refusals"]
+        assert r["accumulate"].startswith("MemplanError: fuse='backward' stepped the model in the last backward")
+        assert r["clip"].startswith("MemplanError: clip_grad_norm_ after a backward under fuse='backward'")
 
 
 def test_fsdp2_under_a_plan_trains_exactly_like_plain_fsdp2(fsdp_results):

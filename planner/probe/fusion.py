@@ -80,6 +80,7 @@ class FusedOptimizer:
         if mode == "backward":
             for p in self.bucket_of:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            BACKWARD_STEPPERS.add(self)
         else:
             # a checkpoint saved between steps (``model.state_dict()``, ``optimizer.state_dict()``, what
             # torch.save and save_pretrained read) gets the updates of every step() so far, as in plain
@@ -98,10 +99,7 @@ class FusedOptimizer:
         if self.stepped_in_backward:
             # plain training would add this micro-batch's gradients to the last one's before a step; backward
             # fusion has already applied and freed those (the last backward updated the model)
-            raise MemplanError(
-                f"fuse='backward' stepped the model in the last backward, and a training forward began before "
-                f"optimizer.step(): gradient accumulation? apply(..., accumulation_steps=N) with the loop's "
-                f"micro-batches per step (now {self.accumulation_steps}), or fuse='forward' or no fusion")
+            raise MemplanError(accumulation_refused(self.accumulation_steps))
         self.micro += 1
         self.ready = [0] * len(self.buckets)
 
@@ -195,9 +193,17 @@ class FusedOptimizer:
             h.remove()
         self.handles = []
         _FORWARD_FUSED.discard(self)
+        BACKWARD_STEPPERS.discard(self)
+
+    @property
+    def params(self) -> Iterable[nn.Parameter]:
+        return self.bucket_of
 
 
 _FORWARD_FUSED: weakref.WeakSet[FusedOptimizer] = weakref.WeakSet()  # forward fusions with updates to defer
+# what steps parameters inside backward (a backward FusedOptimizer, DDP's comm-hook fusion): each has
+# ``stepped_in_backward`` (its last backward stepped, and no optimizer.step() came since) and ``params``
+BACKWARD_STEPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _flush_before_averaging() -> None:
@@ -220,6 +226,13 @@ def _flush_before_averaging() -> None:
     update_parameters._memplan_guard = True  # type: ignore[attr-defined]
     update_parameters.__doc__ = unguarded.__doc__
     AveragedModel.update_parameters = update_parameters  # type: ignore[method-assign]
+
+
+def accumulation_refused(accumulation_steps: int) -> str:
+    """The refusal of a training forward after a backward that stepped the model, before optimizer.step()."""
+    return (f"fuse='backward' stepped the model in the last backward, and a training forward began before "
+            f"optimizer.step(): gradient accumulation? apply(..., accumulation_steps=N) with the loop's "
+            f"micro-batches per step (now {accumulation_steps}), or fuse='forward' or no fusion")
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
