@@ -3,12 +3,15 @@
 * **backward** fusion: the parameters of one module (a bucket) are stepped as soon as all their gradients
   are final in the last micro-batch's backward (``register_post_accumulate_grad_hook``), and their
   gradients are freed at once. The training loop's ``optimizer.step()`` then only steps what backward did
-  not reach (parameters without a gradient are skipped by every torch optimizer).
+  not reach (parameters without a gradient are skipped by every torch optimizer). A training forward
+  after a stepping backward and before ``optimizer.step()`` (undeclared accumulation) and gradient
+  clipping after such a backward are refused (executor/apply.py guards the clip functions).
 * **forward** fusion: ``optimizer.step()`` only takes the gradients (so that ``zero_grad`` does not touch
   them); each bucket's update is applied just before its module's next forward (a forward pre-hook), and
   its gradients are freed then, or when the model's or the optimizer's ``state_dict()`` is read (a
-  checkpoint saved between steps) or ``torch.optim.swa_utils.AveragedModel`` averages the model (EMA, SWA). Global information (the gradient norm) is available at ``step()``, so
-  ``max_grad_norm`` clipping works. ``flush()`` applies what is still pending (before evaluation, saving,
+  checkpoint saved between steps) or ``torch.optim.swa_utils.AveragedModel`` averages the model (EMA,
+  SWA). Global information (the gradient norm) is available at ``step()``, so ``max_grad_norm`` clipping
+  works. ``flush()`` applies what is still pending (before evaluation, saving,
   or comparing parameters). A deferred update that fails stays pending and is applied by the retry.
 
 A bucket is stepped by the user's optimizer itself, its parameter groups narrowed to the bucket for the

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.planner.core.build import Trace, TraceOp, TraceStorage
-from memplan.planner.core.errors import WorkloadError
 from memplan.planner.core.devicespec import round_allocation
+from memplan.planner.core.errors import WorkloadError
 from memplan.planner.core.graph import DETACH
 from memplan.planner.probe.device import Device
 from memplan.planner.probe.fake import ViewReplays, fake_call, written_tensors
