@@ -28,9 +28,9 @@ from memplan.solvers.bounds import activation_bytes, keep_all_report, memory_low
 from memplan.solvers.core import SolveResult, solve
 from memplan.solvers.frontier import frontier_points, solve_frontier
 from memplan.solvers.min_memory import smallest_known_peak
-from memplan.solvers.registry import Proposal, SolverSpec, register, solvers
+from memplan.solvers.registry import FrontierPoint, Proposal, SolverSpec, register, solvers
 
 __all__ = [
-    "Proposal", "SolveResult", "SolverSpec", "activation_bytes", "choose_method", "keep_all_report",
-    "memory_lower_bound", "register", "smallest_known_peak", "solve", "solve_frontier", "frontier_points", "solvers",
+    "FrontierPoint", "Proposal", "SolveResult", "SolverSpec", "activation_bytes", "choose_method", "frontier_points",
+    "keep_all_report", "memory_lower_bound", "register", "smallest_known_peak", "solve", "solve_frontier", "solvers",
 ]

@@ -320,8 +320,9 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
 
     Such a checkpointed region's inputs, which its frame keeps for the recomputation, are read when backward
     reaches the region's last op (the first unpack recomputes the whole region) and held with the frame
-    until the region's first op's backward: they are saved by those two ops. A plan that recomputed the input of GPT-2's first checkpointed block
-    predicted it rebuilt at that block's first op's backward, and measured 32 KiB over its prediction."""
+    until the region's first op's backward: they are saved by those two ops. A plan that recomputed the
+    input of GPT-2's first checkpointed block predicted it rebuilt at that block's first op's backward, and
+    measured 32 KiB over its prediction."""
     out: dict[int, list[int]] = {}
     frames: dict[int, tuple[Any, list[int]]] = {}  # checkpoint frame -> the forward ops of its nodes
     attrs_of: dict[type, list[str]] = {}
