@@ -32,6 +32,7 @@ import contextlib
 import difflib
 import functools
 import itertools
+import math
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -600,8 +601,9 @@ def refuse_clipping_after_fused_backward() -> None:
     ``clip_grads_with_norm_``, what loops, Lightning and accelerate call), installed once: clipping the
     parameters of a model whose last backward stepped it under backward fusion is refused. That backward
     applied each module's update with its unclipped gradients and freed them, so the clip found no gradient
-    and did nothing (silently: the loop trained unclipped). A function imported by name before
-    ``apply`` (``from torch.nn.utils import clip_grad_norm_``) is not reached."""
+    and did nothing (silently: the loop trained unclipped). An infinite limit clips nothing and passes (a norm
+    for the logs). A function imported by name before ``apply`` (``from torch.nn.utils import
+    clip_grad_norm_``) is not reached."""
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -612,7 +614,10 @@ def refuse_clipping_after_fused_backward() -> None:
 
         def clip(parameters, *args, _unguarded=unguarded, _name=name, **kwargs):  # noqa: ANN001, ANN202
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if params:
+            limit = args[0] if args else kwargs.get("clip_value" if _name == "clip_grad_value_" else "max_norm")
+            # an infinite limit clips nothing: a norm taken for the logs (transformers' Trainer always takes one)
+            clips = not (isinstance(limit, (int, float)) and math.isinf(limit))
+            if params and clips:
                 keys = {id(p) for p in params}
                 for stepper in list(BACKWARD_STEPPERS):
                     if stepper.stepped_in_backward and any(id(p) in keys for p in stepper.params):

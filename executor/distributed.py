@@ -240,13 +240,16 @@ class _CommHookFusion:
         refuse_clipping_after_fused_backward()
 
         def step(closure=None):
-            if closure is not None:
-                raise MemplanError("optimizer fusion does not support step(closure)")
+            loss = None
+            if closure is not None:  # Lightning's: the training step and its backward, run first (as torch does)
+                with torch.enable_grad():
+                    loss = closure()
             with self.lock:
                 stepped, self.stepped = self.stepped, []
             for p in stepped:  # DDP copied the bucket back into .grad; these were already stepped
                 p.grad = None
-            return self._real_step()
+            self._real_step()
+            return loss
 
         optimizer.step = step  # type: ignore[method-assign]
         self._shadow = step

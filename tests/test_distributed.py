@@ -163,6 +163,26 @@ def _ddp_worker(rank: int, out_dir: str) -> None:
         finally:
             ex.remove()
     results["refusals"] = refusals
+    # optimizer.step(closure) (Lightning's automatic optimization) under the comm-hook fusion: as plain DDP
+    trained = []
+    for fuse in (None, "backward"):
+        torch.manual_seed(7)
+        model = copy.deepcopy(model0)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ex = apply_distributed(ddp, plans["recompute"], graph=graph, optimizer=opt, fuse=fuse) if fuse else None
+
+        def closure(batch):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp, batch)
+            loss.backward()
+            return loss
+
+        losses = [float(opt.step(lambda b=b: closure(b))) for b in batches[:STEPS]]
+        if ex is not None:
+            ex.remove()
+        trained.append((losses, [p.detach().clone() for p in model.parameters()]))
+    results["closure"] = _compare(*trained[0], *trained[1])
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -291,6 +311,12 @@ def test_ddp_backward_fusion_refuses_undeclared_accumulation_and_clipping(ddp_re
         r = results["refusals"]
         assert r["accumulate"].startswith("MemplanError: fuse='backward' stepped the model in the last backward")
         assert r["clip"].startswith("MemplanError: clip_grad_norm_ after a backward under fuse='backward'")
+
+
+def test_ddp_backward_fusion_takes_a_step_closure_as_plain_ddp(ddp_results):
+    for results in ddp_results:
+        r = results["closure"]
+        assert r["losses_equal"] and r["params_bitwise"], r
 
 
 def test_fsdp2_under_a_plan_trains_exactly_like_plain_fsdp2(fsdp_results):

@@ -656,6 +656,31 @@ def test_an_average_of_the_model_under_forward_fusion_takes_every_update():
     assert all(map(torch.equal, *averages))
 
 
+@pytest.mark.parametrize("fuse", ["backward", "forward"])
+def test_a_step_closure_under_fusion_trains_like_plain(fuse):
+    """``optimizer.step(closure)``, as Lightning's automatic optimization calls it (the closure runs the
+    training step and its backward): fusion refused every such step ("does not support step(closure)"),
+    so ``MemplanCallback(fuse="backward")`` failed at its first step under Lightning."""
+    w = workload("mlp")
+    runs = []
+    for mode in (None, fuse):
+        model = fresh_model("mlp")
+        opt = OPTIMIZERS["adamw"](model)
+        ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse=mode) if mode else None
+
+        def closure(model=model, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            loss = w.loss_fn(model, w.batch)
+            loss.backward()
+            return loss
+
+        losses = [float(opt.step(closure)) for _ in range(STEPS)]
+        if ex is not None:
+            ex.remove()
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0] and all(map(torch.equal, runs[0][1], runs[1][1]))
+
+
 def test_clipping_in_forward_fusion_trains_like_plain_clipping():
     clipped, unclipped = reference("gpt2", clip=0.05), reference("gpt2")
     assert not all(torch.equal(a, b) for a, b in zip(clipped.params, unclipped.params, strict=True))

@@ -84,6 +84,18 @@ def test_trainer_with_accumulation_clipping_and_bf16_is_bitwise(tmp_path):
     assert abs(measured - predicted) <= 0.005 * predicted, (measured, predicted)
 
 
+def test_trainer_with_backward_fusion_trains_bitwise(tmp_path):
+    """``fuse="backward"`` steps each module inside backward. The Trainer takes a gradient norm for its logs
+    with ``clip_grad_norm_(params, inf)`` after every backward, which clips nothing: memplan's guard against
+    clipping after a fused backward lets it pass (it refused every step before)."""
+    callback = MemplanCallback(budget="50%", time_limit_s=LIMIT_S, fuse="backward")
+    planned, logs = _train(callback, tmp_path, max_grad_norm=0)
+    plain, plain_logs = _train(None, tmp_path, max_grad_norm=0)
+    assert [h.get("loss") for h in logs] == [h.get("loss") for h in plain_logs]
+    assert all(torch.equal(a, b) for a, b in zip(planned.parameters(), plain.parameters(), strict=True))
+    assert callback.plan.count("recompute") > 0 and callback.planner.executor is None
+
+
 def test_a_budget_below_every_plan_stops_training_before_any_update(tmp_path):
     model = copy.deepcopy(_base())
     before = [p.detach().clone() for p in model.parameters()]

@@ -76,6 +76,17 @@ def test_fit_is_bitwise_with_the_peaks_logged(args):
     assert "training_step" not in planned.__dict__  # the module's own training_step again
 
 
+@pytest.mark.parametrize("args", [{}, {"accumulate_grad_batches": 2}], ids=["plain", "accumulation"])
+def test_fit_with_backward_fusion_is_bitwise(args):
+    """``fuse="backward"``: each module stepped inside backward; Lightning's accumulation is declared to the
+    executor by the callback (an undeclared one is refused)."""
+    callback = MemplanCallback(budget="80%", time_limit_s=LIMIT_S, fuse="backward")
+    planned, _ = _fit(callback, **args)
+    plain, _ = _fit(None, **args)
+    assert all(torch.equal(a, b) for a, b in zip(planned.parameters(), plain.parameters(), strict=True))
+    assert callback.plan.count("recompute") > 0
+
+
 def test_a_budget_below_every_plan_stops_the_fit_before_any_update():
     module = copy.deepcopy(_base())
     before = [p.detach().clone() for p in module.parameters()]

@@ -110,12 +110,16 @@ class FusedOptimizer:
         return self.micro % self.accumulation_steps == self.accumulation_steps - 1
 
     def user_step(self, closure=None):
-        """What the training loop's ``optimizer.step()`` does under fusion."""
+        """What the training loop's ``optimizer.step()`` does under fusion. A ``closure`` (Lightning's: the
+        training step and its backward) runs first, as torch's optimizers run it, and its loss is returned."""
+        loss = None
         if closure is not None:
-            raise MemplanError("optimizer fusion does not support step(closure)")
+            with torch.enable_grad():
+                loss = closure()
         if self.mode == "backward":
             self.stepped_in_backward = False
-            return self._step()  # what backward did not step (parameters whose hook never fired)
+            self._step()  # what backward did not step (parameters whose hook never fired)
+            return loss
         self.flush()  # a step not followed by a forward yet: apply it before taking new gradients
         params = [p for p in self.bucket_of if p.grad is not None]
         if self.max_grad_norm is not None and params:
@@ -127,7 +131,7 @@ class FusedOptimizer:
             self.pending[p] = p.grad
             self.pending_keys.add(p.untyped_storage()._cdata)
             p.grad = None
-        return None
+        return loss
 
     # ---- backward fusion --------------------------------------------------------------------------
     def _grad_ready(self, p: torch.Tensor) -> None:
