@@ -76,15 +76,28 @@ def test_fit_is_bitwise_with_the_peaks_logged(args):
     assert "training_step" not in planned.__dict__  # the module's own training_step again
 
 
-@pytest.mark.parametrize("args", [{}, {"accumulate_grad_batches": 2}], ids=["plain", "accumulation"])
-def test_fit_with_backward_fusion_is_bitwise(args):
-    """``fuse="backward"``: each module stepped inside backward; Lightning's accumulation is declared to the
-    executor by the callback (an undeclared one is refused)."""
-    callback = MemplanCallback(budget="80%", time_limit_s=LIMIT_S, fuse="backward")
+@pytest.mark.parametrize("args, fuse", [({}, "backward"), ({"accumulate_grad_batches": 2}, "backward"),
+                                        ({"precision": "bf16-mixed"}, None), ({"precision": "bf16-mixed"}, "backward")],
+                         ids=["fused", "fused-accumulation", "bf16-mixed", "bf16-mixed-fused"])
+def test_fit_under_fusion_and_mixed_precision_is_bitwise(args, fuse):
+    """``fuse="backward"``: each module stepped inside backward (Lightning calls ``optimizer.step(closure)``,
+    which fusion refused at the first step); Lightning's accumulation is declared to the executor by the
+    callback. ``precision="bf16-mixed"``: the profile runs the step in the precision plugin's context
+    (autocast), as Lightning runs it; profiled in float32, every step was refused."""
+    callback = MemplanCallback(budget="80%", time_limit_s=LIMIT_S, fuse=fuse)
     planned, _ = _fit(callback, **args)
     plain, _ = _fit(None, **args)
     assert all(torch.equal(a, b) for a, b in zip(planned.parameters(), plain.parameters(), strict=True))
     assert callback.plan.count("recompute") > 0
+
+
+def test_a_percentage_is_of_the_activations_on_top_of_the_held_gradients():
+    """Lightning zeroes the gradients after ``training_step``, so the last step's are held into the next:
+    they are fixed memory, and "100%" keeps everything (it was infeasible by their bytes)."""
+    callback = MemplanCallback(budget="100%", time_limit_s=LIMIT_S)
+    planned, _ = _fit(callback)
+    s = callback.summary
+    assert callback.plan.count("recompute") == 0 and s.predicted_peak_bytes <= s.budget_bytes
 
 
 def test_a_budget_below_every_plan_stops_the_fit_before_any_update():

@@ -167,13 +167,14 @@ class StepPlanner:
             graph = profile_family(model, sequence_family(batch, self.max_seq_len), loss_fn,
                                    optimizer=twin_optimizer(optimizer), repeats=self.repeats, device=device,
                                    progress=False, measure=False, name=name)
-        budget = parse_budget(self.budget, activation_bytes=activation_bytes(graph),
-                              fixed_bytes=graph.fixed.resident_bytes)
         # The profiled step starts without gradients. A later micro-batch starts with those the earlier
         # ones accumulated (and a loop that zeroes them after the forward, with the last step's), and they
         # stay into backward: the step's peak is at most the plan's plus them, so the plan is solved for
-        # the budget less them.
+        # the budget less them. A percentage is of the activations, on top of all that is fixed: the held
+        # gradients included ("100%" keeps everything; it was infeasible by their bytes).
         held = gradient_bytes(model) if accumulation_steps > 1 or gradients_held else 0
+        budget = parse_budget(self.budget, activation_bytes=activation_bytes(graph),
+                              fixed_bytes=graph.fixed.resident_bytes + held)
         try:
             result = solve(graph, max(0, budget - held), self.solver, time_limit_s=self.time_limit_s,
                            offload=self.offload)

@@ -19,8 +19,9 @@ the forward: the predicted peak is the plan's plus the parameters' gradient byte
 allocator peak, on CPU the allocator's reports) the measured peak are logged with ``pl_module.log`` as
 ``memplan_budget_bytes``, ``memplan_predicted_peak_bytes`` and ``memplan_measured_peak_bytes``.
 
-Automatic optimization with one optimizer, ``accumulate_grad_batches`` and ``gradient_clip_val`` work
-with ``fuse=None``; a module with ``automatic_optimization = False`` or several optimizers is refused in
+Automatic optimization with one optimizer, ``accumulate_grad_batches``, ``precision="bf16-mixed"`` (the
+profile runs the step in the precision plugin's context, as Lightning does) and ``gradient_clip_val``
+work with ``fuse=None``, and all but the clipping with ``fuse="backward"``; a module with ``automatic_optimization = False`` or several optimizers is refused in
 one line. ``self.log`` is silenced during the profile's steps; a ``training_step`` that logs before its
 last model op runs ops the profile did not see, and is refused naming the op.
 
@@ -70,8 +71,16 @@ class StepModule(nn.Module):
         return self.step_fn(batch, batch_idx)
 
 
-def _profiled_step(model: nn.Module, batch: Any) -> torch.Tensor:
-    return step_loss(model(batch, 0))
+def _profiled_step(trainer: pl.Trainer) -> Any:
+    """The profiled step's loss function: the step as Lightning runs it, inside the precision plugin's
+    training-step context (``precision="bf16-mixed"``: autocast), as the trained steps run."""
+    context = trainer.precision_plugin.train_step_context
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        with context():
+            return step_loss(model(batch, 0))
+
+    return loss_fn
 
 
 class MemplanCallback(PlannedCallback, pl.Callback):
@@ -122,7 +131,7 @@ class MemplanCallback(PlannedCallback, pl.Callback):
             pl_module.log = pl_module.log_dict = lambda *a, **kw: None
             try:
                 # Lightning zeroes gradients after training_step: the last step's live through the forward
-                self.planner.plan(self.wrapper, batch, _profiled_step, optimizer,
+                self.planner.plan(self.wrapper, batch, _profiled_step(trainer), optimizer,
                                   accumulation_steps=trainer.accumulate_grad_batches, gradients_held=True)
             finally:
                 del pl_module.log, pl_module.log_dict
