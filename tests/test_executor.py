@@ -520,6 +520,20 @@ def test_a_learning_rate_schedule_under_fusion_trains_like_plain_training(optimi
     assert sched.get_last_lr()[0] < opt.defaults["lr"]  # the rate did move between the steps
 
 
+def _trained_mlp(fuse, loop):
+    """The MLP's parameters after ``loop(model, optimizer)`` (AdamW) under the MLP's plan with ``fuse``, or
+    in plain training (``fuse`` None)."""
+    model = fresh_model("mlp")
+    opt = OPTIMIZERS["adamw"](model)
+    ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse=fuse) if fuse else None
+    try:
+        loop(model, opt)
+    finally:
+        if ex is not None:
+            ex.remove()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def test_grad_scaling_trains_like_plain_under_forward_fusion_and_is_refused_before_backward_fusion_steps():
     """``torch.amp.GradScaler``: forward fusion takes the unscaled, inf-checked gradients at ``scaler.step``;
     backward fusion would step every module with the scaled gradients inside backward (torch's scaler then
@@ -537,15 +551,10 @@ def test_grad_scaling_trains_like_plain_under_forward_fusion_and_is_refused_befo
             scaler.step(opt)
             scaler.update()
 
-    runs = []
-    for fuse in (None, "forward"):
-        model = fresh_model("mlp")
-        opt = OPTIMIZERS["adamw"](model)
-        ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse=fuse) if fuse else None
+    def scaled(model, opt):
         scaled_steps(model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**10))
-        if ex is not None:
-            ex.remove()
-        runs.append([p.detach().clone() for p in model.parameters()])
+
+    runs = [_trained_mlp(fuse, scaled) for fuse in (None, "forward")]
     assert all(map(torch.equal, *runs))
 
     model = fresh_model("mlp")
@@ -585,16 +594,8 @@ def test_a_loop_that_accumulates_or_clips_without_saying_so_is_refused_under_bac
 
     for loop, refusal in ((accumulate, r"^fuse='backward' stepped the model in the last backward.*accumulation_steps"),
                           (clip, r"^clip_grad_norm_ after a backward under fuse='backward'.*fuse='forward'")):
-        runs = []
-        for fuse in (None, "forward"):
-            model = fresh_model("mlp")
-            opt = OPTIMIZERS["adamw"](model)
-            ex = apply(model, _mlp_plan(), graph=graph_of("mlp"), optimizer=opt, fuse=fuse) if fuse else None
-            for _ in range(STEPS):
-                loop(model, opt)
-            if ex is not None:
-                ex.remove()
-            runs.append([p.detach().clone() for p in model.parameters()])
+        runs = [_trained_mlp(fuse, lambda model, opt, loop=loop: [loop(model, opt) for _ in range(STEPS)])
+                for fuse in (None, "forward")]
         assert all(map(torch.equal, *runs))
 
         model = fresh_model("mlp")

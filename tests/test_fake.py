@@ -21,7 +21,7 @@ from memplan.api.cli import app
 from memplan.executor.session import run_plan
 from memplan.planner.core.devicespec import DeviceSpecError, load_device_spec, parse_device_spec
 from memplan.planner.core.simulator import simulate
-from memplan.planner.probe.fake import FakeTraceError
+from memplan.planner.probe.fake import FakeGuard, FakeTraceError
 from memplan.planner.probe.optime import OpCall, OpTimer, TensorMeta, analytic_time_s
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import load_workload
@@ -397,6 +397,22 @@ LAYOUT_CASES = {
 }
 
 
+class _Outputs(FakeGuard):
+    """Runs each op for real, or under fake tensors through ``fake_call`` (``FakeGuard``), and records
+    ``(op name, [what(output) for each tensor output])``."""
+
+    def __init__(self, fake, what):
+        super().__init__([])
+        self.fake, self.what, self.rows = fake, what, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
+        if func is not torch.ops.prim.device.default:
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            self.rows.append((str(func), [self.what(o) for o in outs if isinstance(o, torch.Tensor)]))
+        return out
+
+
 @pytest.mark.parametrize("op", list(LAYOUT_CASES))
 def test_outputs_whose_layout_the_kernel_chooses_have_it_under_fake_tensors(op):
     """Each entry of planner/probe/fake.py's ``KERNEL_LAYOUTS``: the op on permuted inputs (and gradients), run
@@ -404,22 +420,10 @@ def test_outputs_whose_layout_the_kernel_chooses_have_it_under_fake_tensors(op):
     (the meta functions alone follow the incoming strides: without the entry this fails)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.planner.probe.fake import KERNEL_LAYOUTS, FakeGuard
+    from memplan.planner.probe.fake import KERNEL_LAYOUTS
 
     fn, shape, perm, transposed_grad = LAYOUT_CASES[op]
     assert getattr(torch.ops.aten, op).default in KERNEL_LAYOUTS
-
-    class Strides(FakeGuard):
-        def __init__(self, fake):
-            super().__init__([])
-            self.fake, self.rows = fake, []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
-            if func is not torch.ops.prim.device.default:
-                outs = out if isinstance(out, (tuple, list)) else [out]
-                self.rows.append((str(func), [tuple(o.stride()) for o in outs if isinstance(o, torch.Tensor)]))
-            return out
 
     def run(fake):
         import contextlib
@@ -427,7 +431,7 @@ def test_outputs_whose_layout_the_kernel_chooses_have_it_under_fake_tensors(op):
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             base = torch.randn(*[shape[p] for p in perm], requires_grad=True)
             x = base.permute(*[perm.index(i) for i in range(len(perm))])
-            mode = Strides(fake)
+            mode = _Outputs(fake, lambda o: tuple(o.stride()))
             with mode:
                 y = fn(x)
                 if y.dim() == 0:
@@ -558,35 +562,23 @@ def test_mixed_precision_norms_have_the_cpu_kernels_dtypes_under_fake_tensors(ca
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.planner.probe.fake import MIXED_DTYPE_OUTPUTS, FakeGuard
+    from memplan.planner.probe.fake import MIXED_DTYPE_OUTPUTS
 
     build, shape = MIXED_CASES[case]
-
-    class Dtypes(FakeGuard):
-        def __init__(self, fake):
-            super().__init__([])
-            self.fake, self.rows = fake, []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
-            if func is not torch.ops.prim.device.default:
-                outs = out if isinstance(out, (tuple, list)) else [out]
-                self.rows.append((func, [o.dtype for o in outs if isinstance(o, torch.Tensor)]))
-            return out
 
     def run(fake):
         torch.manual_seed(0)
         norm = build()
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             x = torch.randn(*shape, requires_grad=True)
-            mode = Dtypes(fake)
+            mode = _Outputs(fake, lambda o: o.dtype)
             with mode:
                 norm(x.to(torch.bfloat16)).float().sum().backward()
         return mode.rows
 
     real, fake = run(False), run(True)
-    assert [(str(f), d) for f, d in fake] == [(str(f), d) for f, d in real]
-    assert any(f in MIXED_DTYPE_OUTPUTS for f, _ in real)
+    assert fake == real
+    assert any(f in {str(op) for op in MIXED_DTYPE_OUTPUTS} for f, _ in real)
 
 
 def test_fold_unfold_gradients_have_the_cpu_kernels_storage_under_fake_tensors():
@@ -597,24 +589,11 @@ def test_fold_unfold_gradients_have_the_cpu_kernels_storage_under_fake_tensors()
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.planner.probe.fake import FakeGuard
-
-    class Storages(FakeGuard):
-        def __init__(self, fake):
-            super().__init__([])
-            self.fake, self.rows = fake, []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
-            if func is not torch.ops.prim.device.default:
-                outs = out if isinstance(out, (tuple, list)) else [out]
-                self.rows.append((str(func), [o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor)]))
-            return out
 
     def run(fake):
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             x = torch.randn(6, 4, 4, 4, requires_grad=True)
-            mode = Storages(fake)
+            mode = _Outputs(fake, lambda o: o.untyped_storage().nbytes())
             with mode:
                 torch.nn.functional.unfold(x * 2, 2).pow(2).sum().backward()
         return mode.rows
