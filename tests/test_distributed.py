@@ -172,7 +172,7 @@ def _ddp_worker(rank: int, out_dir: str) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ex = apply_distributed(ddp, plans["recompute"], graph=graph, optimizer=opt, fuse=fuse) if fuse else None
 
-        def closure(batch):
+        def closure(batch, ddp=ddp, opt=opt):
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(ddp, batch)
             loss.backward()
