@@ -21,8 +21,8 @@ allocator peak, on CPU the allocator's reports) the measured peak are logged wit
 
 Automatic optimization with one optimizer, ``accumulate_grad_batches``, ``precision="bf16-mixed"`` (the
 profile runs the step in the precision plugin's context, as Lightning does) and ``gradient_clip_val``
-work with ``fuse=None``, and all but the clipping with ``fuse="backward"``; a module with ``automatic_optimization = False`` or several optimizers is refused in
-one line. ``self.log`` is silenced during the profile's steps; a ``training_step`` that logs before its
+work with ``fuse=None``, and all but the clipping with ``fuse="backward"``; a module with
+``automatic_optimization = False`` or several optimizers is refused in one line. ``self.log`` is silenced during the profile's steps; a ``training_step`` that logs before its
 last model op runs ops the profile did not see, and is refused naming the op.
 
 Requires the ``lightning`` extra (``pip install memplan[lightning]``).
