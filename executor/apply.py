@@ -617,10 +617,11 @@ def refuse_clipping_after_fused_backward() -> None:
             limit = args[0] if args else kwargs.get("clip_value" if _name == "clip_grad_value_" else "max_norm")
             # an infinite limit clips nothing: a norm taken for the logs (transformers' Trainer always takes one)
             clips = not (isinstance(limit, (int, float)) and math.isinf(limit))
-            if params and clips:
+            stepped = [s for s in list(BACKWARD_STEPPERS) if s.stepped_in_backward] if clips else []
+            if stepped and params:
                 keys = {id(p) for p in params}
-                for stepper in list(BACKWARD_STEPPERS):
-                    if stepper.stepped_in_backward and any(id(p) in keys for p in stepper.params):
+                for stepper in stepped:
+                    if any(id(p) in keys for p in stepper.params):
                         raise MemplanError(
                             f"{_name} after a backward under fuse='backward': that backward already stepped the "
                             f"model with its unclipped gradients and freed them, so there is nothing to clip; "

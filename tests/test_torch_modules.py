@@ -270,10 +270,13 @@ def test_the_fake_trace_is_the_real_step_and_a_plan_inside_each_layer_trains_bit
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["lstm", "gru"])
-def test_the_recurrent_layers_under_the_cuda_emulation(case, tmp_path, same_structure):
-    """The same cases under CUDA's rules on the CPU (the allocator's rounding, the emulated device's fake
-    trace): oneDNN's workspace made at the kernel's size and replayed, bitwise. (The timer is made under the
+@pytest.mark.parametrize("case", ["lstm", "gru", "conv1d_norms_bf16_autocast", "patches_and_max_norm"])
+def test_the_cpu_kernel_rules_under_the_cuda_emulation(case, tmp_path, same_structure):
+    """The cases whose fake trace follows the CPU's kernels (fake.py ``KERNEL_SHAPES``,
+    ``MIXED_DTYPE_OUTPUTS``, ``STORAGE_OF_INPUT``; optime's real argument values) under CUDA's rules on the
+    CPU (the allocator's rounding, the emulated device's fake trace), where the kernels are still the CPU's:
+    oneDNN's workspace made at the kernel's size and replayed, mixed-precision statistics, col2im's storage,
+    bitwise. (The timer is made under the
     emulation: a timer takes its device layer, and the allocator's rounding, when it is made.)"""
     from memplan.planner.probe.device import emulate_cuda
 

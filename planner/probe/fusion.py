@@ -224,10 +224,12 @@ def _flush_before_averaging() -> None:
     unguarded = AveragedModel.update_parameters
 
     def update_parameters(self, model):  # noqa: ANN001, ANN202 - AveragedModel's own signature
-        params = {id(p) for p in model.parameters()}
-        for fused in list(_FORWARD_FUSED):
-            if any(id(p) in params for p in fused.bucket_of):
-                fused.flush()
+        pending = [f for f in list(_FORWARD_FUSED) if f.pending]
+        if pending:
+            params = {id(p) for p in model.parameters()}
+            for fused in pending:
+                if any(id(p) in params for p in fused.bucket_of):
+                    fused.flush()
         return unguarded(self, model)
 
     update_parameters._memplan_guard = True  # type: ignore[attr-defined]

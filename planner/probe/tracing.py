@@ -340,20 +340,27 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
         if cls not in attrs_of:
             attrs_of[cls] = [a for a in dir(node) if a.startswith("_saved_")]
         values = []
+        hooked: list[Any] = []  # the node's SavedTensors that the program's own hooks packed
         for a in attrs_of[cls]:
+            # a tensor attribute has a raw SavedTensor (``_raw_saved_self``): read packed where hooks packed
+            # it, never unpacked; without hooks through the node (an output saved is only unpacked whole)
+            raw = getattr(node, "_raw" + a, None)
             try:
-                values.append(_saved_value(node, a))
+                values.append(getattr(node, a) if raw is None or not _hooked(raw) else _packed(raw))
             except RuntimeError:  # released, or an undefined optional tensor
                 continue
+            if raw is not None:
+                hooked.extend(r for r in (raw if isinstance(raw, (tuple, list)) else [raw]) if _hooked(r))
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             raw = node._raw_saved_tensors
             values.append(_packed(raw) if _hooked(raw) else node.saved_tensors)
+            hooked.extend(r for r in raw if _hooked(r))
         tids = [tracer.register(t, "buffer") for t in tensors_in(values)]
         tids = list(dict.fromkeys(t for t in tids if t is not None))
         del values
         tag = node.metadata.get(TAG)
         if tag is not None:
-            for frame in _checkpoint_frames(node, attrs_of[cls]):
+            for frame in _checkpoint_frames(hooked):
                 frames.setdefault(id(frame), (frame, []))[1].append(tag)
         if not tids:
             continue
@@ -374,20 +381,12 @@ def saved_by_node(loss: torch.Tensor, tracer: Tracer) -> dict[int, list[int]]:
     return {op: list(dict.fromkeys(tids)) for op, tids in out.items()}
 
 
-def _checkpoint_frames(node: Any, attrs: list[str]) -> list[Any]:
-    """The ``torch.utils.checkpoint`` frames (non-reentrant) whose hooks packed a tensor ``node`` saved: found
-    in its unpack hooks' closures."""
-    raws: list[Any] = []
-    for a in attrs:
-        raw = getattr(node, "_raw" + a, None)
-        if raw is not None:
-            raws.extend(raw if isinstance(raw, (tuple, list)) else [raw])
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        raws.extend(node._raw_saved_tensors)
-    found = []
-    for raw in raws:
-        hook = getattr(raw, "unpack_hook", None)
-        for cell in getattr(hook, "__closure__", None) or ():
+def _checkpoint_frames(hooked: list[Any]) -> list[Any]:
+    """The ``torch.utils.checkpoint`` frames (non-reentrant) whose hooks packed the saved tensors ``hooked``:
+    found in their unpack hooks' closures."""
+    found: list[Any] = []
+    for raw in hooked:
+        for cell in getattr(raw.unpack_hook, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
@@ -418,15 +417,6 @@ def _frame_inputs(frame: Any) -> list[Any]:
         except RuntimeError:
             return []
     return []
-
-
-def _saved_value(node: Any, attr: str) -> Any:
-    """``node``'s saved attribute ``attr`` (``_saved_self``...) without running an unpack hook: through its
-    raw :class:`SavedTensor` (``_raw_saved_self``) where one was packed by hooks."""
-    raw = getattr(node, "_raw" + attr, None)
-    if raw is None or not _hooked(raw):
-        return getattr(node, attr)  # no hook (an output saved is only unpacked whole), or not a tensor
-    return _packed(raw)
 
 
 def _hooked(raw: Any) -> bool:
