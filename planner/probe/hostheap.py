@@ -26,7 +26,9 @@ settings). So a fake profile on a CPU takes them apart:
   tensor objects are real even for fake tensors), so the allocator makes the real step's choices, and
   :class:`HostHeap` keeps an account of which pages have been written since the kernel last mapped them
   (a block counts as written when allocated; an unmapped block and a trimmed heap top are dropped, read
-  from the chunk's ``IS_MMAPPED`` bit and ``sbrk(0)``). The pages a block finds unwritten are its faults.
+  from the chunk's ``IS_MMAPPED`` bit and ``sbrk(0)``; the heap's pages resident when the account begins,
+  read with ``mincore``, count as written: a long-lived process reuses them without faults). The pages a
+  block finds unwritten are its faults.
   Steady state needs a few steps (the first ones grow the heap): the profile shadows its warm-up steps
   and averages the last ones (:data:`COUNTED_STEPS`), and charges that mean, in the traced step's
   proportions, to the ops whose allocations take the faults (forward op, backward step, optimizer),
@@ -141,6 +143,38 @@ def unsupported() -> str | None:
     return None
 
 
+def _resident_heap_pages(libc: ctypes.CDLL) -> list[tuple[int, int]]:
+    """The pages of the main heap ([heap] in /proc/self/maps) resident now, as runs [a, b) of page numbers
+    (``mincore``): the process has written them, so a block placed on them later takes no fault. Empty
+    where the heap or mincore cannot be read (the account then counts them fresh, as it did before)."""
+    try:
+        with open("/proc/self/maps") as f:
+            line = next((ln for ln in f if ln.rstrip().endswith("[heap]")), None)
+    except OSError:
+        return []
+    if line is None:
+        return []
+    start, end = (int(x, 16) for x in line.split()[0].split("-"))
+    end = min(end, libc.sbrk(0) or end)
+    n = (end - start) // PAGE
+    if n <= 0:
+        return []
+    vec = (ctypes.c_ubyte * n)()
+    mincore = libc.mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    mincore.restype = ctypes.c_int
+    if mincore(start, n * PAGE, vec) != 0:
+        return []
+    flags = bytes(b & 1 for b in vec)
+    runs, i, first = [], 0, start // PAGE
+    while (i := flags.find(1, i)) != -1:
+        j = flags.find(0, i)
+        j = n if j == -1 else j
+        runs.append((first + i, first + j))
+        i = j
+    return runs
+
+
 class HostHeap:
     """Blocks of this process's glibc allocator, never written, and the account of which pages a step has
     written since the kernel last mapped them (module docstring)."""
@@ -156,6 +190,8 @@ class HostHeap:
         self.libc = libc
         self.pages = _Pages()
         self.top = libc.sbrk(0) or 0
+        for a, b in _resident_heap_pages(libc):  # written before this account began: no fault at reuse
+            self.pages.touch(a, b)
 
     def alloc(self, nbytes: int) -> tuple[int, int]:
         """A block of ``nbytes`` (as c10 asks: 64-byte aligned); returns its address and how many of its
