@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -393,22 +394,40 @@ class ViewReplays:
     step never runs, and the executor's matching refuses the plan), and must not read that view's
     ``grad_fn`` while one runs: the read takes the same mutex, and the step waited on it forever.
 
+    The base's *other* views are stale after such a write, and autograd rebuilds each one lazily, when the
+    program next reads it: its view function replayed on the base just before the op that reads it
+    (Longformer masks its attention scores through one view of them, then slices another). Those replays
+    are told from the program's own view ops only once the next op shows: ops that repeat, from the root
+    base, the chain of views that made a stale view, directly followed by an op that reads that view. So
+    the recording mode holds a chain that may be such a replay (``lazy``: True, run the call, give its
+    output to ``held``) and asks ``settle`` at the next op, and before the forward ends, what to record of
+    it: nothing when it was a replay, else the held calls, in order, as the program's.
+
     Use: ``replaying(func, args)`` first in ``__torch_dispatch__`` (True: run the call, give its output to
-    ``replayed``, record nothing); ``after_write(func, args, kwargs)`` once a recorded call has run."""
+    ``replayed``, record nothing); then ``lazy`` / ``held`` / ``settle`` as above; ``after_write(func, args,
+    kwargs)`` and ``made(func, args, kwargs, out)`` once a recorded call has run."""
 
     def __init__(self) -> None:
         self._next: torch.Tensor | None = None  # what the next replayed view op is applied to
+        self._written: torch.Tensor | None = None  # the view a write rebased: fresh once its replay ran
+        # every live fake view the program made: (its root base, weakly; its chain of view calls from it;
+        # the version of its data when its grad_fn was last made)
+        self._views: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._held: list[tuple[Any, tuple, dict, Any, str]] = []  # (func, args, kwargs, out, module) held calls
+        self._candidates: list[torch.Tensor] = []  # stale views whose chain the held calls follow
+        self._last: Any = None  # the last held call's output (the next level applies to it)
 
     def after_write(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Expect a replay after ``func`` when it wrote a fake view in place and autograd will rebase it: grad
         mode on and the write's arguments (the view included) requiring grad."""
-        self._next = None
+        self._next = self._written = None
         if not torch.is_grad_enabled():
             return
         written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, FakeTensor) and t._is_view()]
         if written and any(t.requires_grad for t in pytree.tree_leaves((args, kwargs))
                            if isinstance(t, torch.Tensor)):
             self._next = written[0]._base  # every level of a view of a view replays from the root base
+            self._written = written[0]
 
     def replaying(self, func: Any, args: tuple) -> bool:
         """Whether this call is a replayed view op (the next one after a rebasing write, or the next level of
@@ -419,6 +438,80 @@ class ViewReplays:
     def replayed(self, out: Any) -> None:
         """The replayed op's output: a deeper level of the view replays from it."""
         self._next = out if isinstance(out, torch.Tensor) else None
+        if self._written is not None and self._next is not None and self._written in self._views:
+            root, chain, _ = self._views[self._written]
+            self._views[self._written] = (root, chain, self._next._version)  # rebased: its grad_fn is fresh
+
+    @staticmethod
+    def _step(func: Any, args: tuple, kwargs: dict) -> tuple:
+        return (func, tuple(args[1:]), tuple(sorted(kwargs.items())))
+
+    def made(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Note the fake views a recorded view op made, with their chain from the root base."""
+        if not getattr(func, "is_view", False) or not args or not isinstance(args[0], FakeTensor):
+            return
+        parent = args[0]
+        if parent in self._views:
+            root, chain, _ = self._views[parent]
+        elif parent._is_view():
+            return  # a view made outside the trace: its chain is not known
+        else:
+            root, chain = weakref.ref(parent), ()  # weak: the record must not keep the base's storage alive
+        step = self._step(func, args, kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, t in enumerate(outs):  # views: autograd marks them so only once this call returns
+            if isinstance(t, FakeTensor):
+                level = (*step, i if isinstance(out, (tuple, list)) else None)
+                self._views[t] = (root, (*chain, level), t._version)
+
+    def lazy(self, func: Any, args: tuple, kwargs: dict, module: str = "") -> bool:
+        """Whether to hold this call (run in ``module``) as the next level of a possible lazy replay (see
+        the class)."""
+        if not getattr(func, "is_view", False) or not args or not isinstance(args[0], FakeTensor):
+            return False
+        step = self._step(func, args, kwargs)
+        if self._held:
+            level = len(self._held)
+            if args[0] is not self._last:
+                return False
+            following = [v for v in self._candidates
+                         if len(self._views[v][1]) > level and self._views[v][1][level][:3] == step]
+            if not following:
+                return False
+            self._candidates = following
+            self._held.append((func, args, kwargs, None, module))
+            return True
+        stale = [v for v, (root, chain, version) in self._views.items()
+                 if root() is args[0] and chain[0][:3] == step and v._version != version]
+        if not stale:
+            return False
+        self._candidates = stale
+        self._held.append((func, args, kwargs, None, module))
+        return True
+
+    def held(self, out: Any) -> None:
+        """The held call's output."""
+        func, args, kwargs, _, module = self._held[-1]
+        level = len(self._held) - 1
+        index = next((self._views[v][1][level][3] for v in self._candidates), None)
+        self._held[-1] = (func, args, kwargs, out, module)
+        self._last = out[index] if index is not None and isinstance(out, (tuple, list)) else out
+
+    def settle(self, args: tuple = (), kwargs: dict | None = None) -> list[tuple[Any, tuple, dict, Any, str]]:
+        """The held calls to record as the program's before the call with ``args`` / ``kwargs`` (none when
+        they replayed a stale view that call reads: that view's grad_fn is fresh now). Empty when nothing
+        is held; with no arguments (the forward's end) every held call is the program's."""
+        if not self._held:
+            return []
+        held, self._held = self._held, []
+        candidates, self._candidates, self._last = self._candidates, [], None
+        read = {id(t) for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)}
+        for v in candidates:
+            root, chain, _ = self._views[v]
+            if len(chain) == len(held) and id(v) in read:
+                self._views[v] = (root, chain, v._version)
+                return []
+        return held
 
 
 class FakeGuard(TorchDispatchMode):

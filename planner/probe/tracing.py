@@ -122,15 +122,16 @@ class Tracer(TorchDispatchMode):
             return self._optimizer(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def run_call(self, func, args, kwargs) -> tuple[Any, float, int]:
+    def run_call(self, func, args, kwargs, done: tuple | None = None) -> tuple[Any, float, int]:
         """Run ``func``; return its result, seconds and its call number. With memory on, the allocator's
         high-water mark during the call (above the bytes allocated before it) goes to ``high[number]``:
         read at once on CUDA, and on CPU after the step from the torch profiler's allocation events,
-        which land inside the ``memplan:<number>`` range opened here."""
+        which land inside the ``memplan:<number>`` range opened here. ``done`` (fake steps only): the call
+        ran already, its output inside."""
         self.scope += 1
         number = self.scope
         if self.memory == "fake":
-            out = self._fake_call(func, args, kwargs)
+            out = self._fake_call(func, args, kwargs) if done is None else done[0]
             if isinstance(func, torch._ops.OpOverload) and func.namespace != "profiler":  # not record_function
                 self.calls.append((number, self.phase, self.clock, record_call(func, args, kwargs, out)))
             return out, 0.0, number
@@ -189,7 +190,27 @@ class Tracer(TorchDispatchMode):
             out = self._fake_call(func, args, kwargs) if self.memory == "fake" else func(*args, **kwargs)
             self.replays.replayed(out)
             return out
-        if torch._C._current_graph_task_id() != -1:
+        if self.memory == "fake":
+            if not self.replays.lazy(func, args, kwargs, self.where()):
+                self.settle_replays(args, kwargs)  # what was held is settled by this call ...
+                if not self.replays.lazy(func, args, kwargs, self.where()):  # ... which may begin a chain
+                    return self._record(func, args, kwargs)
+            # perhaps autograd rebuilding a stale fake view before the op that reads it: held until that
+            # op shows (ViewReplays), the pending outputs' grad_fn unread meanwhile
+            out = self._fake_call(func, args, kwargs)
+            self.replays.held(out)
+            return out
+        return self._record(func, args, kwargs)
+
+    def settle_replays(self, args: tuple = (), kwargs: dict | None = None) -> None:
+        """Record the held view calls that were the program's own (ViewReplays.settle), in order, before
+        the call with ``args`` / ``kwargs`` (none given: the forward has ended)."""
+        for func, a, kw, out, module in self.replays.settle(args, kwargs):
+            self._record(func, a, kw, done=(out,), module=module)
+
+    def _record(self, func, args, kwargs, done: tuple | None = None, module: str | None = None):
+        """Record forward call ``func`` as op k and run it (``done``: it ran already, its output inside)."""
+        if done is None and torch._C._current_graph_task_id() != -1:
             raise WorkloadError(AUTOGRAD_IN_FORWARD.format(where=self.modules[-1] if self.modules else
                                                            ("loss" if self.model_called else "the step")))
         self.resolve_pending()
@@ -198,15 +219,13 @@ class Tracer(TorchDispatchMode):
         fresh = func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
         inputs = [] if fresh else [self.register(t, "buffer") for t in tensors_in((args, kwargs))]
         writes = [self.register(t, "buffer") for t in written_tensors(func, args, kwargs)]
-        if self.modules:
-            module = self.modules[-1]
-        else:
-            module = "loss" if self.model_called else ""
+        if module is None:
+            module = self.where()
         rec = TraceOp(str(func), module, 0.0, list(dict.fromkeys(i for i in inputs if i is not None)), [],
                         [w for w in dict.fromkeys(writes) if w is not None],
                         torch.Tag.nondeterministic_seeded in func.tags)
         self.trace.ops.append(rec)
-        out, rec.time_s, rec.scope = self.run_call(func, args, kwargs)
+        out, rec.time_s, rec.scope = self.run_call(func, args, kwargs, done)
         outs = tensors_in(out)
         for position, t in enumerate(outs):
             s = storage_of(t)
@@ -218,7 +237,15 @@ class Tracer(TorchDispatchMode):
                 rec.positions.append(position)
         self.pending = (k, outs)
         self.replays.after_write(func, args, kwargs)
+        if self.memory == "fake":
+            self.replays.made(func, args, kwargs, out)
         return out
+
+    def where(self) -> str:
+        """The module a forward call now runs in (``loss`` after the model's call, ``""`` before it)."""
+        if self.modules:
+            return self.modules[-1]
+        return "loss" if self.model_called else ""
 
     def _backward(self, func, args, kwargs):
         node = torch._C._current_autograd_node()
@@ -469,6 +496,7 @@ def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.
             with module_stack(model, stack, tracer_ref), tracer:
                 tracer.phase = "forward"
                 loss = fn()
+                tracer.settle_replays()
                 tracer.resolve_pending()
                 tracer.phase = "idle"
                 if structure:
@@ -552,11 +580,30 @@ class LifetimeMode(TorchDispatchMode):
             out = fake_call(func, args, kwargs, "the lifetime pass") if self.fake else func(*args, **kwargs)
             self.replays.replayed(out)
             return out
+        if not self.fake:
+            return self._record(func, args, kwargs)
+        if not self.replays.lazy(func, args, kwargs):  # held as the traced step holds it
+            self.settle(args, kwargs)
+            if not self.replays.lazy(func, args, kwargs):
+                return self._record(func, args, kwargs)
+        out = fake_call(func, args, kwargs, "the lifetime pass")
+        self.replays.held(out)
+        return out
+
+    def settle(self, args: tuple = (), kwargs: dict | None = None) -> None:
+        """Record the held view calls that were the program's own (as :meth:`Tracer.settle_replays`)."""
+        for func, a, kw, out, _ in self.replays.settle(args, kwargs):
+            self._record(func, a, kw, done=(out,))
+
+    def _record(self, func, args, kwargs, done: tuple | None = None):
         for t in tensors_in((args, kwargs)):
             s = storage_of(t)
             if s is not None and s._cdata not in self.known:
                 self._track(s, None)
-        out = fake_call(func, args, kwargs, "the lifetime pass") if self.fake else func(*args, **kwargs)
+        if done is not None:
+            out = done[0]
+        else:
+            out = fake_call(func, args, kwargs, "the lifetime pass") if self.fake else func(*args, **kwargs)
         self.replays.after_write(func, args, kwargs)
         self.names.append(str(func))
         row: list[int | None] = []
@@ -565,6 +612,8 @@ class LifetimeMode(TorchDispatchMode):
             s = storage_of(t)
             if s is not None and s._cdata not in self.known:
                 self._track(s, row)
+        if self.fake:
+            self.replays.made(func, args, kwargs, out)
         return out
 
 
@@ -578,6 +627,7 @@ def forward_lifetimes(model: nn.Module, batch: Any, loss_fn: LossFn, names: list
     mode = LifetimeMode(fake)
     with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _p: None), mode:
         loss = compute_loss(model, batch, loss_fn)
+        mode.settle()
         del loss
     at: list[int] = []  # lifetime-pass op -> graph op
     g = 0
