@@ -64,6 +64,7 @@ from memplan.planner.core.schedule import ScheduleEvent
 from memplan.planner.core.shapes import ShapeMatcher
 from memplan.planner.core.simulator import static_facts
 from memplan.planner.probe.device import Transfer
+from memplan.planner.probe.draws import ADVICE as DRAW_ADVICE
 from memplan.planner.probe.storage import map_leaves, storage_of, tensors_in
 
 _NODE_TAG = "memplan_executor_op"
@@ -398,6 +399,10 @@ class Step(Offloading, Replaying, Resync):
         and an abandoned step lets every op through instead of raising again."""
         self.forward_done = True
         self.failed = True
+        branches = self.ex.graph.meta.get("draw_branches")
+        if branches:  # planner/probe/draws.py: the likely cause
+            message += (f" (the profiled step branched on a random draw in {', '.join(branches[:3])}: "
+                        f"{DRAW_ADVICE})")
         raise PlanMismatch(message)
 
     def _refs(self, x: Any) -> Any:

@@ -92,6 +92,7 @@ class Trace:
     optimizer_time_s: float = 0.0
     # forward module calls as [path, first op, end op (exclusive; -1 until the call returns)], in call order
     module_calls: list[list] = field(default_factory=list)
+    draw_branches: list[str] = field(default_factory=list)  # modules whose code branched on a random draw
 
 
 def backward_figures(trace: Trace) -> tuple[list[int], list[int], list[int], dict[int, int]]:
@@ -282,6 +283,8 @@ def build_graph(trace: Trace, *, name: str = "graph", device: str = "cpu", fixed
         "optimizer_step_survivors_bytes": trace.optimizer_survivors_bytes,
         "mutated_by": {str(t): ops_ for t, ops_ in mutated_by.items()},
     })
+    if trace.draw_branches:  # planner/probe/draws.py
+        meta["draw_branches"] = list(dict.fromkeys(trace.draw_branches))
     try:
         calls = [ModuleCall(path=p, start=a, end=b) for p, a, b in trace.module_calls if b >= a]
         return Graph(name=name, device=device, model_fingerprint=fingerprint, tensors=tensors, ops=ops,

@@ -16,6 +16,10 @@ class MemplanError(Exception):
     """Base class of every error memplan raises on purpose."""
 
 
+class MemplanWarning(UserWarning):
+    """Something the user should know that does not stop the work (the CLI prints it as one line)."""
+
+
 class GraphError(MemplanError):
     """A graph file or object is malformed: a cycle, a dangling edge, a negative size, a bad version..."""
 

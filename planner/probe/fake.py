@@ -62,6 +62,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.probe.device import holds_real_tensors
+from memplan.planner.probe.draws import Draws
+from memplan.planner.probe.draws import refusal as draw_refusal
 from memplan.planner.probe.storage import move_batch
 from memplan.planner.workloads import default_optimizer
 
@@ -413,6 +415,7 @@ class ViewReplays:
         # every live fake view the program made: (its root base, weakly; its chain of view calls from it;
         # the version of its data when its grad_fn was last made)
         self._views: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._of_root: WeakIdKeyDictionary = WeakIdKeyDictionary()  # root base -> its views (weak keys)
         self._held: list[tuple[Any, tuple, dict, Any, str]] = []  # (func, args, kwargs, out, module) held calls
         self._candidates: list[torch.Tensor] = []  # stale views whose chain the held calls follow
         self._last: Any = None  # the last held call's output (the next level applies to it)
@@ -457,12 +460,17 @@ class ViewReplays:
             return  # a view made outside the trace: its chain is not known
         else:
             root, chain = weakref.ref(parent), ()  # weak: the record must not keep the base's storage alive
+        base = root()
+        if base is None:
+            return
+        mine = self._of_root.setdefault(base, WeakIdKeyDictionary())
         step = self._step(func, args, kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for i, t in enumerate(outs):  # views: autograd marks them so only once this call returns
             if isinstance(t, FakeTensor):
                 level = (*step, i if isinstance(out, (tuple, list)) else None)
                 self._views[t] = (root, (*chain, level), t._version)
+                mine[t] = None
 
     def lazy(self, func: Any, args: tuple, kwargs: dict, module: str = "") -> bool:
         """Whether to hold this call (run in ``module``) as the next level of a possible lazy replay (see
@@ -481,8 +489,10 @@ class ViewReplays:
             self._candidates = following
             self._held.append((func, args, kwargs, None, module))
             return True
-        stale = [v for v, (root, chain, version) in self._views.items()
-                 if root() is args[0] and chain[0][:3] == step and v._version != version]
+        mine = self._of_root.get(args[0])
+        if not mine:
+            return False
+        stale = [v for v in mine if self._views[v][1][0][:3] == step and v._version != self._views[v][2]]
         if not stale:
             return False
         self._candidates = stale
@@ -524,6 +534,7 @@ class FakeGuard(TorchDispatchMode):
         self.model_called = False
         self.backward_seen = False  # a call ran inside an autograd node: what follows outside the model is the
                                     # optimizer's
+        self.draws = Draws()        # tensors whose values are a random draw's (a branch on one is named)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         node = torch._C._current_autograd_node()
@@ -534,7 +545,16 @@ class FakeGuard(TorchDispatchMode):
             where = self.modules[-1]
         else:  # outside the model: before its backward the loss, after it the optimizer's step
             where = ("the optimizer step" if self.backward_seen else "loss") if self.model_called else "the step"
-        return fake_call(func, args, kwargs or {}, where or "the model")
+        kwargs = kwargs or {}
+        branch = self.draws.is_branch(func, args) and isinstance(args[0], FakeTensor)
+        try:
+            out = fake_call(func, args, kwargs, where or "the model")
+        except FakeTraceError as e:
+            if not branch:
+                raise
+            raise FakeTraceError(draw_refusal(e.args[0], where)) from None
+        self.draws.note(func, args, kwargs, out)
+        return out
 
 
 @dataclass

@@ -59,6 +59,7 @@ import itertools
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ from torch import nn
 
 from memplan.planner.core.build import build_graph
 from memplan.planner.core.devicespec import DeviceSpec, round_allocation
-from memplan.planner.core.errors import MemplanError, WorkloadError
+from memplan.planner.core.errors import MemplanError, MemplanWarning, WorkloadError
 from memplan.planner.core.graph import FUSE_MODES, FixedMemory, Graph, Measured
 from memplan.planner.probe import hostheap
 from memplan.planner.probe.device import (
@@ -79,6 +80,7 @@ from memplan.planner.probe.device import (
     device_of,
     fake_trace_device,
 )
+from memplan.planner.probe.draws import ADVICE as DRAW_ADVICE
 from memplan.planner.probe.eager import eager_charge_s
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
 from memplan.planner.probe.kernels import cuda_kernel_choices
@@ -156,8 +158,14 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     layer = device_of(device)
     model.to(layer.torch_device)  # where the tensors live (an emulated GPU's on the CPU)
     with restored(model, optimizer) if restore else contextlib.nullcontext():
-        return _profile_real(model, example_batch, loss_fn, layer, optimizer=optimizer, warmup=warmup,
-                             repeats=repeats, progress=progress, measure=measure, name=name, modes=modes)
+        graph = _profile_real(model, example_batch, loss_fn, layer, optimizer=optimizer, warmup=warmup,
+                              repeats=repeats, progress=progress, measure=measure, name=name, modes=modes)
+    branches = graph.meta.get("draw_branches")
+    if branches:  # planner/probe/draws.py
+        warnings.warn(f"{', '.join(branches[:3])}{' ...' if len(branches) > 3 else ''} branched on a random draw "
+                      f"in the profiled step: if that decides which ops run, {DRAW_ADVICE}", MemplanWarning,
+                      stacklevel=2)
+    return graph
 
 
 def _random_streams_kept() -> contextlib.AbstractContextManager:
@@ -215,9 +223,15 @@ def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: 
     names = [op.name for op in first.ops]
     for r, tr in enumerate(traces, start=1):
         if [op.name for op in tr.ops] != names:
+            k = next((k for k, (a, b) in enumerate(zip(tr.ops, first.ops, strict=False)) if a.name != b.name),
+                     min(len(tr.ops), len(names)))
+            ran = f"{tr.ops[k].name} in {tr.ops[k].module or 'the model'}" if k < len(tr.ops) else "nothing"
+            draws = list(dict.fromkeys(first.draw_branches + tr.draw_branches))
+            why = (f"{', '.join(draws)} branched on a random draw: {DRAW_ADVICE}" if draws else
+                   "data-dependent control flow cannot be recorded as one graph")
             raise MemplanError(f"profile of {name}: the forward op sequence of timed step {r} differs from the "
-                               f"traced step's ({len(tr.ops)} vs {len(names)} ops); data-dependent control "
-                               f"flow cannot be recorded as one graph")
+                               f"traced step's at op {k} ({ran}, where the traced step ran "
+                               f"{names[k] if k < len(names) else 'nothing'}); {why}")
     meta = {
         "profiler": "memplan.planner.probe.profiler", "torch": torch.__version__, "warmup": warmup,
         "repeats": repeats, "optimizer": type(optimizer).__name__,

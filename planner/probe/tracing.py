@@ -26,7 +26,9 @@ from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.errors import WorkloadError
 from memplan.planner.core.graph import DETACH
 from memplan.planner.probe.device import Device
-from memplan.planner.probe.fake import ViewReplays, fake_call, written_tensors
+from memplan.planner.probe.draws import Draws
+from memplan.planner.probe.draws import refusal as draw_refusal
+from memplan.planner.probe.fake import FakeTensor, FakeTraceError, ViewReplays, fake_call, written_tensors
 from memplan.planner.probe.hostheap import Shadow
 from memplan.planner.probe.measure import allocation_highs, allocator_events
 from memplan.planner.probe.optime import OpCall, record_call
@@ -76,6 +78,7 @@ class Tracer(TorchDispatchMode):
         self.refs: dict[int, weakref.ref] = {}
         self.pending: tuple[int, list[torch.Tensor]] | None = None  # last op's outputs, for their grad_fn
         self.replays = ViewReplays()      # autograd's replays of fake views: not ops of the program
+        self.draws = Draws()              # tensors whose values are a random draw's (branches on them)
         self.shadow: Shadow | None = None  # fake CPU steps: each new storage's shadow block (hostheap.py)
 
     # -- storages ---------------------------------------------------------------------------------------
@@ -225,7 +228,17 @@ class Tracer(TorchDispatchMode):
                         [w for w in dict.fromkeys(writes) if w is not None],
                         torch.Tag.nondeterministic_seeded in func.tags)
         self.trace.ops.append(rec)
-        out, rec.time_s, rec.scope = self.run_call(func, args, kwargs, done)
+        # a fake step runs a branch on a draw only where every value answers alike (fake.py): not one
+        branch = self.draws.is_branch(func, args) and (self.memory != "fake" or isinstance(args[0], FakeTensor))
+        try:
+            out, rec.time_s, rec.scope = self.run_call(func, args, kwargs, done)
+        except FakeTraceError as e:
+            if not branch:
+                raise
+            raise FakeTraceError(draw_refusal(e.args[0], module)) from None
+        if branch:
+            self.trace.draw_branches.append(module or "the model")
+        self.draws.note(func, args, kwargs, out)
         outs = tensors_in(out)
         for position, t in enumerate(outs):
             s = storage_of(t)

@@ -1,0 +1,73 @@
+"""Branches on random draws: a step whose Python code decides on a random number which ops to run.
+
+LayerDrop is the common case: transformers' audio encoders (Wav2Vec2, HuBERT, WavLM, Data2Vec-Audio:
+``layerdrop=0.1`` by default) draw ``torch.rand([])`` before each layer in training and skip the layer
+when it falls below ``layerdrop``. Such a step runs other ops from one step to the next, and a plan is made
+for the ops of the profiled one: the executor refused a later step at random (the plan expects a
+layer's op, the model ran the next draw), hundreds of steps into a run.
+
+:class:`Draws` follows, through a traced forward, the tensors whose values are a draw's alone: the outputs
+of a draw that reads no tensor's values (``rand``, ``randn``, ``randint``, ``randperm`` and their ``_like``
+forms), and those of any op that reads only such tensors (a comparison with a number, a view). A call that
+turns one into a Python value (``.item()``, ``bool()``, ``if``: ``aten._local_scalar_dense``,
+``aten.is_nonzero``) is a branch on a draw. A real profile records where (``graph.meta["draw_branches"]``)
+and warns; the executor's refusal of a step that differs names it. A branch whose ops do not depend on the
+value (a scale factor) traces and trains as any step; it is not refused for that.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
+
+_aten = torch.ops.aten
+# draws whose values depend on no tensor's values (a ``_like`` form reads only its argument's shape)
+DRAWS = frozenset({_aten.rand, _aten.randn, _aten.randint, _aten.randperm, _aten.rand_like, _aten.randn_like,
+                   _aten.randint_like})
+# calls that turn a tensor into a Python value the program can branch on
+TO_PYTHON = frozenset({_aten._local_scalar_dense.default, _aten.is_nonzero.default})
+
+ADVICE = ("its steps run different ops at random (LayerDrop, stochastic depth by branching), and a plan holds "
+          "only for steps that run the profiled ones; turn it off to train under a plan (transformers: "
+          "layerdrop=0.0)")
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+class Draws:
+    """The tensors of a forward whose values are a random draw's alone (module docstring)."""
+
+    def __init__(self) -> None:
+        self._drawn: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def is_branch(self, func: Any, args: tuple) -> bool:
+        """Whether ``func`` turns a drawn tensor into a Python value."""
+        return func in TO_PYTHON and bool(args) and isinstance(args[0], torch.Tensor) and args[0] in self._drawn
+
+    def note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """After ``func`` ran: its outputs (and what it wrote) are drawn when it is a draw, or when every
+        tensor it read was drawn; a write with anything else makes the written tensor no draw's alone."""
+        if func in TO_PYTHON:
+            return
+        inputs = _tensors((args, kwargs))
+        drawn = getattr(func, "overloadpacket", None) in DRAWS or (
+            bool(inputs) and all(t in self._drawn for t in inputs))
+        schema = getattr(func, "_schema", None)
+        written = [] if schema is None else [
+            a for a, arg in zip(args, schema.arguments, strict=False)
+            if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
+        for t in [*_tensors(out), *written]:
+            if drawn:
+                self._drawn[t] = None
+            else:
+                self._drawn.pop(t, None)
+
+
+def refusal(message: str, where: str) -> str:
+    """A fake step's refusal of a call (``message``) that turned a drawn tensor into a Python value."""
+    return f"{message.split(';')[0]}: {where or 'the model'} branches on a random draw; {ADVICE}"
