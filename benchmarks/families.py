@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from _doc import publish  # noqa: E402  benchmarks/_doc.py (the scripts run from this folder)
 from conftest import assert_same_structure  # noqa: E402
+from fidelity import machine  # noqa: E402
 from test_fake_families import _budget_with_recompute, _loss, _step  # noqa: E402
 
 from memplan.planner.core.simulator import simulate  # noqa: E402
@@ -159,9 +159,7 @@ def main() -> None:
         print(" | ".join(rows[-1]), flush=True)
     ok = sum(r[2] == "same" and r[4] == "yes" for r in rows)
     text = "\n".join([
-        f"Machine: {platform.processor() or platform.machine()}, CPU, 1 thread; torch {torch.__version__}; "
-        f"transformers {T.__version__}; Python {platform.python_version()}. `python benchmarks/families.py "
-        f"--update-doc`.", "",
+        f"Machine: {machine()}; transformers {T.__version__}. `python benchmarks/families.py --update-doc`.", "",
         "Families beyond the test matrix, built tiny and random (width 32, 2 layers, batch 4, sequence 32): the "
         "fake graph against the real one in every field but the times, and a plan solved on the fake graph "
         "that recomputes something, trained one step against plain training (loss and gradients bitwise). "
