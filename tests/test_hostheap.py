@@ -84,7 +84,7 @@ def test_the_account_predicts_the_faults_of_really_writing_each_block(seed):
     for address, n in kept:
         heap.free(address, n)
     assert measured > 10_000  # the steps did fault: the comparison is not of zeros
-    assert abs(predicted - measured) <= 0.005 * measured + 16, (predicted, measured)
+    assert abs(predicted - measured) <= 0.01 * measured + 64, (predicted, measured)
 
 
 def test_an_account_begun_late_knows_the_pages_written_before_it():

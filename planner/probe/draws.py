@@ -52,10 +52,11 @@ class Draws:
     def note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """After ``func`` ran: its outputs (and what it wrote) are drawn when it is a draw, or when every
         tensor it read was drawn; a write with anything else makes the written tensor no draw's alone."""
-        if func in TO_PYTHON:
+        is_draw = getattr(func, "overloadpacket", None) in DRAWS
+        if func in TO_PYTHON or (not is_draw and not self._drawn):  # most steps draw nothing to follow
             return
         inputs = _tensors((args, kwargs))
-        drawn = getattr(func, "overloadpacket", None) in DRAWS or (
+        drawn = is_draw or (
             bool(inputs) and all(t in self._drawn for t in inputs))
         schema = getattr(func, "_schema", None)
         written = [] if schema is None else [
