@@ -275,4 +275,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # without the interpreter's finalization, which can abort a rank whose gloo threads still hold work
+    # (SIGABRT after all its work; pytorch/pytorch#179291): torchrun would report the rank failed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import os
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -51,6 +53,16 @@ def _init(rank: int, out_dir: str) -> None:
     # test's processes before rank 0 binds it (the suite runs two files at once)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
+
+
+def _leave() -> None:
+    """End a rank after its results are written, without the interpreter's finalization: gloo's threads
+    can still hold work referencing Python objects, and tearing them down aborted a rank in CI (SIGABRT,
+    "terminate called without an active exception", pytorch/pytorch#179291); memplan run --nproc does so."""
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _workload(rank: int):
@@ -184,7 +196,7 @@ def _ddp_worker(rank: int, out_dir: str) -> None:
         trained.append((losses, [p.detach().clone() for p in model.parameters()]))
     results["closure"] = _compare(*trained[0], *trained[1])
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    _leave()
 
 
 def _fsdp_worker(rank: int, out_dir: str) -> None:
@@ -271,7 +283,7 @@ def _fsdp_worker(rank: int, out_dir: str) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts the type and text
         results["fuse_refused"] = f"{type(e).__name__}: {e}"
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    _leave()
 
 
 # ---- the tests -----------------------------------------------------------------------------------------------

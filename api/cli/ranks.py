@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,12 @@ def _dist_worker(rank: int, world: int, port: int, kwargs: dict[str, Any], resul
         dist.destroy_process_group()
     if rank == 0:
         Path(f"{result_path}.{rank}").write_text(json.dumps({"rows": rows}))
+    # leave without the interpreter's finalization: gloo's worker threads can still hold work whose tensors
+    # reference Python objects, and tearing them down then aborts the process (SIGABRT, "terminate called
+    # without an active exception"; pytorch/pytorch#179291) after the rank has done all its work
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def train_ranks(workload: str, *, nproc: int, engine: str, budget: str, solver: str, fuse: str | None,

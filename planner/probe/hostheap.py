@@ -26,9 +26,10 @@ settings). So a fake profile on a CPU takes them apart:
   tensor objects are real even for fake tensors), so the allocator makes the real step's choices, and
   :class:`HostHeap` keeps an account of which pages have been written since the kernel last mapped them
   (a block counts as written when allocated; an unmapped block and a trimmed heap top are dropped, read
-  from the chunk's ``IS_MMAPPED`` bit and ``sbrk(0)``; the heap's pages resident when the account begins,
-  read with ``mincore``, count as written: a long-lived process reuses them without faults). The pages a
-  block finds unwritten are its faults.
+  from the chunk's ``IS_MMAPPED`` bit and ``sbrk(0)``; the pages of the process's anonymous mappings
+  resident when the account begins, read with ``mincore``, count as written: a long-lived process reuses
+  them without faults, also where its main arena has gone on in mapped segments because another mapping
+  sat above its heap). The pages a block finds unwritten are its faults.
   Steady state needs a few steps (the first ones grow the heap): the profile shadows its warm-up steps
   and averages the last ones (:data:`COUNTED_STEPS`), and charges that mean, in the traced step's
   proportions, to the ops whose allocations take the faults (forward op, backward step, optimizer),
@@ -143,35 +144,41 @@ def unsupported() -> str | None:
     return None
 
 
-def _resident_heap_pages(libc: ctypes.CDLL) -> list[tuple[int, int]]:
-    """The pages of the main heap ([heap] in /proc/self/maps) resident now, as runs [a, b) of page numbers
-    (``mincore``): the process has written them, so a block placed on them later takes no fault. Empty
-    where the heap or mincore cannot be read (the account then counts them fresh, as it did before)."""
+_BIT0 = bytes(b & 1 for b in range(256))  # mincore's byte per page: bit 0 says resident
+
+
+def _resident_pages(libc: ctypes.CDLL) -> list[tuple[int, int]]:
+    """The pages of this process's private anonymous writable mappings (the main heap, the chunks glibc
+    maps on their own, and the segments the main arena maps when its heap cannot grow in place) that are
+    resident now, as runs [a, b) of page numbers (``mincore``): the process has written them, so a block
+    placed on them later takes no fault. A mapping that cannot be read is skipped (its pages count fresh)."""
     try:
         with open("/proc/self/maps") as f:
-            line = next((ln for ln in f if ln.rstrip().endswith("[heap]")), None)
+            lines = f.readlines()
     except OSError:
         return []
-    if line is None:
-        return []
-    start, end = (int(x, 16) for x in line.split()[0].split("-"))
-    end = min(end, libc.sbrk(0) or end)
-    n = (end - start) // PAGE
-    if n <= 0:
-        return []
-    vec = (ctypes.c_ubyte * n)()
     mincore = libc.mincore
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
     mincore.restype = ctypes.c_int
-    if mincore(start, n * PAGE, vec) != 0:
-        return []
-    flags = bytes(b & 1 for b in vec)
-    runs, i, first = [], 0, start // PAGE
-    while (i := flags.find(1, i)) != -1:
-        j = flags.find(0, i)
-        j = n if j == -1 else j
-        runs.append((first + i, first + j))
-        i = j
+    runs: list[tuple[int, int]] = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5 or fields[1] != "rw-p" or fields[4] != "0" or (len(fields) > 5 and fields[5] == "[stack]"):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        n = (end - start) // PAGE
+        if n <= 0:
+            continue
+        vec = (ctypes.c_ubyte * n)()
+        if mincore(start, n * PAGE, vec) != 0:
+            continue
+        flags = bytes(vec).translate(_BIT0)
+        i, first = 0, start // PAGE
+        while (i := flags.find(1, i)) != -1:
+            j = flags.find(0, i)
+            j = n if j == -1 else j
+            runs.append((first + i, first + j))
+            i = j
     return runs
 
 
@@ -190,7 +197,7 @@ class HostHeap:
         self.libc = libc
         self.pages = _Pages()
         self.top = libc.sbrk(0) or 0
-        for a, b in _resident_heap_pages(libc):  # written before this account began: no fault at reuse
+        for a, b in _resident_pages(libc):  # written before this account began: no fault at reuse
             self.pages.touch(a, b)
 
     def alloc(self, nbytes: int) -> tuple[int, int]:
