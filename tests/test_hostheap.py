@@ -115,6 +115,28 @@ def test_an_account_begun_late_knows_the_pages_written_before_it():
         heap.free(address, 100_000)
 
 
+def test_a_mapped_block_is_fresh_wherever_the_account_saw_pages_before():
+    """A block above the mmap threshold is a new mapping, zero-filled: all fresh, even where an earlier
+    mapping the account saw resident when it began (a tensor since freed by the program, not through the
+    account) lay at the same addresses."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    n = 48 * 2**20
+    earlier = libc.malloc(n)
+    ctypes.memset(earlier, 1, n)
+    heap = HostHeap()  # sees the earlier block's pages resident
+    libc.free(earlier)  # unmapped behind the account's back
+    before = _faults()
+    address, fresh = heap.alloc(n)
+    for off in range(0, n, 4096):
+        ctypes.memset(address + off, 1, 1)
+    measured = _faults() - before
+    heap.free(address, n)
+    assert measured > 10_000
+    assert abs(fresh - measured) <= 16, (fresh, measured)
+
+
 _BLOCKED_BRK = """
 import ctypes, random, resource
 from memplan.planner.probe.hostheap import PAGE, HostHeap

@@ -208,7 +208,10 @@ class HostHeap:
             raise ShadowError(f"the allocator gave no block of {nbytes} bytes (an address-space limit?)")
         address = ptr.value
         self.top = max(self.top, self.libc.sbrk(0) or 0)
-        return address, self.pages.touch(address // PAGE, (address + nbytes - 1) // PAGE + 1)
+        first, end = address // PAGE, (address + nbytes - 1) // PAGE + 1
+        if ctypes.c_size_t.from_address(address - _SIZE_T).value & 2:  # IS_MMAPPED: a new mapping, all fresh
+            self.pages.drop((address - 2 * _SIZE_T) // PAGE, end)  # whatever was mapped there before
+        return address, self.pages.touch(first, end)
 
     def free(self, address: int, nbytes: int) -> None:
         mapped = ctypes.c_size_t.from_address(address - _SIZE_T).value & 2  # glibc's IS_MMAPPED bit
