@@ -295,6 +295,21 @@ def test_small_constants_are_made_for_real_so_code_branching_on_them_takes_the_r
     same_structure(real, fake)
 
 
+def _one_step(model, x, loss_fn, plan=None, graph=None):
+    """One step of a copy of ``model`` (under ``plan`` when given): its loss, gradients and executor."""
+    from memplan.executor import apply
+
+    m = copy.deepcopy(model)
+    ex = apply(m, plan, graph=graph) if plan is not None else None
+    try:
+        loss = loss_fn(m, x)
+        loss.backward()
+    finally:
+        if ex is not None:
+            ex.remove()
+    return loss.detach(), [p.grad for p in m.parameters()], ex
+
+
 class SliceWrites(nn.Module):
     """Writes results into views of a fresh buffer, as DeepSeek-V3's attention builds its keys: slices,
     a slice of a select (a view of a view), an in-place op on a view of a buffer that requires grad by then,
@@ -346,7 +361,6 @@ def test_writes_into_views_of_a_buffer_trace_as_the_real_step_and_train_bitwise(
     same_structure(real, fake)
     assert [op.name for op in fake.ops].count("aten.copy_.default") == 3
 
-    from memplan.executor import apply
     from memplan.solvers.bounds import memory_lower_bound
 
     keep, low = simulate(fake, None).peak_bytes, memory_lower_bound(fake)
@@ -354,19 +368,8 @@ def test_writes_into_views_of_a_buffer_trace_as_the_real_step_and_train_bitwise(
     plan = max(plans, key=lambda p: simulate(fake, p).recomputed_ops)
     assert simulate(fake, plan).recomputed_ops > 0
 
-    def step(plan=None):
-        m = copy.deepcopy(model)
-        ex = apply(m, plan, graph=fake) if plan is not None else None
-        try:
-            loss = loss_fn(m, x)
-            loss.backward()
-        finally:
-            if ex is not None:
-                ex.remove()
-        return loss.detach(), [p.grad for p in m.parameters()]
-
-    want_loss, want_grads = step()
-    loss, grads = step(plan)
+    want_loss, want_grads, _ = _one_step(model, x, loss_fn)
+    loss, grads, _ = _one_step(model, x, loss_fn, plan, fake)
     assert torch.equal(loss, want_loss) and all(map(torch.equal, grads, want_grads))
 
 
@@ -396,7 +399,6 @@ def test_views_rebuilt_after_a_write_through_another_view_are_not_ops_of_the_ste
     2-layer Longformer; the executor re-synchronised past them). They are held until the next op shows
     whether it reads the view (planner/probe/fake.py ViewReplays); the program's own identical chain is
     kept. The fake graph is the real one, and its plan trains bitwise."""
-    from memplan.executor import apply
 
     torch.manual_seed(0)
     model, x = MaskThroughViews(), torch.randn(4, 3, 8)
@@ -412,19 +414,8 @@ def test_views_rebuilt_after_a_write_through_another_view_are_not_ops_of_the_ste
     plan = solve(fake, keep - 1, "auto", time_limit_s=5).plan
     assert simulate(fake, plan).recomputed_ops > 0
 
-    def step(plan=None):
-        m = copy.deepcopy(model)
-        ex = apply(m, plan, graph=fake) if plan is not None else None
-        try:
-            loss = loss_fn(m, x)
-            loss.backward()
-        finally:
-            if ex is not None:
-                ex.remove()
-        return loss.detach(), [p.grad for p in m.parameters()], ex
-
-    want_loss, want_grads, _ = step()
-    loss, grads, ex = step(plan)
+    want_loss, want_grads, _ = _one_step(model, x, loss_fn)
+    loss, grads, ex = _one_step(model, x, loss_fn, plan, fake)
     assert ex.last_step.replays > 0
     assert torch.equal(loss, want_loss) and all(map(torch.equal, grads, want_grads))
 
