@@ -73,6 +73,28 @@ def test_the_draws_are_followed_through_comparisons_and_views_only():
     assert not draws.is_branch(aten._local_scalar_dense.default, (d,))
 
 
+def test_a_branch_every_draw_answers_alike_is_no_branch_on_a_draw():
+    """``torch.rand([]) < 0.0`` is false whatever the draw (LayerDrop at rate 0 in code that draws anyway):
+    the real profile does not warn, as the fake one takes that branch (planner/probe/fake.py)."""
+    import warnings
+
+    from memplan.planner.core.errors import MemplanWarning
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemplanWarning)
+        graph = profile(LayerDrop(0.0), torch.randn(64, 16), _loss, device="cpu", progress=False, measure=False,
+                        repeats=1)
+    assert "draw_branches" not in graph.meta
+    draws, aten = Draws(), torch.ops.aten
+    d = torch.rand([])
+    draws.note(aten.rand.default, ([],), {}, d)
+    for c, constant in ((0.0, True), (1.5, True), (0.5, False)):
+        lt = d < c
+        draws.note(aten.lt.Scalar, (d, c), {}, lt)
+        assert draws.is_branch(aten._local_scalar_dense.default, (lt,)) is not constant
+
+
 def test_a_real_profile_whose_steps_drop_other_layers_names_the_draw():
     torch.manual_seed(0)
     with pytest.raises(MemplanError, match=r"^profile of graph: the forward op sequence of timed step 1 differs "

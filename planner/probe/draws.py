@@ -8,7 +8,8 @@ layer's op, the model ran the next draw), hundreds of steps into a run.
 
 :class:`Draws` follows, through a traced forward, the tensors whose values are a draw's alone: the outputs
 of a draw that reads no tensor's values (``rand``, ``randn``, ``randint``, ``randperm`` and their ``_like``
-forms), and those of any op that reads only such tensors (a comparison with a number, a view). A call that
+forms), and those of any op that reads only such tensors (a comparison with a number, a view), but for a
+comparison that every value of a uniform draw answers alike (``torch.rand([]) < 0.0``). A call that
 turns one into a Python value (``.item()``, ``bool()``, ``if``: ``aten._local_scalar_dense``,
 ``aten.is_nonzero``) is a branch on a draw. A real profile records where (``graph.meta["draw_branches"]``)
 and warns; the executor's refusal of a step that differs names it. A branch whose ops do not depend on the
@@ -29,6 +30,21 @@ DRAWS = frozenset({_aten.rand, _aten.randn, _aten.randint, _aten.randperm, _aten
                    _aten.randint_like})
 # calls that turn a tensor into a Python value the program can branch on
 TO_PYTHON = frozenset({_aten._local_scalar_dense.default, _aten.is_nonzero.default})
+# uniform draws: their values lie in [0, 1), taken as [0, 1] so as not to rely on how a kernel treats 1
+UNIFORM = (_aten.rand, _aten.rand_like)
+
+
+def _answer(always: bool, never: bool) -> bool | None:
+    return True if always else False if never else None
+
+
+# a comparison ``x OP c`` of values x in [low, high] with a number c: its one answer, or None if it depends on x
+COMPARISONS = {
+    _aten.lt: lambda low, high, c: _answer(high < c, low >= c),
+    _aten.le: lambda low, high, c: _answer(high <= c, low > c),
+    _aten.gt: lambda low, high, c: _answer(low > c, high <= c),
+    _aten.ge: lambda low, high, c: _answer(low >= c, high < c),
+}
 
 ADVICE = ("its steps run different ops at random (LayerDrop, stochastic depth by branching), and a plan holds "
           "only for steps that run the profiled ones; turn it off to train under a plan (transformers: "
@@ -44,6 +60,7 @@ class Draws:
 
     def __init__(self) -> None:
         self._drawn: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._ranges: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a uniform draw's (or its views') values
 
     def is_branch(self, func: Any, args: tuple) -> bool:
         """Whether ``func`` turns a drawn tensor into a Python value."""
@@ -52,13 +69,25 @@ class Draws:
     def note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """After ``func`` ran: its outputs (and what it wrote) are drawn when it is a draw, or when every
         tensor it read was drawn; a write with anything else makes the written tensor no draw's alone."""
-        is_draw = getattr(func, "overloadpacket", None) in DRAWS
+        packet = getattr(func, "overloadpacket", None)
+        is_draw = packet in DRAWS
         if func in TO_PYTHON or (not is_draw and not self._drawn):  # most steps draw nothing to follow
             return
-        inputs = _tensors((args, kwargs))
-        drawn = is_draw or (
-            bool(inputs) and all(t in self._drawn for t in inputs))
         schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            self._ranges.clear()  # a write in place may change a remembered range, through any view
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        bounds = self._ranges.get(x) if x is not None else None
+        decide = COMPARISONS.get(packet)
+        # a comparison that every value of a uniform draw answers alike (``rand([]) < 0.0``) is no draw's
+        constant = (bounds is not None and decide is not None and len(args) > 1 and type(args[1]) in (int, float)
+                    and decide(*bounds, args[1]) is not None)
+        inputs = _tensors((args, kwargs))
+        drawn = not constant and (is_draw or (bool(inputs) and all(t in self._drawn for t in inputs)))
+        if isinstance(out, torch.Tensor) and (packet in UNIFORM or (
+                bounds is not None and schema is not None and schema.returns
+                and schema.returns[0].alias_info is not None and out.dtype == x.dtype)):
+            self._ranges[out] = (0.0, 1.0) if packet in UNIFORM else bounds  # a draw, or a view of one
         written = [] if schema is None else [
             a for a, arg in zip(args, schema.arguments, strict=False)
             if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]

@@ -62,6 +62,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.probe.device import holds_real_tensors
+from memplan.planner.probe.draws import COMPARISONS as _COMPARISONS
+from memplan.planner.probe.draws import UNIFORM as _UNIFORM
 from memplan.planner.probe.draws import Draws
 from memplan.planner.probe.draws import refusal as draw_refusal
 from memplan.planner.probe.storage import move_batch
@@ -128,7 +130,6 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
 
 _aten = torch.ops.aten
 # uniform draws: their values lie in [0, 1), taken as [0, 1] so as not to rely on how a kernel treats 1
-_UNIFORM = (_aten.rand, _aten.rand_like)
 _RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()   # fake tensor -> (low, high) of its values
 
 
@@ -259,17 +260,6 @@ def _kernel_layout(func: Any, args: tuple, out: Any) -> Any:
     return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
 
 
-def _answer(always: bool, never: bool) -> bool | None:
-    return True if always else False if never else None
-
-
-# a comparison ``x OP c`` of values x in [low, high] with a number c: its one answer, or None if it depends on x
-_COMPARISONS = {
-    _aten.lt: lambda low, high, c: _answer(high < c, low >= c),
-    _aten.le: lambda low, high, c: _answer(high <= c, low > c),
-    _aten.gt: lambda low, high, c: _answer(low > c, high <= c),
-    _aten.ge: lambda low, high, c: _answer(low >= c, high < c),
-}
 
 
 def _track_range(func: Any, args: tuple, out: Any) -> torch.Tensor | None:
