@@ -474,3 +474,71 @@ def test_random_plans_run_event_for_event_as_the_schedule_says(name, gpu):
         assert events == sched.executed(), seed
         predicted = simulate(g, plan).peak_bytes
         assert 0.999 * predicted <= measured <= predicted, (seed, measured, predicted)
+
+
+# ---- time: what a synchronisation costs ----------------------------------------------------------------
+# On a GPU the host issues kernels ahead of the device; a synchronisation costs the round trip and leaves the
+# next kernel to launch into an idle device. The first GPU run timed each op between two synchronisations,
+# which charged every op that cost (small ops many times over, after scaling to the plain step) and put
+# plans' overhead 2-3x over what they measured. The emulation spends ``sync_latency_s`` per synchronisation,
+# so a time with one inside it is too long here as it is there; these use a latency far above any op's.
+LATENCY = 2e-3
+
+
+def _raw_times(monkeypatch, synced_laps: bool = False) -> tuple[int, float, float, float, float]:
+    """Tiny GPT-2 profiled on the emulated GPU: its forward op count, the forward and backward seconds its
+    ops were timed at before scaling to the plain step (calibrate_times), and that plain step's."""
+    from memplan.planner.probe import profiler
+    from memplan.planner.probe.device import Stopwatch
+
+    raw: dict[str, float] = {}
+    calibrate = profiler.calibrate_times
+
+    def spy(graph, forward_s, backward_s, optimizer_s):
+        raw.update(forward=sum(op.time_s for op in graph.ops), backward=sum(op.backward_time_s for op in graph.ops),
+                   plain_forward=forward_s, plain_backward=backward_s)
+        calibrate(graph, forward_s, backward_s, optimizer_s)
+
+    monkeypatch.setattr(profiler, "calibrate_times", spy)
+    with emulate_cuda(sync_latency_s=LATENCY) as dev:
+        if synced_laps:  # the first GPU run's timing: each op between two synchronisations
+            end = Stopwatch.end
+            monkeypatch.setattr(Stopwatch, "end", lambda self, mark: (dev.synchronize(), end(self, mark))[1])
+        w = load_workload("gpt2", **TINY["gpt2"])
+        g = profile(w.model, w.batch, w.loss_fn, name="gpt2", device="cuda", progress=False, measure=False,
+                    repeats=1)
+    return len(g.ops), raw["forward"], raw["backward"], raw["plain_forward"], raw["plain_backward"]
+
+
+def test_a_profile_times_each_op_as_the_device_runs_it_not_with_a_synchronisation_around_it(monkeypatch):
+    """The traced steps issue their ops as a plain step does (an event pair per op on a GPU, read after the
+    step): the ops' times add up to about the plain step's, not to a synchronisation's cost per op."""
+    n, forward, backward, plain_forward, plain_backward = _raw_times(monkeypatch)
+    assert n * LATENCY > 10 * plain_forward  # a synchronisation per op would dwarf the step
+    assert forward < 2 * plain_forward + 4 * LATENCY, (forward, plain_forward)
+    assert backward < 2 * plain_backward + 4 * LATENCY, (backward, plain_backward)
+
+
+def test_timing_each_op_between_synchronisations_is_caught(monkeypatch):
+    """The first GPU run's per-op timing, put back: every op is charged the latency, and the bound above fails."""
+    n, forward, _, plain_forward, _ = _raw_times(monkeypatch, synced_laps=True)
+    assert forward > n * LATENCY > 10 * plain_forward
+
+
+def test_an_op_timed_alone_is_timed_without_a_synchronisation_around_it(tmp_path):
+    """A fake profile times each call alone (OpTimer): warm runs issued back to back, a cold run behind its
+    flush, and this machine's spec (matrix products, copies, a tiny op's cost) all as the device runs them."""
+    from memplan.planner.probe.optime import OpTimer, local_device_spec, record_call
+
+    x = torch.rand(256)
+    call = record_call(torch.ops.aten.relu.default, (x,), {}, torch.relu(x))
+    with emulate_cuda(sync_latency_s=LATENCY) as dev:
+        for cold in (False, True):
+            timer = OpTimer(torch.device("cuda"), cache_dir=tmp_path / str(cold), cold=cold, sweeps=1)
+            before = dev.synchronizations
+            (timing,) = timer.time([call])
+            assert timing.source == "isolated"
+            assert timing.time_s < LATENCY / 4, (cold, timing.time_s)
+            assert dev.synchronizations - before < 30  # none per run around the timed call
+        spec = local_device_spec(torch.device("cuda"), tmp_path / "spec")
+    assert spec.op_overhead_s < LATENCY / 4

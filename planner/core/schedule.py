@@ -229,21 +229,25 @@ def static_facts(graph: Graph) -> StaticFacts:
     return st
 
 
+def overlapped_s(device: str, device_s: float, host_s: float) -> float:
+    """What an op costs the step when the host spends ``host_s`` on it besides the op's own ``device_s``
+    (the executor's dispatch of a replay, eager autograd's recording of a call). On a CPU the op runs on
+    the thread that does that work: the sum. On CUDA the host does it while the device runs the kernels
+    issued before, so the larger of the two paces the step (docs/model.md, Time)."""
+    if device == "cuda":
+        return max(device_s, host_s)
+    return device_s + host_s
+
+
 def replay_op_cost_s(graph: Graph, op: Any) -> float:
-    """What replaying ``op`` costs the step: its time and the executor's dispatch of it. On a CPU the op runs
-    on the thread that dispatches it: the sum. On CUDA the host issues the next op while the device runs
-    this one, so the larger of the two paces a replay (docs/model.md, Time)."""
-    if graph.device == "cuda":
-        return max(op.time_s, graph.replay_op_dispatch_s)
-    return op.time_s + graph.replay_op_dispatch_s
+    """What replaying ``op`` costs the step: its time and the executor's dispatch of it, overlapped on CUDA."""
+    return overlapped_s(graph.device, op.time_s, graph.replay_op_dispatch_s)
 
 
 def watch_op_cost_s(graph: Graph, op: Any) -> float:
     """What watching forward op ``op`` under a plan adds to the step: the executor's dispatch mode's work; on
     CUDA only what the device's run of the op does not hide."""
-    if graph.device == "cuda":
-        return max(0.0, graph.watch_op_dispatch_s - op.time_s)
-    return graph.watch_op_dispatch_s
+    return overlapped_s(graph.device, op.time_s, graph.watch_op_dispatch_s) - op.time_s
 
 
 def fusion_charge(graph: Graph, fuse: str | None) -> tuple[str, float]:

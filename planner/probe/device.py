@@ -18,6 +18,10 @@ ask a :class:`Device` what they need and never test ``is_cuda`` or call ``torch.
 * **pages**: a CPU's C allocator gives memory back to the kernel within a step and its next writes fault
   fresh pages (``returns_pages``; :mod:`memplan.planner.probe.hostheap` charges them in fake profiles);
   CUDA's caching allocator keeps its blocks;
+* **op times**: a :class:`Stopwatch` times calls issued back to back without waiting for the device between
+  them (CUDA: an event pair per call, read after one synchronisation), so an op's time is its run on the
+  device as the step has it, not the launch and the round trip of a synchronisation around it (the first
+  GPU run timed each op between two synchronisations and over-predicted plans' overhead 2-3x);
 * **pinned host memory**, **synchronisation**, **random generator states**, the device's name, cache and
   memory sizes, and its host-link bandwidth.
 
@@ -36,7 +40,11 @@ but the device is ``cuda`` with CUDA's rules, so that what would fail on a GPU f
   destination storage was freed before that is a :class:`StreamUseError` (on a GPU the allocator would
   hand the block to another tensor while the copy reads or writes it);
 * a cuBLAS-like workspace: ``workspace_bytes`` held by the device from its first use, counted in its
-  memory readings and not owned by any tensor, as a real GPU's workspaces are.
+  memory readings and not owned by any tensor, as a real GPU's workspaces are;
+* a synchronisation costs the host ``sync_latency_s`` (:data:`SYNC_LATENCY_S` by default: a GPU's round
+  trip, the wake-up of the waiting thread and the next launch into an idle device), which a step that never
+  waits does not pay: a time taken with a synchronisation inside it is that much too long here, as it is
+  on a GPU.
 """
 
 from __future__ import annotations
@@ -128,6 +136,53 @@ class HostBytes:
         return dst.untyped_storage()
 
 
+class Stopwatch:
+    """Times calls issued one after another: ``mark = begin()``, issue the call, ``end(mark)``; once all are
+    issued, :meth:`seconds` gives each lap. On a CPU a call runs when it is issued and each lap is read on
+    the device's clock at once; subclasses read theirs where the device runs (CUDA: events)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.laps: list[Any] = []
+
+    def begin(self) -> Any:
+        return self.clock()
+
+    def end(self, mark: Any) -> int:
+        """Close the lap begun at ``mark``; its index in :meth:`seconds`."""
+        self.laps.append(self.clock() - mark)
+        return len(self.laps) - 1
+
+    def seconds(self) -> list[float]:
+        """Every lap's seconds so far (waits for the device where it runs behind the host)."""
+        return list(self.laps)
+
+
+class _CudaStopwatch(Stopwatch):
+    """An event pair per lap on the current stream, read after one synchronisation: the device's time
+    between them, what the step's kernels took there while the host went on issuing."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(time.perf_counter)
+        self.device = device
+
+    def begin(self) -> Any:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(self.device))
+        return start
+
+    def end(self, mark: Any) -> int:
+        stop = torch.cuda.Event(enable_timing=True)
+        stop.record(torch.cuda.current_stream(self.device))
+        self.laps.append((mark, stop))
+        return len(self.laps) - 1
+
+    def seconds(self) -> list[float]:
+        if self.laps:
+            self.laps[-1][1].synchronize()
+        return [start.elapsed_time(stop) / 1e3 for start, stop in self.laps]
+
+
 class Device:
     """A CPU: exact bytes, no allocator counters (read the reports), synchronous copies."""
 
@@ -179,6 +234,11 @@ class Device:
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """A host byte buffer the device copies from and to asynchronously (pinned on CUDA)."""
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def stopwatch(self) -> Stopwatch:
+        """Times the ops of a step (or an op's runs) issued back to back, each as the device runs it; never
+        synchronise inside a lap (see :class:`Stopwatch`)."""
+        return Stopwatch(self.clock())
 
     def clock(self) -> Callable[[], float]:
         """The clock ops and plain steps are timed with: with one torch thread on a CPU, the thread's CPU
@@ -264,6 +324,9 @@ class CudaDevice(Device):
 
     def copy_stream(self) -> CopyStream:
         return _CudaCopyStream(self.torch_device)
+
+    def stopwatch(self) -> Stopwatch:
+        return _CudaStopwatch(self.torch_device)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -357,6 +420,11 @@ class _CudaCopyStream(CopyStream):
 # ---- CUDA's rules on a CPU ---------------------------------------------------------------------------------
 
 POISON = 0xFF  # an emulated copy's destination until the copy is known complete (NaN in floating point)
+# What a synchronisation costs the host on a GPU beyond the queued work: the round trip and the launch of
+# the next kernel into an idle device (tens of microseconds for a small op's launch-and-wait on an H100
+# with torch's eager dispatch; the emulation's default, so that a time with a synchronisation inside it is
+# too long in CI as it is there).
+SYNC_LATENCY_S = 50e-6
 
 
 class _EmulatedTransfer(Transfer):
@@ -440,23 +508,31 @@ class _EmulatedCopyStream(CopyStream):
 
 class EmulatedCudaDevice(Device):
     """CUDA's rules on CPU tensors (see the module's docstring). ``workspace_bytes``: memory the emulated
-    device holds from its first use that no tensor owns, as cuBLAS's workspaces on a GPU."""
+    device holds from its first use that no tensor owns, as cuBLAS's workspaces on a GPU;
+    ``sync_latency_s``: what each synchronisation costs the host (spent, so that every clock sees it)."""
 
     type = "cuda"
     emulated = True
     returns_pages = False  # the emulated device is a GPU: its caching allocator keeps its blocks
 
-    def __init__(self, workspace_bytes: int = 0):
+    def __init__(self, workspace_bytes: int = 0, sync_latency_s: float = SYNC_LATENCY_S):
         super().__init__(torch.device("cpu"))
         self.workspace_bytes = workspace_bytes
+        self.sync_latency_s = sync_latency_s
+        self.synchronizations = 0
         self.streams: weakref.WeakSet[_EmulatedCopyStream] = weakref.WeakSet()
 
     def untracked_bytes(self) -> int:
         return self.charged_bytes(self.workspace_bytes) if self.workspace_bytes else 0
 
     def synchronize(self) -> None:
+        self.synchronizations += 1
         for s in list(self.streams):
             s.drain()
+        if self.sync_latency_s > 0:  # busy: the thread's CPU-time clock sees it as the wall clock does
+            until = time.perf_counter() + self.sync_latency_s
+            while time.perf_counter() < until:
+                pass
 
     def copy_stream(self) -> CopyStream:
         return _EmulatedCopyStream(self)
@@ -469,9 +545,9 @@ _emulation: list[EmulatedCudaDevice] = []  # the active emulation, innermost las
 
 
 @contextlib.contextmanager
-def emulate_cuda(workspace_bytes: int = 0) -> Iterator[EmulatedCudaDevice]:
+def emulate_cuda(workspace_bytes: int = 0, sync_latency_s: float = SYNC_LATENCY_S) -> Iterator[EmulatedCudaDevice]:
     """Inside the block, ``cuda`` (and the CPU tensors that stand for it) is :class:`EmulatedCudaDevice`."""
-    dev = EmulatedCudaDevice(workspace_bytes)
+    dev = EmulatedCudaDevice(workspace_bytes, sync_latency_s)
     _emulation.append(dev)
     try:
         yield dev

@@ -50,7 +50,6 @@ import math
 import os
 import sqlite3
 import statistics
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -477,18 +476,17 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
             return parse_device_spec(path.read_bytes(), source=str(path))
     layer = device_of(device)
     device = layer.torch_device
-    sync = layer.synchronize
 
     def median_s(fn: Callable[[], Any], runs: int = 5) -> float:
+        """The median of ``runs`` runs issued back to back, each as the device ran it (its stopwatch)."""
         fn()
-        sync()
-        times = []
+        layer.synchronize()
+        watch = layer.stopwatch()
         for _ in range(runs):
-            start = time.perf_counter()
+            mark = watch.begin()
             fn()
-            sync()  # CUDA: the kernels are asynchronous
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+            watch.end(mark)
+        return statistics.median(watch.seconds())
 
     n = layer.matmul_probe_size
     flops: dict[str, float] = {}
@@ -578,7 +576,7 @@ class OpTimer:
         """What a cached time depends on besides the call: the device, torch version and timing method."""
         faults = "|faults=net" if self.net_faults else ""
         timing = f"cold<=warm+{_COLD_READS:g}reads" if self.cold else "warm"
-        return f"{device_identity(self.device)}|timing={timing}{faults}"
+        return f"{device_identity(self.device)}|timing={timing}{faults}|laps=queued"
 
     def cache_key(self, call: OpCall, cold: frozenset[int] = frozenset()) -> str:
         """The cache's key for ``call``'s time under this timer with the arguments ``cold`` timed cold:
@@ -599,11 +597,11 @@ class OpTimer:
             self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.float32, device=self.device)
             self._flush.fill_(1.0)  # first touch: its page faults are not bandwidth
             self._sync()
-        clock = self.layer.clock()
-        start = clock()
+        watch = self.layer.stopwatch()
+        mark = watch.begin()
         self._flush.fill_(1.0)
-        self._sync()
-        seconds = clock() - start
+        watch.end(mark)
+        (seconds,) = watch.seconds()
         if seconds > 0:
             self._flush_rates.append(self._flush.nbytes / seconds)
 
@@ -691,7 +689,9 @@ class OpTimer:
         run starts with the caches flushed, then one run of the call on a spare set of arguments that
         shares the others and has its own copies of the cold ones: the kernel's code, the framework's
         dispatch path and the other arguments are back in cache, as in the step, and the cold ones are
-        not (flushed, then never touched)."""
+        not (flushed, then never touched). Warm runs are issued ``min_runs`` at a time back to back, as
+        a step issues its ops: on CUDA a run is then timed behind queued work, not launched into an idle
+        device (the flush and the spare run queue ahead of a cold one)."""
         try:
             storages: dict[int, torch.Tensor] = {}
             args, kwargs = materialise(call, self.device, storages)
@@ -701,7 +701,6 @@ class OpTimer:
             if cold:
                 spare = {i: flat for i, flat in storages.items() if i not in cold}
                 spare_args, spare_kwargs = materialise(call, self.device, spare)
-            clock = self.layer.clock()
             fault_s = self.fault_cost_s()
             times: list[float] = []
             most = _MAX_COLD_RUNS if cold else _MAX_RUNS
@@ -710,36 +709,44 @@ class OpTimer:
                 if cold:
                     self.flush_caches()
                     out = call.func(*spare_args, **spare_kwargs)
-                    self._sync()
                     del out
-                times.append(self._one_run(call, args, kwargs, clock, fault_s))
+                    times += self._laps(call, args, kwargs, 1, fault_s)
+                else:
+                    times += self._laps(call, args, kwargs, self.min_runs, fault_s)
             if not cold:
                 return statistics.median(times)
-            return min(statistics.median(times), self._cold_ceiling(call, cold, args, kwargs, clock, fault_s))
+            return min(statistics.median(times), self._cold_ceiling(call, cold, args, kwargs, fault_s))
         except Exception:  # noqa: BLE001 - any failure means "cannot run alone": analytic instead
             return None
 
-    def _one_run(self, call: OpCall, args: tuple, kwargs: dict, clock: Callable[[], float], fault_s: float) -> float:
-        """Seconds of one run of ``call``, net of the page faults it took at ``fault_s`` each. Its output is
-        dropped at once: the working set stays one call's."""
-        faults = process_faults() if fault_s else 0
-        start = clock()
-        out = call.func(*args, **kwargs)
-        self._sync()
-        seconds = clock() - start
-        del out
+    def _laps(self, call: OpCall, args: tuple, kwargs: dict, runs: int, fault_s: float) -> list[float]:
+        """Seconds of ``runs`` runs of ``call`` issued back to back on the device layer's
+        :class:`~memplan.planner.probe.device.Stopwatch` (no synchronisation inside a run), each net of
+        the page faults it took at ``fault_s`` each. Each output is dropped at once: the working set stays
+        one call's."""
+        watch = self.layer.stopwatch()
+        faults: list[int] = []
+        for _ in range(runs):
+            before = process_faults() if fault_s else 0
+            mark = watch.begin()
+            out = call.func(*args, **kwargs)
+            watch.end(mark)
+            del out
+            if fault_s:
+                faults.append(process_faults() - before)
+        seconds = watch.seconds()
         if fault_s:
-            seconds = max(0.0, seconds - (process_faults() - faults) * fault_s)
+            seconds = [max(0.0, s - f * fault_s) for s, f in zip(seconds, faults, strict=True)]
         return seconds
 
     def _cold_ceiling(self, call: OpCall, cold: frozenset[int], args: tuple, kwargs: dict,
-                      clock: Callable[[], float], fault_s: float) -> float:
+                      fault_s: float) -> float:
         """The most a call with ``cold`` arguments is charged: its warm time (the median of ``min_runs``
         runs on the arguments the cold runs left in cache) plus :data:`_COLD_READS` reads of the cold
         arguments' bytes at the memory bandwidth the cache flushes wrote at (their median)."""
         if not self._flush_rates:
             return math.inf
-        warm = [self._one_run(call, args, kwargs, clock, fault_s) for _ in range(self.min_runs)]
+        warm = self._laps(call, args, kwargs, self.min_runs, fault_s)
         touched = call.argument_storage_bytes()
         cold_bytes = sum(touched[i] for i in cold if i < len(touched))
         bandwidth = statistics.median(self._flush_rates[-_FLUSH_RATES:])

@@ -71,6 +71,7 @@ from memplan.planner.core.build import build_graph
 from memplan.planner.core.devicespec import DeviceSpec, round_allocation
 from memplan.planner.core.errors import MemplanError, MemplanWarning, WorkloadError
 from memplan.planner.core.graph import FUSE_MODES, FixedMemory, Graph, Measured
+from memplan.planner.core.schedule import overlapped_s
 from memplan.planner.probe import hostheap
 from memplan.planner.probe.device import (
     Device,
@@ -415,7 +416,8 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                              cache_dir=cache_dir)
     timings = timer.time([call for *_, call in tracer.calls])
     # what eager training pays per call beyond the call alone (autograd's recording and engine, the
-    # dispatch among other ops' code): a real step has it, an isolated call does not
+    # dispatch among other ops' code): a real step has it, an isolated call does not. It is host work: on
+    # CUDA it overlaps the device's run of the kernels issued before (overlapped_s)
     eager_forward_s, eager_backward_s = eager_charge_s(timer)
     forward = {rec.scope: k for k, rec in enumerate(first.ops)}
     analytic: set[int] = set()
@@ -424,7 +426,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         tracer.high[number] = timing.high_bytes
         if phase == "forward" and number in forward:
             rec = first.ops[forward[number]]
-            rec.time_s = timing.time_s + eager_forward_s
+            rec.time_s = overlapped_s(kind, timing.time_s, eager_forward_s)
             for tid, position in zip(rec.outputs, rec.positions, strict=True):
                 # a kernel may return a view of a larger buffer than its meta function says (CPU mse_loss):
                 # what the allocator holds is the real storage, seen when the call ran alone
@@ -432,7 +434,8 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                     st = first.storages[tid]
                     st.nbytes = max(st.nbytes, round_allocation(timing.output_bytes[position], kind))
         elif phase == "backward":
-            first.backward_time_s[clock] = first.backward_time_s.get(clock, 0.0) + timing.time_s + eager_backward_s
+            first.backward_time_s[clock] = (first.backward_time_s.get(clock, 0.0)
+                                            + overlapped_s(kind, timing.time_s, eager_backward_s))
         elif phase == "optimizer":
             optimizer_time_s += timing.time_s
         if timing.source == "analytic" and phase in ("forward", "backward"):

@@ -55,7 +55,7 @@ class Tracer(TorchDispatchMode):
     does. ``phase`` says what the step is doing ("forward", "backward", "optimizer"; "idle" records
     nothing); ``clock`` is the forward op or backward step the next events belong to."""
 
-    def __init__(self, trace: Trace, modules: list[str], sync: Callable[[], None], memory: str,
+    def __init__(self, trace: Trace, modules: list[str], memory: str,
                  charge_as: str | None = None, device: Device | None = None):
         super().__init__()
         self.charge_as = charge_as       # device type whose allocator rounding applies (None: the tensor's)
@@ -63,7 +63,6 @@ class Tracer(TorchDispatchMode):
         self.trace = trace
         self.modules = modules           # the module stack, kept by forward hooks
         self.model_called = False
-        self.sync = sync
         self.memory = memory             # how to read kernel scratch: "off", "cuda" (the allocator's counters),
                                          # "cpu" (the allocator's reports in scopes),
                                          # "fake" (nothing runs: each call is recorded, timed later)
@@ -80,6 +79,8 @@ class Tracer(TorchDispatchMode):
         self.replays = ViewReplays()      # autograd's replays of fake views: not ops of the program
         self.draws = Draws()              # tensors whose values are a random draw's (branches on them)
         self.shadow: Shadow | None = None  # fake CPU steps: each new storage's shadow block (hostheap.py)
+        self.stopwatch = self.device.stopwatch()  # times the calls as the device runs them
+        self.laps: list[tuple[str, int, int]] = []  # (phase, forward op or backward step, lap) to settle
 
     # -- storages ---------------------------------------------------------------------------------------
     def register(self, t: torch.Tensor, kind: str) -> int | None:
@@ -130,7 +131,9 @@ class Tracer(TorchDispatchMode):
         high-water mark during the call (above the bytes allocated before it) goes to ``high[number]``:
         read at once on CUDA, and on CPU after the step from the torch profiler's allocation events,
         which land inside the ``memplan:<number>`` range opened here. ``done`` (fake steps only): the call
-        ran already, its output inside."""
+        ran already, its output inside. Timed on the device layer's :class:`Stopwatch` (CUDA: an event pair,
+        no synchronisation: the step's kernels queue as they do untraced): the seconds returned are 0
+        there, and :meth:`settle_times` gives the forward op or backward step its lap after the step."""
         self.scope += 1
         number = self.scope
         if self.memory == "fake":
@@ -143,18 +146,29 @@ class Tracer(TorchDispatchMode):
                 start = time.perf_counter()
                 out = func(*args, **kwargs)
                 return out, time.perf_counter() - start, number
-        self.sync()  # CUDA: let queued kernels finish so that the clock times this op alone
-        if self.memory == "cuda":
+        if self.memory == "cuda":  # the allocator's counters move as the host issues: no wait needed
             before = self.device.memory_allocated()
             self.device.reset_peak()
-        clock = self.device.clock()
-        start = clock()
+        mark = self.stopwatch.begin()
         out = func(*args, **kwargs)
-        self.sync()
-        seconds = clock() - start
+        lap = self.stopwatch.end(mark)
+        if self.phase in ("forward", "backward"):
+            self.laps.append((self.phase, len(self.trace.ops) - 1 if self.phase == "forward" else self.clock, lap))
         if self.memory == "cuda":
             self.high[number] = self.device.max_memory_allocated() - before
-        return out, seconds, number
+        return out, 0.0, number
+
+    def settle_times(self) -> None:
+        """Give each forward op and backward step the laps of its calls (read after the step)."""
+        if not self.laps:
+            return
+        seconds = self.stopwatch.seconds()
+        for phase, k, lap in self.laps:
+            if phase == "forward":
+                self.trace.ops[k].time_s += seconds[lap]
+            else:
+                self.trace.backward_time_s[k] = self.trace.backward_time_s.get(k, 0.0) + seconds[lap]
+        self.laps.clear()
 
     def _fake_call(self, func, args, kwargs):
         """``func`` on fake tensors; an op that cannot run so (its output depends on tensor values) is a
@@ -494,7 +508,7 @@ def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.
     :mod:`memplan.planner.probe.hostheap`)."""
     trace = Trace()
     stack: list[str] = []
-    tracer = Tracer(trace, stack, sync, memory, charge_as, device)
+    tracer = Tracer(trace, stack, memory, charge_as, device)
     tracer.shadow = shadow
     tracer_ref: list[Tracer | None] = [tracer]
     for kind in ("param", "buffer", "input"):
@@ -541,6 +555,7 @@ def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.
             shadow.step() if shadow is not None else contextlib.nullcontext():
         training_step(model, batch, loss_fn, optimizer, run_phase=run_phase)
     tracer_ref[0] = None
+    tracer.settle_times()
     if memory == "cpu":
         charge = tracer.device.charged_bytes if tracer.device.emulated else None
         for name, high in allocation_highs(prof, charge).items():
