@@ -57,6 +57,24 @@ def test_a_fake_profile_charges_every_forward_and_backward_call(tmp_path, monkey
     assert charged.optimizer_time_s == pytest.approx(plain.optimizer_time_s)  # optimizer calls: no charge
 
 
+def test_on_cuda_the_charge_overlaps_the_calls_own_time(tmp_path, monkeypatch):
+    """The charge is host work: on CUDA the host does it while the device runs earlier kernels, so a call
+    costs the larger of the two, not their sum (emulated GPU; a charge far above every call's own time)."""
+    from memplan.planner.probe.device import emulate_cuda
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    batch = torch.randn(8, 16)
+    with emulate_cuda():
+        timer = OpTimer(torch.device("cuda"), cache_dir=tmp_path, min_runs=1, target_s=0.0)
+        monkeypatch.setattr(profiler, "eager_charge_s", lambda t: (1.0, 2.0))
+        g = profile(model, batch, lambda m, x: m(x).sum(), device="cuda", progress=False, fake=True,
+                    timer=timer)
+    assert g.device == "cuda"
+    assert [op.time_s for op in g.ops] == [1.0] * len(g.ops)  # max(call, 1 s), not 1 s + the call
+    assert all(op.backward_time_s % 2.0 == 0.0 for op in g.ops)  # 2 s per backward call, nothing more
+
+
 def test_an_analytic_or_plain_timer_charges_nothing(tmp_path):
     from memplan.planner.core.devicespec import load_device_spec
 
