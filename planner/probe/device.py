@@ -178,8 +178,8 @@ class _CudaStopwatch(Stopwatch):
         return len(self.laps) - 1
 
     def seconds(self) -> list[float]:
-        if self.laps:
-            self.laps[-1][1].synchronize()
+        if self.laps:  # laps recorded on autograd's device thread too: wait for the whole device
+            torch.cuda.synchronize(self.device)
         return [start.elapsed_time(stop) / 1e3 for start, stop in self.laps]
 
 
