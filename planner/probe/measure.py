@@ -305,7 +305,10 @@ def measure_rank_step(build: Callable[[], tuple[Any, Any]], batch: Any, loss_fn:
     free too (the CPU allocator reports no free of a block allocated before the window: the full parameters
     that fully_shard replaces must be allocated inside it). ``batch`` is allocated before and counted.
     Memory that the allocator does not report (gloo's own buffers, allocations on threads the profiler
-    does not follow) is not counted; a free the profiler misses is restored (:func:`restore_missed_frees`).
+    does not follow) is not counted; a free the profiler misses is restored (:func:`restore_missed_frees`)
+    where it can be: a block freed on gloo's worker thread whose address is not handed out again inside the
+    window cannot, so build DDP here with ``init_sync=False`` (its constructor's broadcast buffer is such a
+    block when the worker thread drops the work last: one measurement in eight on a small MLP).
     """
     if warmup < 1:
         raise ValueError(f"measure_rank_step needs warmup >= 1 (to create the optimizer state), got {warmup}")
