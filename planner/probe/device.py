@@ -21,7 +21,8 @@ ask a :class:`Device` what they need and never test ``is_cuda`` or call ``torch.
 * **op times**: a :class:`Stopwatch` times calls issued back to back without waiting for the device between
   them (CUDA: an event pair per call, read after one synchronisation), so an op's time is its run on the
   device as the step has it, not the launch and the round trip of a synchronisation around it (the first
-  GPU run timed each op between two synchronisations and over-predicted plans' overhead 2-3x);
+  GPU run timed each op between two synchronisations, which charges every op that round trip; its plans'
+  overhead measured 2-3x under the prediction);
 * **pinned host memory**, **synchronisation**, **random generator states**, the device's name, cache and
   memory sizes, and its host-link bandwidth.
 
@@ -421,9 +422,9 @@ class _CudaCopyStream(CopyStream):
 
 POISON = 0xFF  # an emulated copy's destination until the copy is known complete (NaN in floating point)
 # What a synchronisation costs the host on a GPU beyond the queued work: the round trip and the launch of
-# the next kernel into an idle device (tens of microseconds for a small op's launch-and-wait on an H100
-# with torch's eager dispatch; the emulation's default, so that a time with a synchronisation inside it is
-# too long in CI as it is there).
+# the next kernel into an idle device (of the order of tens of microseconds with torch's eager dispatch;
+# not measured here: no GPU yet. The emulation's default, so that a time with a synchronisation inside it
+# is too long in CI as it would be there).
 SYNC_LATENCY_S = 50e-6
 
 
