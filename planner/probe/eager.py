@@ -152,5 +152,5 @@ def eager_charge_s(timer: OpTimer) -> tuple[float, float]:
                             cold=False, sweeps=timer.sweeps)
             return [t.time_s for t in timed.time(calls)]
 
-    timing = f"runs={timer.min_runs},{timer.target_s},sweeps={timer.sweeps}"
+    timing = f"runs={timer.min_runs},{timer.target_s},sweeps={timer.sweeps}|laps=queued"  # as the timer times
     return eager_overhead_s(timer.device, timer.cache_dir, alone, timing)
