@@ -55,12 +55,50 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
+class Ranges:
+    """The ranges of tensors' values where they are known: a uniform draw's ([0, 1]) and a view's of a
+    tensor with a known range (the ``detach`` of a draw); an op that writes in place forgets them all (it
+    may change a remembered tensor's values through any view of it). The fake trace answers a comparison
+    that every value answers alike (planner/probe/fake.py); :class:`Draws` takes it for no branch."""
+
+    def __init__(self) -> None:
+        self._of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (low, high)
+
+    def note(self, func: Any, args: tuple, out: Any) -> None:
+        """After ``func`` ran with ``args`` and gave ``out``."""
+        schema = getattr(func, "_schema", None)
+        if self._of and schema is not None and schema.is_mutable:
+            self._of.clear()
+        if not isinstance(out, torch.Tensor):
+            return
+        if getattr(func, "overloadpacket", None) in UNIFORM:
+            self._of[out] = (0.0, 1.0)
+            return
+        x = args[0] if args and self._of and isinstance(args[0], torch.Tensor) else None
+        bounds = self._of.get(x) if x is not None else None
+        if (bounds is not None and schema is not None and schema.returns and schema.returns[0].alias_info is not None
+                and out.dtype == x.dtype):  # a view with the same values, unless it reinterprets their bytes
+            self._of[out] = bounds
+
+    def answer(self, func: Any, args: tuple) -> bool | None:
+        """The one answer of ``func`` when it compares a tensor of known range with a number and every value
+        in the range answers alike (``torch.rand([]) < 0.0`` is False); None otherwise."""
+        if not self._of or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        bounds = self._of.get(args[0])
+        decide = COMPARISONS.get(getattr(func, "overloadpacket", None))
+        c = args[1] if len(args) > 1 else None
+        if bounds is None or decide is None or type(c) not in (int, float):
+            return None
+        return decide(*bounds, c)
+
+
 class Draws:
     """The tensors of a forward whose values are a random draw's alone (module docstring)."""
 
     def __init__(self) -> None:
         self._drawn: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._ranges: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a uniform draw's (or its views') values
+        self._ranges = Ranges()  # a uniform draw's (or its views') values
 
     def is_branch(self, func: Any, args: tuple) -> bool:
         """Whether ``func`` turns a drawn tensor into a Python value."""
@@ -73,21 +111,12 @@ class Draws:
         is_draw = packet in DRAWS
         if func in TO_PYTHON or (not is_draw and not self._drawn):  # most steps draw nothing to follow
             return
-        schema = getattr(func, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            self._ranges.clear()  # a write in place may change a remembered range, through any view
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        bounds = self._ranges.get(x) if x is not None else None
-        decide = COMPARISONS.get(packet)
+        self._ranges.note(func, args, out)
         # a comparison that every value of a uniform draw answers alike (``rand([]) < 0.0``) is no draw's
-        constant = (bounds is not None and decide is not None and len(args) > 1 and type(args[1]) in (int, float)
-                    and decide(*bounds, args[1]) is not None)
+        constant = self._ranges.answer(func, args) is not None
         inputs = _tensors((args, kwargs))
         drawn = not constant and (is_draw or (bool(inputs) and all(t in self._drawn for t in inputs)))
-        if isinstance(out, torch.Tensor) and (packet in UNIFORM or (
-                bounds is not None and schema is not None and schema.returns
-                and schema.returns[0].alias_info is not None and out.dtype == x.dtype)):
-            self._ranges[out] = (0.0, 1.0) if packet in UNIFORM else bounds  # a draw, or a view of one
+        schema = getattr(func, "_schema", None)
         written = [] if schema is None else [
             a for a, arg in zip(args, schema.arguments, strict=False)
             if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]

@@ -62,9 +62,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.probe.device import holds_real_tensors
-from memplan.planner.probe.draws import COMPARISONS as _COMPARISONS
-from memplan.planner.probe.draws import UNIFORM as _UNIFORM
-from memplan.planner.probe.draws import Draws
+from memplan.planner.probe.draws import Draws, Ranges
 from memplan.planner.probe.draws import refusal as draw_refusal
 from memplan.planner.probe.storage import move_batch
 from memplan.planner.workloads import default_optimizer
@@ -129,8 +127,7 @@ def fake_call(func: Any, args: tuple, kwargs: dict, where: str) -> Any:
 
 
 _aten = torch.ops.aten
-# uniform draws: their values lie in [0, 1), taken as [0, 1] so as not to rely on how a kernel treats 1
-_RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()   # fake tensor -> (low, high) of its values
+_RANGES = Ranges()  # fake tensors' known value ranges (a uniform draw's and its views')
 
 
 # Outputs whose layout the kernels (CPU and CUDA alike) choose otherwise than the meta function that fake
@@ -260,36 +257,14 @@ def _kernel_layout(func: Any, args: tuple, out: Any) -> Any:
     return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
 
 
-
-
 def _track_range(func: Any, args: tuple, out: Any) -> torch.Tensor | None:
-    """Remember the range of ``out``'s values where it is known (:data:`_RANGES`): a uniform draw's, and
-    a view's of a tensor with a known range (the ``detach`` of a draw); an op that writes in place forgets
-    them all. A comparison of a tensor with a known range and a number that every value in the range
-    answers alike (``torch.rand([]) < 0.0`` is false) returns that answer made for real, when it is small
-    enough to make here; None otherwise."""
-    if _RANGES and func._schema.is_mutable:
-        _RANGES.clear()  # a write in place may change a remembered tensor's values, through any view of it
-    if not isinstance(out, FakeTensor):
+    """Follow the known ranges of values (:data:`_RANGES`); a comparison of a tensor with a known range and
+    a number that every value in the range answers alike (``torch.rand([]) < 0.0`` is false) returns that
+    answer made for real, when it is small enough to make here; None otherwise."""
+    _RANGES.note(func, args, out)
+    if not isinstance(out, FakeTensor) or not args or not isinstance(args[0], FakeTensor):
         return None
-    packet = func.overloadpacket
-    if packet in _UNIFORM:
-        _RANGES[out] = (0.0, 1.0)
-        return None
-    x = args[0] if args and _RANGES else None
-    bounds = _RANGES.get(x) if isinstance(x, FakeTensor) else None
-    if bounds is None:
-        return None
-    returns = func._schema.returns
-    if returns and returns[0].alias_info is not None:  # a view (not a write: those forgot every range)
-        if out.dtype == x.dtype:  # the same values, unless it reinterprets their bytes
-            _RANGES[out] = bounds
-        return None
-    decide = _COMPARISONS.get(packet)
-    c = args[1] if len(args) > 1 else None
-    if decide is None or type(c) not in (int, float):
-        return None
-    answer = decide(*bounds, c)
+    answer = _RANGES.answer(func, args)
     if answer is None or out.numel() * out.element_size() > REAL_CONSTANT_MAX_BYTES:
         return None
     if not holds_real_tensors(out.device):
