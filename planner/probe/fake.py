@@ -371,8 +371,9 @@ class ViewReplays:
     it: nothing when it was a replay, else the held calls, in order, as the program's.
 
     Use: ``replaying(func, args)`` first in ``__torch_dispatch__`` (True: run the call, give its output to
-    ``replayed``, record nothing); then ``lazy`` / ``held`` / ``settle`` as above; ``after_write(func, args,
-    kwargs)`` and ``made(func, args, kwargs, out)`` once a recorded call has run."""
+    ``replayed``, record nothing); then ``route`` (``lazy`` / ``held`` / ``settle`` as above), and ``flush``
+    before the forward ends; ``after_write(func, args, kwargs)`` and ``made(func, args, kwargs, out)`` once
+    a recorded call has run."""
 
     def __init__(self) -> None:
         self._next: torch.Tensor | None = None  # what the next replayed view op is applied to
@@ -471,6 +472,24 @@ class ViewReplays:
         index = next((self._views[v][1][level][3] for v in self._candidates), None)
         self._held[-1] = (func, args, kwargs, out, module)
         self._last = out[index] if index is not None and isinstance(out, (tuple, list)) else out
+
+    def route(self, func: Any, args: tuple, kwargs: dict, module: str, record: Any, run: Any) -> Any:
+        """A recording mode's forward call through the check above: held (``run(func, args, kwargs)``, its
+        output returned) while it may be autograd rebuilding a stale view; else the held calls that were the
+        program's, then this one, go to ``record(func, args, kwargs, done, module)`` (``done``: ``(out,)``
+        of a held call that ran already, None for this one)."""
+        if not self.lazy(func, args, kwargs, module):
+            self.flush(args, kwargs, record)  # what was held is settled by this call ...
+            if not self.lazy(func, args, kwargs, module):  # ... which may begin a chain
+                return record(func, args, kwargs, None, module)
+        out = run(func, args, kwargs)
+        self.held(out)
+        return out
+
+    def flush(self, args: tuple, kwargs: dict | None, record: Any) -> None:
+        """Give ``record`` the held calls that were the program's own (:meth:`settle`), in order."""
+        for func, a, kw, out, module in self.settle(args, kwargs):
+            record(func, a, kw, (out,), module)
 
     def settle(self, args: tuple = (), kwargs: dict | None = None) -> list[tuple[Any, tuple, dict, Any, str]]:
         """The held calls to record as the program's before the call with ``args`` / ``kwargs`` (none when

@@ -208,22 +208,15 @@ class Tracer(TorchDispatchMode):
             self.replays.replayed(out)
             return out
         if self.memory == "fake":
-            if not self.replays.lazy(func, args, kwargs, self.where()):
-                self.settle_replays(args, kwargs)  # what was held is settled by this call ...
-                if not self.replays.lazy(func, args, kwargs, self.where()):  # ... which may begin a chain
-                    return self._record(func, args, kwargs)
             # perhaps autograd rebuilding a stale fake view before the op that reads it: held until that
             # op shows (ViewReplays), the pending outputs' grad_fn unread meanwhile
-            out = self._fake_call(func, args, kwargs)
-            self.replays.held(out)
-            return out
+            return self.replays.route(func, args, kwargs, self.where(), self._record, self._fake_call)
         return self._record(func, args, kwargs)
 
     def settle_replays(self, args: tuple = (), kwargs: dict | None = None) -> None:
         """Record the held view calls that were the program's own (ViewReplays.settle), in order, before
         the call with ``args`` / ``kwargs`` (none given: the forward has ended)."""
-        for func, a, kw, out, module in self.replays.settle(args, kwargs):
-            self._record(func, a, kw, done=(out,), module=module)
+        self.replays.flush(args, kwargs, self._record)
 
     def _record(self, func, args, kwargs, done: tuple | None = None, module: str | None = None):
         """Record forward call ``func`` as op k and run it (``done``: it ran already, its output inside)."""
@@ -610,20 +603,14 @@ class LifetimeMode(TorchDispatchMode):
             return out
         if not self.fake:
             return self._record(func, args, kwargs)
-        if not self.replays.lazy(func, args, kwargs):  # held as the traced step holds it
-            self.settle(args, kwargs)
-            if not self.replays.lazy(func, args, kwargs):
-                return self._record(func, args, kwargs)
-        out = fake_call(func, args, kwargs, "the lifetime pass")
-        self.replays.held(out)
-        return out
+        return self.replays.route(func, args, kwargs, "", self._record,  # held as the traced step holds it
+                                  lambda f, a, kw: fake_call(f, a, kw, "the lifetime pass"))
 
     def settle(self, args: tuple = (), kwargs: dict | None = None) -> None:
         """Record the held view calls that were the program's own (as :meth:`Tracer.settle_replays`)."""
-        for func, a, kw, out, _ in self.replays.settle(args, kwargs):
-            self._record(func, a, kw, done=(out,))
+        self.replays.flush(args, kwargs, self._record)
 
-    def _record(self, func, args, kwargs, done: tuple | None = None):
+    def _record(self, func, args, kwargs, done: tuple | None = None, module: str = ""):  # module: unused here
         for t in tensors_in((args, kwargs)):
             s = storage_of(t)
             if s is not None and s._cdata not in self.known:
