@@ -5,6 +5,8 @@ net of their faults, and a fake CPU profile charging a step's faults where the s
 import ctypes
 import random
 import resource
+import statistics
+import time
 
 import pytest
 import torch
@@ -292,9 +294,42 @@ def test_a_fake_cpu_profile_charges_the_steps_fresh_pages_to_the_ops_that_take_t
     # forward makes two of them (the linear's output and the relu's), backward their two gradients
     assert fresh["pages_per_step"] >= 4 * wide
     assert 0 < fresh["seconds_per_page"] < 1e-4
+    # a steady step gives back every page it faults in: each costs its fault and its release
+    assert fresh["release_s"] > 0 and fresh["fault_s"] > 0
+    assert fresh["seconds_per_page"] == pytest.approx(fresh["fault_s"] + fresh["release_s"])
     addmm = next(op for op in graph.ops if op.name == "aten.addmm.default" and
                  graph.tensors[op.outputs[0]].bytes == wide * 4096)
     assert addmm.time_s >= 0.5 * wide * fresh["seconds_per_page"]  # its output's faults, in proportion
+
+
+def test_a_fresh_pages_cost_is_what_a_block_mapped_written_and_given_back_costs():
+    """The oracle: blocks above glibc's largest mmap threshold (64 MiB), each allocated, written and freed,
+    against writing one resident block as often; the difference per fault is what a fresh page costs a
+    step (fault and release). The fault alone misses the release (0.3 of 1.6 us here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cycles, kept = [], []
+        resident = torch.empty(16 * 2**20)
+        resident.fill_(0.0)
+        for _ in range(5):
+            before = hostheap.process_faults()
+            start = time.thread_time()
+            x = torch.empty(16 * 2**20)
+            x.fill_(1.0)
+            del x
+            cycle = time.thread_time() - start
+            faults = hostheap.process_faults() - before
+            start = time.thread_time()
+            resident.fill_(1.0)
+            kept.append(time.thread_time() - start)
+            cycles.append((cycle - kept[-1]) / max(faults, 1))
+    finally:
+        torch.set_num_threads(threads)
+    measured = statistics.median(cycles)
+    modelled = hostheap.fresh_page_cost_s() + hostheap.page_release_cost_s()
+    assert 0.6 * measured < modelled < 1.5 * measured, (modelled, measured)
+    assert hostheap.page_release_cost_s() > 0
 
 
 def test_no_page_is_charged_where_the_allocator_is_not_glibcs_own(tmp_path, monkeypatch):

@@ -33,7 +33,8 @@ settings). So a fake profile on a CPU takes them apart:
   Steady state needs a few steps (the first ones grow the heap): the profile shadows its warm-up steps
   and averages the last ones (:data:`COUNTED_STEPS`), and charges that mean, in the traced step's
   proportions, to the ops whose allocations take the faults (forward op, backward step, optimizer),
-  at :func:`fresh_page_cost_s`.
+  at a page's fault and its release (:func:`fresh_page_cost_s`, :func:`page_release_cost_s`: a steady
+  step gives back every page it faults in).
 
 Against the real step's own counts (``getrusage`` around plain steps, 10 steps each, medians of the
 steady ones): GPT-2 16.3k shadowed against 15.0k real pages per step, ResNet 5.7k against 6.2k, BERT
@@ -69,7 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 PAGE = mmap.PAGESIZE
 COUNTED_STEPS = 3  # steps averaged: the last warm-up steps and the traced one
 WARMUP_STEPS = 3   # fake steps before the traced one when shadowing (the first also makes the optimizer state)
-_COST: list[float] = []  # seconds per fresh page, measured once per process
+_COST: list[tuple[float, float]] = []  # seconds per fresh page: its fault, its release (once per process)
 _SIZE_T = ctypes.sizeof(ctypes.c_size_t)
 
 
@@ -305,11 +306,24 @@ class ShadowMode(TorchDispatchMode):
 def fresh_page_cost_s() -> float:
     """Seconds a page's first write costs beyond a write of a resident page, measured on this machine once
     per process: a 64 MiB tensor (above glibc's largest mmap threshold: freshly mapped) filled twice on one
-    thread, the difference over the first fill's faults (thread CPU time; median of five)."""
+    thread, the difference over the first fill's faults (thread CPU time; median of five). What an isolated
+    run's own faults are taken off at (:class:`memplan.planner.probe.optime.OpTimer`)."""
+    return _page_costs()[0]
+
+
+def page_release_cost_s() -> float:
+    """Seconds giving a written page back to the kernel costs (the unmapping of a freed mapped block or a
+    trimmed heap top: the kernel unmaps and frees each page), measured with :func:`fresh_page_cost_s` as
+    the free of its written 64 MiB tensor over its pages. A steady step gives back as many pages as it
+    faults in (a page faults again only after it was given back), so a step's fresh page costs both."""
+    return _page_costs()[1]
+
+
+def _page_costs() -> tuple[float, float]:
     if _COST:
         return _COST[0]
     threads = torch.get_num_threads()
-    figures = []
+    faults_s, releases_s = [], []
     try:
         torch.set_num_threads(1)  # the faults are counted on this thread
         for _ in range(5):
@@ -322,12 +336,16 @@ def fresh_page_cost_s() -> float:
             start = time.thread_time()
             x.fill_(2.0)
             again = time.thread_time() - start
+            start = time.thread_time()
             del x
+            freed = time.thread_time() - start
             if faults > 0:
-                figures.append(max(0.0, first - again) / faults)
+                faults_s.append(max(0.0, first - again) / faults)
+                releases_s.append(freed / faults)
     finally:
         torch.set_num_threads(threads)
-    _COST.append(statistics.median(figures) if figures else 0.0)
+    _COST.append((statistics.median(faults_s) if faults_s else 0.0,
+                  statistics.median(releases_s) if releases_s else 0.0))
     return _COST[0]
 
 

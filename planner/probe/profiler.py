@@ -502,7 +502,7 @@ def _charge_fresh_pages(trace: Any, shadow: hostheap.Shadow | None) -> float:
     counted = shadow.step_totals[-hostheap.COUNTED_STEPS:]
     if total == 0:
         return 0.0
-    seconds_per_page = hostheap.fresh_page_cost_s() * statistics.mean(counted) / total
+    seconds_per_page = _page_cycle_s() * statistics.mean(counted) / total
     optimizer_s = 0.0
     for (phase, clock), n in traced.items():
         seconds = n * seconds_per_page
@@ -522,10 +522,18 @@ def _fresh_pages_meta(shadow: hostheap.Shadow | None, no_shadow: str | None) -> 
     if shadow.failed is not None:
         return {"charged": False, "why": shadow.failed}
     counted = shadow.step_totals[-hostheap.COUNTED_STEPS:]
-    cost = hostheap.fresh_page_cost_s()
+    cost = _page_cycle_s()
     pages = statistics.mean(counted) if counted else 0.0
     return {"charged": True, "pages_per_step": pages, "steps_counted": counted,
-            "seconds_per_page": cost, "seconds_per_step": pages * cost, "page_bytes": hostheap.PAGE}
+            "seconds_per_page": cost, "fault_s": hostheap.fresh_page_cost_s(),
+            "release_s": hostheap.page_release_cost_s(), "seconds_per_step": pages * cost,
+            "page_bytes": hostheap.PAGE}
+
+
+def _page_cycle_s() -> float:
+    """What a step's fresh page costs it: its fault and, as a steady step gives back what it faults in,
+    its release."""
+    return hostheap.fresh_page_cost_s() + hostheap.page_release_cost_s()
 
 
 def _resident_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None,
