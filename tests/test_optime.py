@@ -109,6 +109,62 @@ def test_cold_runs_flush_the_cache_and_hot_ones_do_not(tmp_path, monkeypatch):
     assert timer.stats.cache_hits == 1 and not flushes
 
 
+def test_a_call_beyond_its_cores_cache_is_timed_in_the_steps_context_on_a_cpu(tmp_path, monkeypatch):
+    """On a CPU a step's call finds the shared cache holding other calls' data: a call with an argument
+    whose reuse distance is over the core's own cache (here 1 KiB) is timed after a flush, each run, with
+    the spare run's output held; one whose arguments the calls just before touched within that cache is
+    timed back to back, as before. The two are cached apart, and the identity names the method."""
+    x = torch.rand(64)                                  # 256 B
+    big = torch.rand(1024)                              # 4 KiB: more than the core's cache below
+    first = _call(torch.ops.aten.relu.default, x)       # x new to the step: cold (and beyond the core)
+    second = _call(torch.ops.aten.neg.default, x)       # x just read: in the core's cache
+    evict = _call(torch.ops.aten.relu.default, big)     # 8 KiB through the core's cache
+    third = _call(torch.ops.aten.neg.default, x)        # x: in the shared cache, beyond the core's
+    flushes = []
+    timer = OpTimer(CPU, cache_dir=tmp_path, min_runs=3, target_s=0.0, sweeps=1)
+    monkeypatch.setattr(timer, "_core", 1024)
+    monkeypatch.setattr(timer, "flush_caches", lambda: flushes.append(1))
+    assert "context=flushed,held>1024" in timer.identity
+    timer.time([second])  # alone: x is new to the step
+    assert len(flushes) == 3
+    flushes.clear()
+    timer.time([first, second])
+    assert timer.stats.isolated_runs == 3 and len(flushes) == 3  # relu in context; the neg hot, back to back
+    flushes.clear()
+    timer.time([first, second, evict, third])
+    # relu and the hot neg cached; the big relu (new to the step) and the evicted neg: in context
+    assert timer.stats.isolated_runs == 5 and len(flushes) == 6
+    assert timer.cache_key(second, frozenset(), True) != timer.cache_key(second, frozenset(), False)
+    warm = OpTimer(CPU, cache_dir=tmp_path, min_runs=3, target_s=0.0, sweeps=1, cold=False)
+    assert "context" not in warm.identity
+
+
+def test_in_the_steps_context_the_timed_output_does_not_land_in_the_block_just_written(tmp_path, monkeypatch):
+    """A step's output lands in memory the cache has not seen lately; run after run alone, a call's output
+    lands in the block its previous run freed, hot. In the step's context the spare run's output is held
+    while the timed run writes its own: the two never share an address."""
+    outputs: list[tuple[str, int]] = []
+    timer = OpTimer(CPU, cache_dir=tmp_path, min_runs=3, target_s=0.0, sweeps=1)
+    monkeypatch.setattr(timer, "_core", 0)  # every argument beyond the core's cache: every call in context
+    monkeypatch.setattr(timer, "flush_caches", lambda: outputs.append(("flush", 0)))
+    import dataclasses
+
+    x = torch.rand(4096)
+    call = _call(torch.ops.aten.neg.default, x)
+
+    def kernel(a):
+        out = torch.neg(a)
+        outputs.append(("run", out.data_ptr()))
+        return out
+
+    timer.time([dataclasses.replace(call, func=kernel)])
+    runs = [i for i, (what, _) in enumerate(outputs) if what == "flush"]
+    assert len(runs) == 3
+    for i in runs:  # each flush is followed by the spare run, then the timed run
+        (_, spare), (_, timed) = outputs[i + 1], outputs[i + 2]
+        assert spare != timed
+
+
 def test_the_flush_buffer_outsizes_the_last_level_cache(tmp_path):
     cache_bytes = last_level_cache_bytes(CPU)
     assert cache_bytes >= 2**16
@@ -125,7 +181,7 @@ def test_a_burst_of_load_in_one_sweep_does_not_move_a_calls_time(tmp_path, monke
     figures = {str(relu.func): iter([1.0, 100.0, 1.2]), str(neg.func): iter([2.0, 2.0, 100.0])}
     order = []
 
-    def timed(call, cold=frozenset()):
+    def timed(call, cold=frozenset(), context=False):
         order.append(str(call.func))
         return next(figures[str(call.func)])
 
@@ -199,9 +255,10 @@ def test_a_cold_call_is_charged_at_most_its_warm_time_plus_two_reads_of_its_cold
     """The flush before a cold run costs a compute-bound call with small cold arguments more than the step
     pays for them (the GRU's weight-gradient products: twice their warm time): the charge is capped at
     the warm time plus two reads of the cold bytes at the bandwidth the flushes wrote at, and a call whose
-    flushed time is under that cap keeps it. Here the call spins 2 ms of CPU warm and 10 ms on its first
-    run after a flush (the spare run on spare copies comes between); its two 16 KiB arguments are cold
-    (new to the step). At a bandwidth that reads 64 KiB in 0.5 ms it is charged 2 + 1 ms; at 1 B/s the
+    flushed time is under that cap keeps it. Here the call spins 10 ms when an argument was not touched
+    since the last flush (the spare run touches its spare copies, not the timed ones) and 2 ms otherwise
+    (the ceiling's warm runs, also those after a flush and a spare run on the same arguments: a CPU's
+    step context); its two 16 KiB arguments are cold (new to the step). At a bandwidth that reads 64 KiB in 0.5 ms it is charged 2 + 1 ms; at 1 B/s the
     cap is far above and the flushed 10 ms stays."""
     import dataclasses
 
@@ -210,13 +267,12 @@ def test_a_cold_call_is_charged_at_most_its_warm_time_plus_two_reads_of_its_cold
         while clock() < end:
             pass
 
-    state = {"flushed": False, "since": 0}
+    state = {"flushed": False, "cached": set()}
 
-    def kernel(a, b):
-        state["since"] += 1
-        spin(0.010 if state["flushed"] and state["since"] == 2 else 0.002)  # flush, spare run, timed run
-        if state["since"] == 2:
-            state["flushed"] = False
+    def kernel(a, b):  # slow when an argument was not touched since the last flush (a cache of addresses)
+        cold = state["flushed"] and not {a.data_ptr(), b.data_ptr()} <= state["cached"]
+        state["cached"] |= {a.data_ptr(), b.data_ptr()}
+        spin(0.010 if cold else 0.002)
         return torch.mm(a, b)
 
     a, b = torch.rand(64, 64), torch.rand(64, 64)
@@ -225,7 +281,7 @@ def test_a_cold_call_is_charged_at_most_its_warm_time_plus_two_reads_of_its_cold
     clock = timer.layer.clock()
 
     def flush():  # as the timer's flush: marks the cold arguments evicted and records its write rate
-        state.update(flushed=True, since=0)
+        state.update(flushed=True, cached=set())
         timer._flush_rates.append(bandwidth)
 
     monkeypatch.setattr(timer, "flush_caches", flush)

@@ -69,6 +69,7 @@ from memplan.planner.core.errors import MemplanError
 EMULATE_ENV = "MEMPLAN_EMULATE_CUDA"
 DEVICE_ENV = "MEMPLAN_DEVICE"
 FALLBACK_CACHE_BYTES = 32 * 2**20  # last-level cache assumed where the device does not say
+FALLBACK_CORE_CACHE_BYTES = 2**20  # a core's own cache (L2) assumed where /sys does not say
 
 
 class StreamUseError(MemplanError):
@@ -193,6 +194,10 @@ class Device:
     # the allocator gives memory back to the kernel within a step, so a step's writes fault fresh pages
     # (the C allocator: planner/probe/hostheap.py); a caching allocator (CUDA's) keeps its blocks
     returns_pages = True
+    # a step's call finds the caches holding other calls' data and its output lands in memory the cache
+    # has not seen lately, so an isolated call is timed after a cache flush, each run (planner/probe/
+    # optime.py): measured on a CPU; a GPU's warm calls are still timed back to back
+    calls_find_caches_cold = True
 
     def __init__(self, torch_device: torch.device | None = None):
         self.torch_device = torch_device or torch.device("cpu")
@@ -273,6 +278,11 @@ class Device:
         """The last-level cache (for timing ops with cold arguments)."""
         return _cpu_cache_bytes()
 
+    def core_cache_bytes(self) -> int:
+        """The largest cache one core has to itself (a CPU's L2): a call that moves more bytes than it holds
+        streams through the shared cache, whose content the step's other calls decide."""
+        return _cpu_cache_bytes(private=True)
+
     def total_memory(self) -> int | None:
         """Device memory, where the device says (None on a CPU)."""
         return None
@@ -288,6 +298,7 @@ class CudaDevice(Device):
     type = "cuda"
     has_allocator_counters = True
     returns_pages = False
+    calls_find_caches_cold = False
 
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated(self.torch_device)
@@ -656,12 +667,15 @@ def generator_devices(tensors: list[torch.Tensor]) -> list[torch.device]:
     return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=lambda d: d.index or 0)
 
 
-def _cpu_cache_bytes() -> int:
-    """The largest CPU cache ``/sys`` lists for cpu0 (Linux), else a typical size."""
+def _cpu_cache_bytes(private: bool = False) -> int:
+    """The largest CPU cache ``/sys`` lists for cpu0 (Linux), else a typical size; ``private``: the largest
+    one cpu0 shares with no other CPU (else a typical L2)."""
     sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         with contextlib.suppress(OSError, ValueError):
-            text = entry.read_text().strip().upper()
+            if private and (index / "shared_cpu_list").read_text().strip() not in ("0", ""):
+                continue
+            text = (index / "size").read_text().strip().upper()
             scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
             sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=FALLBACK_CACHE_BYTES)
+    return max(sizes, default=FALLBACK_CORE_CACHE_BYTES if private else FALLBACK_CACHE_BYTES)

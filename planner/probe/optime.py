@@ -14,7 +14,13 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
   (a saved activation read in backward). A call with cold arguments is timed after a write over a
   buffer twice the size of the last-level cache (CPU; L2 on CUDA) and one untimed run on a spare copy
   of the cold arguments, which brings the kernel's code, the dispatch path and the hot arguments back
-  into cache and leaves the cold ones in memory; a call with none is timed warm, as before. A cold call
+  into cache and leaves the cold ones in memory; a call with none is timed warm, as before, except on
+  a CPU (:attr:`Device.calls_find_caches_cold`) where one with an argument beyond its core's own cache
+  (reuse distance over the L2) is timed in the step's context: each run after a flush and a spare run on
+  the same arguments, whose output is held, so that the timed output lands in memory the cache has not
+  seen lately, as the step's does (run after run alone, the U-Net's convolutions read 0.85-0.9x and its
+  optimizer 0.5x their time in the step; timed so, the GRU's gates, which its step keeps in the core's
+  cache, read +13%). A cold call
   is charged at most its warm time plus two reads of its cold bytes at the bandwidth its flushes write at:
   the flush costs a compute-bound call with a small cold argument far more than the step pays for it. Timed all
   warm (the same tensors again and again), a memory-bound op looked up to 8 times faster on CPU than in
@@ -572,18 +578,20 @@ class OpTimer:
         self.net_faults = spec is None and self.layer.returns_pages
         self._fault_s: float | None = None
         self._flush_rates: list[float] = []  # bytes/s of each cache flush's write
+        self._core: int | None = None
 
     @property
     def identity(self) -> str:
         """What a cached time depends on besides the call: the device, torch version and timing method."""
         faults = "|faults=net" if self.net_faults else ""
         timing = f"cold<=warm+{_COLD_READS:g}reads" if self.cold else "warm"
-        return f"{device_identity(self.device)}|timing={timing}{faults}|laps=queued"
+        context = f"|context=flushed,held>{self._core_bytes()}" if self._in_step_context() else ""
+        return f"{device_identity(self.device)}|timing={timing}{faults}|laps=queued{context}"
 
-    def cache_key(self, call: OpCall, cold: frozenset[int] = frozenset()) -> str:
+    def cache_key(self, call: OpCall, cold: frozenset[int] = frozenset(), context: bool = False) -> str:
         """The cache's key for ``call``'s time under this timer with the arguments ``cold`` timed cold:
         a SHA-256 of the timing key and the timer's identity."""
-        return _hashed(f"{self.timing_key(call, cold)}|{self.identity}")
+        return _hashed(f"{self.timing_key(call, cold, context)}|{self.identity}")
 
     @property
     def flush_bytes(self) -> int:
@@ -627,39 +635,45 @@ class OpTimer:
             colds = cold_arguments(calls, last_level_cache_bytes(self.device))
         else:
             colds = [frozenset()] * len(calls)
-        keys = [self.timing_key(c, cold) for c, cold in zip(calls, colds, strict=True)]
-        distinct: dict[str, tuple[OpCall, frozenset[int]]] = {}
-        for key, c, cold in zip(keys, calls, colds, strict=True):
-            distinct.setdefault(key, (c, cold))
+        if self._in_step_context():
+            # a call that finds an argument beyond its core's own cache is timed in the step's context
+            contexts = [bool(beyond) for beyond in cold_arguments(calls, self._core_bytes())]
+        else:
+            contexts = [False] * len(calls)
+        keys = [self.timing_key(c, cold, context) for c, cold, context in zip(calls, colds, contexts, strict=True)]
+        distinct: dict[str, tuple[OpCall, frozenset[int], bool]] = {}
+        for key, c, cold, context in zip(keys, calls, colds, contexts, strict=True):
+            distinct.setdefault(key, (c, cold, context))
         self.stats.distinct += len(distinct)
         results: dict[str, Timing] = {}
         if self.spec is not None:
-            for key, (c, _) in distinct.items():
+            for key, (c, _, _) in distinct.items():
                 results[key] = Timing(analytic_time_s(c, self.spec), 0, "analytic")
             self.stats.analytic += len(distinct)
         else:
             results = self._isolated(distinct)
         return [results[key] for key in keys]
 
-    def timing_key(self, call: OpCall, cold: frozenset[int] = frozenset()) -> str:
-        """``call``'s key with the arguments timed cold (none when the timer is warm)."""
+    def timing_key(self, call: OpCall, cold: frozenset[int] = frozenset(), context: bool = False) -> str:
+        """``call``'s key with the arguments timed cold (none when the timer is warm) and whether it is
+        timed in the step's context (:meth:`_run_timed`)."""
         if not self.cold:
             return call.key
-        return f"{call.key}|cold={','.join(map(str, sorted(cold)))}"
+        return f"{call.key}|cold={','.join(map(str, sorted(cold)))}" + ("|context" if context else "")
 
-    def _isolated(self, distinct: dict[str, tuple[OpCall, frozenset[int]]]) -> dict[str, Timing]:
+    def _isolated(self, distinct: dict[str, tuple[OpCall, frozenset[int], bool]]) -> dict[str, Timing]:
         cache = OpTimeCache(self.cache_dir)
         results: dict[str, Timing] = {}
-        todo: dict[str, tuple[OpCall, frozenset[int]]] = {}
+        todo: dict[str, tuple[OpCall, frozenset[int], bool]] = {}
         try:
-            for key, (c, cold) in distinct.items():
-                hit = cache.get(self.cache_key(c, cold))
+            for key, (c, cold, context) in distinct.items():
+                hit = cache.get(self.cache_key(c, cold, context))
                 if hit is not None:
                     results[key] = Timing(hit[0], hit[1], "isolated", hit[2])
                 else:
-                    todo[key] = (c, cold)
+                    todo[key] = (c, cold, context)
             self.stats.cache_hits += len(distinct) - len(todo)
-            highs, outputs, failed = self._high_water({key: c for key, (c, _) in todo.items()})
+            highs, outputs, failed = self._high_water({key: c for key, (c, _, _) in todo.items()})
             figures: dict[str, list[float]] = {key: [] for key in todo if key not in failed}
             for _ in range(self.sweeps):
                 for key in list(figures):
@@ -669,14 +683,14 @@ class OpTimer:
                     else:
                         figures[key].append(seconds)
             rows = []
-            for key, (c, cold) in todo.items():
+            for key, (c, cold, context) in todo.items():
                 seconds = statistics.median(figures[key]) if key in figures else None
                 if seconds is None:
                     results[key] = Timing(analytic_time_s(c, self.local_spec()), 0, "analytic")
                     self.stats.analytic += 1
                     continue
                 results[key] = Timing(seconds, highs.get(key, 0), "isolated", outputs.get(key, ()))
-                rows.append((self.cache_key(c, cold), seconds, highs.get(key, 0), outputs.get(key, ())))
+                rows.append((self.cache_key(c, cold, context), seconds, highs.get(key, 0), outputs.get(key, ())))
                 self.stats.isolated_runs += 1
             cache.put(rows)
         finally:
@@ -686,14 +700,19 @@ class OpTimer:
     def _sync(self) -> None:
         self.layer.synchronize()  # CUDA kernels are asynchronous: wait before reading the clock
 
-    def _run_timed(self, call: OpCall, cold: frozenset[int] = frozenset()) -> float | None:
+    def _run_timed(self, call: OpCall, cold: frozenset[int] = frozenset(), context: bool = False) -> float | None:
         """Median seconds of ``call`` run alone (None if it cannot run). With arguments in ``cold``, each
         run starts with the caches flushed, then one run of the call on a spare set of arguments that
         shares the others and has its own copies of the cold ones: the kernel's code, the framework's
         dispatch path and the other arguments are back in cache, as in the step, and the cold ones are
-        not (flushed, then never touched). Warm runs are issued ``min_runs`` at a time back to back, as
-        a step issues its ops: on CUDA a run is then timed behind queued work, not launched into an idle
-        device (the flush and the spare run queue ahead of a cold one)."""
+        not (flushed, then never touched). In the step's ``context`` (:meth:`_in_step_context`: a CPU's
+        call with an argument beyond its core's own cache) every run is so, the spare run on the same
+        arguments but the cold ones, and the spare run's output is held while the timed run writes its
+        own: the timed output lands in memory the cache has not seen lately, as a step's does, not in the
+        block the run before it just wrote. Otherwise
+        warm runs are issued ``min_runs`` at a time back to back, as a step issues its ops: on CUDA a run
+        is then timed behind queued work, not launched into an idle device (the flush and the spare run
+        queue ahead of a cold one)."""
         try:
             storages: dict[int, torch.Tensor] = {}
             args, kwargs = materialise(call, self.device, storages)
@@ -703,23 +722,46 @@ class OpTimer:
             if cold:
                 spare = {i: flat for i, flat in storages.items() if i not in cold}
                 spare_args, spare_kwargs = materialise(call, self.device, spare)
+            else:
+                spare_args, spare_kwargs = args, kwargs
             fault_s = self.fault_cost_s()
             times: list[float] = []
-            most = _MAX_COLD_RUNS if cold else _MAX_RUNS
+            most = _MAX_COLD_RUNS if cold or context else _MAX_RUNS
             target_s = self.target_s / self.sweeps  # the sweeps share the call's time budget
             while len(times) < self.min_runs or (sum(times) < target_s and len(times) < most):
-                if cold:
-                    self.flush_caches()
-                    out = call.func(*spare_args, **spare_kwargs)
-                    del out
-                    times += self._laps(call, args, kwargs, 1, fault_s)
+                if cold or context:
+                    times += self._flushed_lap(call, args, kwargs, spare_args, spare_kwargs, fault_s, context)
                 else:
                     times += self._laps(call, args, kwargs, self.min_runs, fault_s)
             if not cold:
                 return statistics.median(times)
-            return min(statistics.median(times), self._cold_ceiling(call, cold, args, kwargs, fault_s))
+            return min(statistics.median(times), self._cold_ceiling(call, cold, args, kwargs, fault_s, context))
         except Exception:  # noqa: BLE001 - any failure means "cannot run alone": analytic instead
             return None
+
+    def _in_step_context(self) -> bool:
+        """Whether this timer times a call with an argument beyond its core's own cache (a reuse distance
+        over it, or new to the step) in the step's context (:meth:`_run_timed`): a cold timer on a device
+        whose step leaves its calls' caches cold (:attr:`Device.calls_find_caches_cold`)."""
+        return self.cold and self.spec is None and self.layer.calls_find_caches_cold
+
+    def _core_bytes(self) -> int:
+        if self._core is None:
+            self._core = self.layer.core_cache_bytes()
+        return self._core
+
+    def _flushed_lap(self, call: OpCall, args: tuple, kwargs: dict, spare_args: tuple, spare_kwargs: dict,
+                     fault_s: float, hold: bool) -> list[float]:
+        """One run of ``call`` timed after the caches are flushed and one untimed run on the spare
+        arguments, whose output is ``hold``-en while the timed run writes its own."""
+        self.flush_caches()
+        held = call.func(*spare_args, **spare_kwargs)
+        if not hold:
+            del held
+            held = None
+        lap = self._laps(call, args, kwargs, 1, fault_s)
+        del held
+        return lap
 
     def _laps(self, call: OpCall, args: tuple, kwargs: dict, runs: int, fault_s: float) -> list[float]:
         """Seconds of ``runs`` runs of ``call`` issued back to back on the device layer's
@@ -742,13 +784,18 @@ class OpTimer:
         return seconds
 
     def _cold_ceiling(self, call: OpCall, cold: frozenset[int], args: tuple, kwargs: dict,
-                      fault_s: float) -> float:
+                      fault_s: float, context: bool = False) -> float:
         """The most a call with ``cold`` arguments is charged: its warm time (the median of ``min_runs``
-        runs on the arguments the cold runs left in cache) plus :data:`_COLD_READS` reads of the cold
-        arguments' bytes at the memory bandwidth the cache flushes wrote at (their median)."""
+        runs on the arguments the cold runs left in cache; in a step's ``context``, each after a flush and
+        a spare run on the same arguments) plus :data:`_COLD_READS` reads of the cold arguments' bytes at
+        the memory bandwidth the cache flushes wrote at (their median)."""
         if not self._flush_rates:
             return math.inf
-        warm = self._laps(call, args, kwargs, self.min_runs, fault_s)
+        if context:
+            warm = [lap for _ in range(self.min_runs)
+                    for lap in self._flushed_lap(call, args, kwargs, args, kwargs, fault_s, True)]
+        else:
+            warm = self._laps(call, args, kwargs, self.min_runs, fault_s)
         touched = call.argument_storage_bytes()
         cold_bytes = sum(touched[i] for i in cold if i < len(touched))
         bandwidth = statistics.median(self._flush_rates[-_FLUSH_RATES:])
