@@ -46,6 +46,7 @@ from memplan.planner.core.errors import Infeasible
 from memplan.planner.core.simulator import simulate
 from memplan.planner.core.units import format_bytes, parse_budget
 from memplan.planner.probe.device import device_of
+from memplan.planner.probe.hostheap import process_faults
 from memplan.planner.probe.measure import time_steps
 from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.profiler import profile
@@ -81,18 +82,22 @@ def op_seconds(g) -> dict[str, float]:
     return out
 
 
-def measured_step_s(w, optimizer) -> float:
+def measured_step_s(w, optimizer, faults: list[float] | None = None) -> float:
     """The plain eager step (no mode, no hooks), the median of MEASURED_STEPS steps timed with the device's
-    clock (one thread: this thread's CPU time)."""
+    clock (one thread: this thread's CPU time). ``faults`` receives the steps' page faults per step (the
+    kernel's count: what the fake profile's fresh-page charge predicts)."""
+    before = process_faults()
     times = time_steps(w.model, w.batch, w.loss_fn, optimizer, steps=MEASURED_STEPS, device=torch.device("cpu"),
                        clock=device_of(torch.device("cpu")).clock())
+    if faults is not None:
+        faults.append((process_faults() - before) / MEASURED_STEPS)
     return times.step_s
 
 
 def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
     w = load_workload(name)
     errors, fake_s, real_s, per_op, keep_real, keep_fake = [], [], [], [], [], []
-    steps, vs_step, eager, fresh, real_vs_step, drift = [], [], [], [], [], []
+    steps, vs_step, eager, fresh, real_vs_step, drift, faults = [], [], [], [], [], [], []
     real = fake = None
     optimizer = default_optimizer(w.model)
     training_step(w.model, w.batch, w.loss_fn, optimizer)  # the optimizer's state, as in steady training
@@ -112,12 +117,12 @@ def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
         return graph
 
     for i in range(repeats):  # interleaved, and which goes first alternates: the machine's load hits both
-        before = measured_step_s(w, optimizer)
+        before = measured_step_s(w, optimizer, faults)
         if i % 2 == 0:
             real, fake = run_real(), run_fake()
         else:
             fake, real = run_fake(), run_real()
-        after = measured_step_s(w, optimizer)
+        after = measured_step_s(w, optimizer, faults)
         steps.append((before + after) / 2)  # around the profiles: the same load
         drift.append(after / before - 1)  # the machine's own drift over the repeat: the same step, minutes apart
         keep_real.append(simulate(real, None).time_s)
@@ -141,6 +146,7 @@ def builtin_row(name: str, repeats: int, plans: bool = True) -> dict:
            "eager_overhead_s": eager[-1],
            "fresh_pages": [f.get("pages_per_step", 0.0) for f in fresh],
            "fresh_s": [f.get("seconds_per_step", 0.0) for f in fresh],
+           "measured_faults": faults,
            "ops_by_name": ops, "fake_time_sources": sorted({op.time_source for op in fake.ops}),
            "real_profile_s": statistics.median(real_s), "fake_profile_s": statistics.median(fake_s),
            "distinct_ops": fake.meta["op_timing"]["distinct"]}
@@ -208,6 +214,12 @@ def over_budget_row() -> dict:
     return json.loads(out.stdout)
 
 
+def _faults(row: dict) -> str:
+    """The measured steps' page faults per step (median), or "-" for a row from before they were counted."""
+    faults = row.get("measured_faults")
+    return f"{statistics.median(faults):,.0f}" if faults else "-"
+
+
 def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int) -> str:
     lines = [f"Machine: {machine()}; shared with other jobs while it ran (the load: see the notes below). "
              f"torch pinned to 1 thread and every clock read as this process's CPU time (see the script's "
@@ -222,10 +234,12 @@ def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int)
              "*real* profile's keep-everything step against the same measured step (what a profile of the step "
              "itself misses by), and the drift of the measured step over the repeat (the steps after the profiles "
              "over those before). *Fresh pages*: what the fake profile charged for the step's "
-             "page faults (planner/probe/hostheap.py), pages per step and their time, medians over the repeats.", "",
+             "page faults (planner/probe/hostheap.py), pages per step and their time, medians over the repeats, "
+             "against the page faults the measured steps took per step (the kernel's count, median).", "",
              "| model | ops | measured step [min, max] | fake keep-all | fake vs measured step (each repeat) | "
              "control: real profile vs measured step | control: step drift over the repeat | "
-             "fake vs real profile | eager charge fwd / bwd per call | fresh pages | real / fake profile |",
+             "fake vs real profile | eager charge fwd / bwd per call | fresh pages: fake (time) / measured | "
+             "real / fake profile |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lo, hi = r["error_spread"]
@@ -239,7 +253,8 @@ def render(rows: list[dict], llama: list[dict], over: dict | None, repeats: int)
                      f"{control} | {drift} | "
                      f"{r['keep_all_time_error'] * 100:+.1f}% [{lo * 100:+.0f}, {hi * 100:+.0f}] | "
                      f"{ef * 1e6:.1f} / {eb * 1e6:.1f} us | {statistics.median(r.get('fresh_pages') or [0]):,.0f} "
-                     f"({statistics.median(r.get('fresh_s') or [0]) * 1e3:.1f} ms) | "
+                     f"({statistics.median(r.get('fresh_s') or [0]) * 1e3:.1f} ms) / "
+                     f"{_faults(r)} | "
                      f"{r['real_profile_s']:.1f} / {r['fake_profile_s']:.1f} "
                      f"CPU s ({r['distinct_ops']} distinct calls) |")
     planned = [r for r in rows if "plan_predicted_peak" in r]
