@@ -6,7 +6,8 @@ Fields that differ by design, and are left out of the comparison: ``time_s``, ``
 ``optimizer_time_s`` and ``time_source`` (timed differently), ``measured`` (a fake profile measures no
 step), ``meta``, ``host_bandwidth_bytes_per_s`` on CUDA, and ``fixed.optimizer_step_bytes``, which a real
 profile takes from the allocator (a few bytes of the optimizer kernels' scratch above the storages it
-sees) and a fake one from the storages alone.
+sees) and a fake one from the storages alone (and with it each backward-fused bucket's share of it,
+``fused_backward[].step_bytes``).
 """
 
 import copy

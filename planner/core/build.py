@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.planner.core.errors import GraphError, first_validation_error
-from memplan.planner.core.graph import FixedMemory, Graph, ModuleCall, Op, TensorInfo
+from memplan.planner.core.graph import FixedMemory, FusedStep, Graph, ModuleCall, Op, TensorInfo
 
 NOMINAL_HOST_BANDWIDTH_BYTES_PER_S = 12e9  # on CPU offload is a logical move (see docs/model.md)
 
@@ -93,6 +93,8 @@ class Trace:
     # forward module calls as [path, first op, end op (exclusive; -1 until the call returns)], in call order
     module_calls: list[list] = field(default_factory=list)
     draw_branches: list[str] = field(default_factory=list)  # modules whose code branched on a random draw
+    # optimizer fusion's buckets as backward completed them: (step, owning module, gradient bytes)
+    fused_steps: list[tuple[int, str, int]] = field(default_factory=list)
 
 
 def backward_figures(trace: Trace) -> tuple[list[int], list[int], list[int], dict[int, int]]:
@@ -287,9 +289,22 @@ def build_graph(trace: Trace, *, name: str = "graph", device: str = "cpu", fixed
         meta["draw_branches"] = list(dict.fromkeys(trace.draw_branches))
     try:
         calls = [ModuleCall(path=p, start=a, end=b) for p, a, b in trace.module_calls if b >= a]
+        fused = [FusedStep(after=a, module=m, grad_bytes=b) for a, m, b in trace.fused_steps if 0 <= a < len(ops)]
         return Graph(name=name, device=device, model_fingerprint=fingerprint, tensors=tensors, ops=ops,
-                     module_calls=calls,
+                     module_calls=calls, fused_backward=fused,
                      fixed=fixed, optimizer_time_s=trace.optimizer_time_s if optimizer_time_s is None
                      else optimizer_time_s, host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s, meta=meta)
     except ValidationError as e:
         raise GraphError(f"the trace of {name} makes no valid graph: {first_validation_error(e)}") from None
+
+
+def share_fused_step_bytes(graph: Graph) -> None:
+    """Give each backward-fused bucket its share of the optimizer step's transient memory, by gradient
+    bytes: the optimizers fusion supports allocate their step's temporaries per parameter, in proportion to
+    it (AdamW's foreach step: one tensor the size of each parameter). Call once ``optimizer_step_bytes`` is
+    known."""
+    total = sum(f.grad_bytes for f in graph.fused_backward)
+    if total == 0:
+        return
+    for f in graph.fused_backward:
+        f.step_bytes = graph.fixed.optimizer_step_bytes * f.grad_bytes // total

@@ -137,6 +137,19 @@ class ModuleCall(_Strict):
     end: int = Field(ge=0)
 
 
+class FusedStep(_Strict):
+    """One bucket of optimizer fusion into backward (a module's own parameters, planner/probe/fusion.py):
+    where the profiled backward made its last gradient final, and its memory. Under
+    ``simulate(..., fuse="backward")`` the bucket is stepped right after that backward step (its frees
+    included) and its gradients are freed."""
+
+    after: int = Field(ge=0, description="the op whose backward step completes the bucket's gradients")
+    module: str = Field(default="", description="the module that owns the bucket's parameters")
+    grad_bytes: NonNegBytes = Field(description="its parameters' gradients, freed once it is stepped")
+    step_bytes: NonNegBytes = Field(0, description="transient memory of stepping it (its share of "
+                                                   "optimizer_step_bytes, by gradient bytes)")
+
+
 class FixedMemory(_Strict):
     """Memory that no plan changes. Parameter gradients are not here: the simulator allocates each one
     when backward first produces it (the step starts with ``grad=None``)."""
@@ -189,6 +202,10 @@ class Graph(_Strict):
         default=12e9, gt=0, allow_inf_nan=False,
         description="device<->host copy bandwidth for offload (measured on CUDA, nominal on CPU)")
     measured: Measured = Field(default_factory=Measured)
+    fused_backward: list[FusedStep] = Field(
+        default_factory=list,
+        description="the buckets a backward-fused step steps inside backward, in the order it completes them "
+                    "(empty in graphs from before they were recorded: those predict the unfused step)")
     module_calls: list[ModuleCall] = Field(
         default_factory=list,
         description="each module call of the forward and its ops (where the executor re-synchronises a step "
@@ -329,6 +346,10 @@ def _check_graph(g: Graph) -> None:
             if g.tensors[t].producer != op.id:
                 raise ValueError(f"op {op.id} ({op.name}) lists tensor {t} as an output, but that tensor "
                                  f"names producer {g.tensors[t].producer}")
+    for f in g.fused_backward:
+        if f.after >= n_o:
+            raise ValueError(f"fused_backward: a bucket of {f.module or 'the model'} is completed after op "
+                             f"{f.after}'s backward, but the graph has {n_o} ops")
     for c in g.module_calls:
         if not c.start <= c.end <= n_o:
             raise ValueError(f"module call {c.path!r} runs ops {c.start}..{c.end}, not a range of the graph's "

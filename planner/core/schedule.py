@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from memplan.planner.core.errors import PlanError
-from memplan.planner.core.graph import FUSE_MODES, Graph
+from memplan.planner.core.graph import FUSE_MODES, FusedStep, Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.replay import kept_by_replays, replay
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
@@ -335,6 +335,9 @@ class _Lowering:
                  fuse: str | None = None):
         self.g = graph
         self.fuse = fuse
+        self.fused: dict[int, list[FusedStep]] = {}  # backward step -> the fusion buckets it completes
+        for f in graph.fused_backward:
+            self.fused.setdefault(f.after, []).append(f)
         # discover: retain every pinnable tensor, record in ``reads`` the lowest backward step whose
         # replay reads each, emit nothing; pins: {tensor: step} retained from production until after it
         self.discover = discover
@@ -398,8 +401,12 @@ class _Lowering:
                 "the executor's dispatch over the forward ops it watches", duration_s=watch_s))
         self.phase, self.at = "optimizer", None
         reason, seconds = fusion_charge(g, self.fuse)
+        # backward fusion stepped its buckets already: the step's transient is what remains
+        workspace = g.fixed.optimizer_step_bytes
+        if self.fuse == "backward":
+            workspace = max(0, workspace - sum(f.step_bytes for f in g.fused_backward))
         self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
-                                         workspace_bytes=g.fixed.optimizer_step_bytes, duration_s=seconds))
+                                         workspace_bytes=workspace, duration_s=seconds))
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def _free(self, t: int, reason: str, host_bytes: int = 0) -> None:
@@ -598,3 +605,8 @@ class _Lowering:
                 if st.saved[t] and st.release_at[t] < i:
                     continue  # its own backward reader comes later and releases it
                 self._free(t, "pinned: the last replay that reads it has run")
+            if self.emit and self.fuse == "backward":
+                for f in self.fused.get(i, ()):  # the buckets this step completes: stepped, their gradients freed
+                    self.events.append(ScheduleEvent(
+                        "optimizer", "backward", i, reason=f"optimizer step of {f.module or 'the model'}'s "
+                        f"parameters, fused into backward", workspace_bytes=f.step_bytes, free_bytes=f.grad_bytes))

@@ -192,16 +192,18 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
             watched += len(ev.ops)
             watch_s += ev.duration_s
             now += ev.duration_s
-        elif kind == "optimizer":
+        elif kind == "optimizer":  # the step, or (backward fusion) a bucket stepped inside backward
             start = now
             during = live + ev.workspace_bytes
             if during > peak:
                 peak, peak_event = during, ev
             now += ev.duration_s
             optimizer_s += ev.duration_s
+            live -= ev.free_bytes  # a fused bucket's gradients
             if timeline:
-                entries.append(Event(phase="optimizer", op=None, start_s=start, live_bytes=live,
-                                     peak_bytes=max(during, live), note="optimizer step"))
+                entries.append(Event(phase="optimizer", op=ev.at, start_s=start, live_bytes=live,
+                                     peak_bytes=max(during, live),
+                                     note="optimizer step" if ev.phase == "optimizer" else ev.reason))
         # a replay event itself costs nothing: its recompute events do
     if open_key is not None:
         entries.append(_entry(*open_entry, live))

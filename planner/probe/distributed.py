@@ -106,6 +106,7 @@ def for_ddp(graph: Graph, world_size: int) -> Graph:
     if world_size < 1:
         raise DistributedPlanError(f"world_size must be >= 1, got {world_size}")
     g = _copy(graph)
+    g.fused_backward = []  # backward fusion under DDP steps after the reduction: predicted unfused (an upper bound)
     bucket_bytes = sum(t.bytes for t in g.tensors if t.kind == "param" and t.requires_grad)
     g.fixed.other_bytes += bucket_bytes
     g.meta["distributed"] = {"engine": "ddp", "world_size": world_size, "bucket_bytes": bucket_bytes}
@@ -130,6 +131,7 @@ def for_fsdp(graph: Graph, units: list[FSDPUnit], world_size: int, *, backend: s
         raise DistributedPlanError(f"the FSDP units hold {full_bytes} parameter bytes, the graph "
                                    f"{graph.fixed.params_bytes}: units of another model")
     g = _copy(graph)
+    g.fused_backward = []  # the shards' gradients under backward fusion: not modelled, predicted unfused
     shard_total = sum(u.shard_bytes for u in units)
     ratio = shard_total / full_bytes if full_bytes else 1.0
     # F: one unit's flat all-gather output = its unsharded parameters (padded) = its reduce-scatter input

@@ -35,6 +35,29 @@ from memplan.planner.core.graph import FUSE_MODES
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
+def buckets(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
+        list[list[nn.Parameter]], dict[nn.Parameter, int], dict[nn.Module, list[int]]]:
+    """The buckets fusion steps: each module's own parameters that ``optimizer`` steps and that require a
+    gradient, in ``model.modules()`` order, a parameter in the first module that owns it (tied ones). Returns
+    the buckets, each parameter's bucket, and each owning module's buckets (a tied parameter's bucket is
+    applied before the forward of any module that owns it). The profiler records where backward completes
+    each (:class:`memplan.planner.core.graph.FusedStep`) with the same rule."""
+    in_opt = {p for g in optimizer.param_groups for p in g["params"]}
+    bucket_of: dict[nn.Parameter, int] = {}
+    out: list[list[nn.Parameter]] = []
+    module_buckets: dict[nn.Module, list[int]] = {}
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p in in_opt and p.requires_grad]
+        fresh = [p for p in own if p not in bucket_of]
+        if fresh:
+            for p in fresh:
+                bucket_of[p] = len(out)
+            out.append(fresh)
+        if own:
+            module_buckets[module] = sorted({bucket_of[p] for p in own})
+    return out, bucket_of, module_buckets
+
+
 class FusedOptimizer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, *,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None):
@@ -55,19 +78,7 @@ class FusedOptimizer:
         self.max_grad_norm = max_grad_norm
         self.micro = -1                                   # micro-batch index of the running forward
         in_opt = {p for g in optimizer.param_groups for p in g["params"]}
-        self.bucket_of: dict[nn.Parameter, int] = {}
-        self.buckets: list[list[nn.Parameter]] = []
-        self.module_buckets: dict[nn.Module, list[int]] = {}
-        for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if p in in_opt and p.requires_grad]
-            fresh = [p for p in own if p not in self.bucket_of]
-            if fresh:
-                for p in fresh:
-                    self.bucket_of[p] = len(self.buckets)
-                self.buckets.append(fresh)
-            # a tied parameter's bucket is applied before the forward of any module that owns it
-            if own:
-                self.module_buckets[module] = sorted({self.bucket_of[p] for p in own})
+        self.buckets, self.bucket_of, self.module_buckets = buckets(model, optimizer)
         missing = [p for p in in_opt if p not in self.bucket_of and p.requires_grad]
         if missing:
             raise MemplanError(f"optimizer fusion: {len(missing)} optimizer parameter(s) belong to no module of "

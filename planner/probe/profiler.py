@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.planner.core.build import build_graph
+from memplan.planner.core.build import build_graph, share_fused_step_bytes
 from memplan.planner.core.devicespec import DeviceSpec, round_allocation
 from memplan.planner.core.errors import MemplanError, MemplanWarning, WorkloadError
 from memplan.planner.core.graph import FUSE_MODES, FixedMemory, Graph, Measured
@@ -257,6 +257,7 @@ def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: 
                                else attributes + untracked)
     # the allocator's view includes kernel scratch; the storages' view is the floor
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
+    share_fused_step_bytes(graph)
     graph.measured = measured
     clock = layer.clock()
     if (measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s
@@ -470,6 +471,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         op.time_source = "analytic" if op.id in analytic else "isolated"
     # the storages' view (the allocator's is not there to read)
     graph.fixed.optimizer_step_bytes = max_prefix(first.optimizer_events)
+    share_fused_step_bytes(graph)
     # what the device's libraries hold that no tensor owns (cuBLAS workspaces): the spec's figure, or what
     # this device creates for the step's two threads (forward's and autograd's)
     graph.fixed.other_bytes += device_spec.workspace_bytes if device_spec else layer.step_workspace_bytes()

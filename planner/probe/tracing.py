@@ -29,6 +29,7 @@ from memplan.planner.probe.device import Device
 from memplan.planner.probe.draws import Draws
 from memplan.planner.probe.draws import refusal as draw_refusal
 from memplan.planner.probe.fake import FakeTensor, FakeTraceError, ViewReplays, fake_call, written_tensors
+from memplan.planner.probe.fusion import buckets
 from memplan.planner.probe.hostheap import Shadow
 from memplan.planner.probe.measure import allocation_highs, allocator_events
 from memplan.planner.probe.optime import OpCall, record_call
@@ -485,6 +486,38 @@ def _packed(raw: Any) -> Any:
         return None
 
 
+@contextlib.contextmanager
+def _fusion_buckets(model: nn.Module, optimizer: torch.optim.Optimizer, tracer: Tracer) -> Iterator[None]:
+    """Record in ``tracer.trace.fused_steps`` where backward makes each fusion bucket's gradients final
+    (planner/probe/fusion.py: a bucket is stepped when the last of its parameters' gradients is), as the
+    backward step running then, the bucket's owner and its gradients' bytes (charged as the step's storages
+    are). A bucket some parameter of which gets no gradient is never stepped in backward: not recorded."""
+    groups, bucket_of, module_buckets = buckets(model, optimizer)
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        for b in module_buckets.get(module, ()):
+            owner.setdefault(b, name)
+    ready = [0] * len(groups)
+    grad_bytes = [0] * len(groups)
+
+    def final(p: torch.Tensor) -> None:
+        b = bucket_of[p]
+        ready[b] += 1
+        grad = p.grad
+        if grad is not None:
+            grad_bytes[b] += round_allocation(grad.untyped_storage().nbytes(),
+                                              tracer.charge_as or grad.device.type)
+        if ready[b] == len(groups[b]):
+            tracer.trace.fused_steps.append((tracer.clock, owner.get(b, ""), grad_bytes[b]))
+
+    handles = [p.register_post_accumulate_grad_hook(final) for p in bucket_of]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                 fixed_tensors: dict[str, list[torch.Tensor]], sync: Callable[[], None], *,
                 structure: bool, memory: str = "off", charge_as: str | None = None,
@@ -523,7 +556,8 @@ def traced_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.
                     trace.saved = saved_by_node(loss, tracer)
             return loss
         if phase == "backward":
-            with module_stack(model, stack, tracer_ref), tracer:
+            with module_stack(model, stack, tracer_ref), tracer, \
+                    _fusion_buckets(model, optimizer, tracer) if structure else contextlib.nullcontext():
                 tracer.phase, tracer.clock = "backward", len(trace.ops) - 1
                 fn()
                 tracer.phase = "idle"
