@@ -167,8 +167,10 @@ def assert_same_structure(real, fake):
     # the optimizer step's scratch differs by design (the allocator's against the storages'): the real one's
     aligned = fake.model_copy(deep=True)
     aligned.fixed.optimizer_step_bytes = real.fixed.optimizer_step_bytes
-    share_fused_step_bytes(aligned)
-    assert aligned.fused_backward == real.fused_backward
+    share_fused_step_bytes(aligned)  # the storages' share; the real one adds the allocator's scratch per bucket
+    extra = [f.step_bytes - g.step_bytes for f, g in zip(real.fused_backward, aligned.fused_backward, strict=True)]
+    assert all(0 <= e <= 1024 for e in extra), extra  # a step call's own scratch: a few bytes
+    aligned.fused_backward = [f.model_copy() for f in real.fused_backward]
     for fuse in (None, "backward"):
         assert simulate(aligned, None, fuse=fuse).peak_bytes == simulate(real, None, fuse=fuse).peak_bytes
 

@@ -168,19 +168,37 @@ def test_backward_fusion_steps_each_bucket_where_backward_completes_it_and_frees
     assert [(f.after, f.module) for f in graph.fused_backward] == [(first_reader(m), m) for m in ("4", "2", "0")]
     sizes = [(16 * 32 + 32) * 4, (32 * 32 + 32) * 4, (32 + 1) * 4]
     assert [f.grad_bytes for f in graph.fused_backward] == sizes[::-1]
-    assert sum(f.step_bytes for f in graph.fused_backward) <= graph.fixed.optimizer_step_bytes
+    # each holds its share of the step's storages and the step call's own scratch (a few bytes), in full
+    assert all(0 < f.step_bytes <= f.grad_bytes + 1024 for f in graph.fused_backward)
     fused = schedule(graph, None, fuse="backward")
     buckets = [e for e in fused.of("optimizer") if e.phase == "backward"]
     assert [(e.at, e.free_bytes, e.workspace_bytes) for e in buckets] == [
         (f.after, f.grad_bytes, f.step_bytes) for f in graph.fused_backward]
     (step,) = _step_event(fused)
-    assert step.workspace_bytes == graph.fixed.optimizer_step_bytes - sum(f.step_bytes for f in graph.fused_backward)
+    assert step.workspace_bytes == max(0, graph.fixed.optimizer_step_bytes - sum(f.step_bytes for f in graph.fused_backward))
     order = [(e.kind, e.at) for e in fused.events]
     for f in graph.fused_backward:  # right after its backward step (and the frees that step makes)
         i = order.index(("optimizer", f.after))
         assert order.index(("backward", f.after)) < i
         assert all(kind == "free" for kind, _ in order[order.index(("backward", f.after)) + 1:i])
     assert not [e for e in schedule(graph, None).of("optimizer") if e.phase == "backward"]
+
+
+def test_a_bucket_stepped_at_backwards_peak_is_predicted_to_the_byte():
+    """A wide last layer: its bucket is stepped at the first backward step, beside every saved activation,
+    holding its share of the optimizer step's transient and the step call's own scratch (which each bucket's
+    step makes again): rounded down, or shared out, the prediction was a byte under the measured peak."""
+    from memplan.executor.session import run_plan
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4096))
+
+    x = torch.randn(8, 64)
+    g = profile(build(), x, _loss, device="cpu", progress=False, repeats=1)
+    plan = Plan.keep_all(g)
+    r = run_plan(build(), x, _loss, None, plan, g, steps=1, fuse="backward", keep_all=False)
+    assert r.measured_peak_bytes == r.predicted_peak_bytes == simulate(g, plan, fuse="backward").peak_bytes
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "rnn"])

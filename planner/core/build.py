@@ -298,13 +298,17 @@ def build_graph(trace: Trace, *, name: str = "graph", device: str = "cpu", fixed
         raise GraphError(f"the trace of {name} makes no valid graph: {first_validation_error(e)}") from None
 
 
-def share_fused_step_bytes(graph: Graph) -> None:
+def share_fused_step_bytes(graph: Graph, storage_bytes: int | None = None) -> None:
     """Give each backward-fused bucket its share of the optimizer step's transient memory, by gradient
     bytes: the optimizers fusion supports allocate their step's temporaries per parameter, in proportion to
-    it (AdamW's foreach step: one tensor the size of each parameter). Call once ``optimizer_step_bytes`` is
-    known."""
+    it (AdamW's foreach step: one tensor the size of each parameter). ``storage_bytes``: the part of
+    ``optimizer_step_bytes`` the step's storages make (None: all of it); the rest, the kernels' own scratch
+    the allocator saw above them, each bucket's step makes again in full. Call once ``optimizer_step_bytes``
+    is known."""
     total = sum(f.grad_bytes for f in graph.fused_backward)
     if total == 0:
         return
+    step = graph.fixed.optimizer_step_bytes
+    base = step if storage_bytes is None else min(storage_bytes, step)
     for f in graph.fused_backward:
-        f.step_bytes = graph.fixed.optimizer_step_bytes * f.grad_bytes // total
+        f.step_bytes = -(-base * f.grad_bytes // total) + (step - base)  # rounded up: never under

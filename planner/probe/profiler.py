@@ -257,7 +257,7 @@ def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: 
                                else attributes + untracked)
     # the allocator's view includes kernel scratch; the storages' view is the floor
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
-    share_fused_step_bytes(graph)
+    share_fused_step_bytes(graph, max_prefix(first.optimizer_events))
     graph.measured = measured
     clock = layer.clock()
     if (measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s
