@@ -27,6 +27,8 @@ from memplan.solvers.registry import ALL_PLANS, Proposal, SolverSpec, get
 # (GPT-2's search ran ~7 s, a 2,000-op chain's its whole time limit), and a budget near the quoted peak, which
 # the strategy then runs on, gets the full search
 QUOTE_SEARCH_S = 1.0
+# searches under a smaller budget for a plan whose backward-fused step fits (solve's ``fuse``)
+FUSED_RETRIES = 5
 
 
 @dataclass(frozen=True)
@@ -44,15 +46,65 @@ class SolveResult:
 
 
 def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,
-          offload: bool = False, host_budget_bytes: int | None = None, **options: Any) -> SolveResult:
+          offload: bool = False, host_budget_bytes: int | None = None, fuse: str | None = None,
+          **options: Any) -> SolveResult:
     """Plan ``graph`` under ``budget_bytes`` (device peak, fixed memory included; None: no limit).
 
     ``method`` names a registered strategy (see :func:`memplan.solvers.registry.solvers`; ``auto`` picks
     one). ``offload`` lets the strategy move activations to host memory (``host_budget_bytes`` caps them);
-    ``options`` are the strategy's ``Config`` fields. Raises :class:`Infeasible` (with
-    ``min_feasible_bytes``) when no plan fits, and :class:`MemplanError` for an unknown method, a bad
-    option or a budget out of range. Every returned plan has been simulated and fits the budget there.
+    ``options`` are the strategy's ``Config`` fields. ``fuse``: the step the plan will run in ("backward":
+    each fusion bucket stepped inside backward, :func:`simulate`'s ``fuse``); the plans are searched
+    unfused, and one whose fused step goes over the budget (a bucket stepped beside backward's peak holds
+    its share of the optimizer's transient there) is searched again under a budget below its own peak by the
+    overshoot (deeper each time), at most :data:`FUSED_RETRIES` times; such a plan is "feasible", not proven
+    optimal (``stats["unfused_status"]``: the search's own claim). Raises :class:`Infeasible` (with ``min_feasible_bytes``) when no
+    plan fits, and :class:`MemplanError` for an unknown method, a bad option or a budget out of range.
+    Every returned plan has been simulated and fits the budget there, fused as asked.
     """
+    result = _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
+                    host_budget_bytes=host_budget_bytes, **options)
+    if fuse != "backward" or not graph.fused_backward or budget_bytes is None:
+        return result  # (forward fusion's step is predicted as the unfused one)
+    budget, cut = budget_bytes, 0
+    for _ in range(FUSED_RETRIES):
+        over = simulate(graph, result.plan, timeline=False, fuse=fuse).peak_bytes - budget
+        if over <= 0:
+            return _unproven(result, budget)
+        # a plan whose unfused peak is under the budget already is found again under a budget cut less than
+        # its slack: cut below its own peak, and deeper each time (the fused peak need not fall as fast)
+        cut = max(over, 2 * cut)
+        budget_bytes = min(budget_bytes, result.report.peak_bytes) - cut
+        if budget_bytes < 0:
+            break
+        try:
+            result = _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
+                            host_budget_bytes=host_budget_bytes, **options)
+        except Infeasible as e:
+            raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer "
+                             f"fused into backward: its steps inside backward hold {_both(over)} more than the "
+                             f"plans found for it; {e}", budget_bytes=budget,
+                             min_feasible_bytes=e.min_feasible_bytes) from None
+    over = simulate(graph, result.plan, timeline=False, fuse=fuse).peak_bytes - budget
+    if over > 0:
+        raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer fused "
+                         f"into backward: searched again under smaller budgets, its steps inside backward still "
+                         f"go {_both(over)} over", budget_bytes=budget)
+    return _unproven(result, budget)
+
+
+def _unproven(result: SolveResult, budget: int) -> SolveResult:
+    """``result`` for a backward-fused step under ``budget``: its plan was searched among those whose
+    unfused step fits (a smaller budget, after retries), so neither an optimality claim nor a lower bound
+    holds for the fused step, whose peak can be lower or higher: status "feasible", the search's own
+    status kept in ``stats["unfused_status"]``."""
+    stats = {**result.stats, "unfused_status": result.status}
+    solver = result.plan.solver.model_copy(update={"status": "feasible", "lower_bound_s": None, "gap": None})
+    plan = result.plan.model_copy(update={"budget_bytes": budget, "solver": solver})
+    return SolveResult(plan, result.report, "feasible", result.solve_time_s, None, None, stats, result.space)
+
+
+def _solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,
+           offload: bool = False, host_budget_bytes: int | None = None, **options: Any) -> SolveResult:
     for name, value in (("budget", budget_bytes), ("host budget", host_budget_bytes)):
         if value is None:
             continue

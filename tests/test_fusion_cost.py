@@ -220,3 +220,30 @@ def test_a_backward_fused_steps_measured_peak_is_its_prediction_to_the_byte(name
     assert r.measured_peak_bytes == r.predicted_peak_bytes == fused
     if name == "resnet":
         assert fused < simulate(g, plan).peak_bytes  # the gradients freed in backward lower this peak
+
+
+def test_a_plan_for_a_backward_fused_step_fits_the_budget_fused():
+    """A bucket stepped beside backward's peak raises it (its share of the optimizer's transient): a plan
+    that fits unfused can go over fused. solve(fuse="backward") searches again under the budget less the
+    overshoot until the fused step fits; an overshoot no plan absorbs is refused in one line."""
+    from memplan.planner.core.errors import Infeasible
+    from memplan.solvers import solve
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.Tanh())], nn.Linear(256, 1))
+    g = profile(model, torch.randn(512, 256), _loss, device="cpu", progress=False, repeats=1, measure=False)
+    first = g.fused_backward[0]  # the last Linear's bucket: stepped at the start of backward
+    first.step_bytes = 2 * 512 * 256 * 4  # as if its step held two activations' worth
+    keep = simulate(g, None).peak_bytes
+    budget = keep - 1
+    plain = solve(g, budget, "dp")
+    assert simulate(g, plain.plan, fuse="backward").peak_bytes > budget  # fits unfused only
+    fused = solve(g, budget, "dp", fuse="backward")
+    assert simulate(g, fused.plan, fuse="backward").peak_bytes <= budget
+    assert fused.plan.budget_bytes == budget
+    # searched among plans whose unfused step fits: no optimality claim or bound for the fused step
+    assert fused.status == fused.plan.solver.status == "feasible" and fused.lower_bound_s is None
+    assert fused.stats["unfused_status"] in ("optimal", "feasible")
+    first.step_bytes = 10**12  # no plan absorbs that
+    with pytest.raises(Infeasible, match="fused into backward"):
+        solve(g, budget, "dp", fuse="backward")

@@ -104,7 +104,7 @@ def run_workload(
         graph = profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out, fuse=fuse)
         b = budget_bytes(budget, graph)
         with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
-            plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload).plan
+            plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse).plan
     if save_graph is not None:
         with writing(save_graph):
             graph.save(str(save_graph))

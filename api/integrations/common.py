@@ -177,7 +177,7 @@ class StepPlanner:
                               fixed_bytes=graph.fixed.resident_bytes + held)
         try:
             result = solve(graph, max(0, budget - held), self.solver, time_limit_s=self.time_limit_s,
-                           offload=self.offload)
+                           offload=self.offload, fuse=self.fuse)
         except Infeasible as e:
             if not held:
                 raise
