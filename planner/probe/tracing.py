@@ -504,9 +504,9 @@ def _fusion_buckets(model: nn.Module, optimizer: torch.optim.Optimizer, tracer: 
         b = bucket_of[p]
         ready[b] += 1
         grad = p.grad
-        if grad is not None:
-            grad_bytes[b] += round_allocation(grad.untyped_storage().nbytes(),
-                                              tracer.charge_as or grad.device.type)
+        storage = storage_of(grad) if grad is not None else None  # none counted for a sparse one, as elsewhere
+        if storage is not None:
+            grad_bytes[b] += round_allocation(storage.nbytes(), tracer.charge_as or grad.device.type)
         if ready[b] == len(groups[b]):
             tracer.trace.fused_steps.append((tracer.clock, owner.get(b, ""), grad_bytes[b]))
 
