@@ -297,3 +297,24 @@ def test_each_cache_flush_measures_the_memory_bandwidth_it_wrote_at(tmp_path):
     for _ in range(3):
         timer.flush_caches()
     assert len(timer._flush_rates) == 3 and all(1e8 < r < 1e13 for r in timer._flush_rates)
+
+
+@pytest.mark.parametrize("siblings, l2_shared, core", [("0", "0", 2**20), ("0,64", "0,64", 2**20),
+                                                        ("0", "0-1", 48 * 2**10)])
+def test_a_cores_own_cache_is_the_largest_it_shares_only_with_its_own_hardware_threads(tmp_path, siblings,
+                                                                                     l2_shared, core):
+    """The step's context is decided against the core's own cache (its L2), read from /sys: on a machine
+    with two hardware threads per core the L2 lists both, and is still the core's own; an L2 shared with
+    another core is not (the L1 is then the core's own)."""
+    from memplan.planner.probe.device import _cpu_cache_bytes
+
+    (tmp_path / "topology").mkdir()
+    (tmp_path / "topology" / "thread_siblings_list").write_text(siblings + "\n")
+    for i, (size, shared) in enumerate([("48K", siblings), ("32K", siblings), ("1024K", l2_shared),
+                                        ("32768K", "0-15,64-79")]):
+        index = tmp_path / "cache" / f"index{i}"
+        index.mkdir(parents=True)
+        (index / "size").write_text(size + "\n")
+        (index / "shared_cpu_list").write_text(shared + "\n")
+    assert _cpu_cache_bytes(private=True, root=tmp_path) == core
+    assert _cpu_cache_bytes(root=tmp_path) == 32 * 2**20

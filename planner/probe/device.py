@@ -667,13 +667,26 @@ def generator_devices(tensors: list[torch.Tensor]) -> list[torch.device]:
     return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=lambda d: d.index or 0)
 
 
-def _cpu_cache_bytes(private: bool = False) -> int:
+def _cpu_list(text: str) -> set[int]:
+    """The CPUs of a ``/sys`` list ("0-3,8")."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _cpu_cache_bytes(private: bool = False, root: Path = Path("/sys/devices/system/cpu/cpu0")) -> int:
     """The largest CPU cache ``/sys`` lists for cpu0 (Linux), else a typical size; ``private``: the largest
-    one cpu0 shares with no other CPU (else a typical L2)."""
+    one cpu0's core has to itself, shared with no CPU but its own hardware threads (else a typical L2)."""
+    core = {0}
+    with contextlib.suppress(OSError, ValueError):
+        core |= _cpu_list((root / "topology" / "thread_siblings_list").read_text())
     sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+    for index in (root / "cache").glob("index*"):
         with contextlib.suppress(OSError, ValueError):
-            if private and (index / "shared_cpu_list").read_text().strip() not in ("0", ""):
+            if private and not _cpu_list((index / "shared_cpu_list").read_text()) <= core:
                 continue
             text = (index / "size").read_text().strip().upper()
             scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
