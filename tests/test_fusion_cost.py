@@ -247,3 +247,27 @@ def test_a_plan_for_a_backward_fused_step_fits_the_budget_fused():
     first.step_bytes = 10**12  # no plan absorbs that
     with pytest.raises(Infeasible, match="fused into backward"):
         solve(g, budget, "dp", fuse="backward")
+
+
+def test_a_plan_for_a_backward_fused_step_uses_the_room_its_early_frees_leave():
+    """Backward fusion frees each bucket's gradients inside backward, so a plan searched for the unfused step
+    leaves room under the budget; solve(fuse="backward") searches again under a budget larger by that room
+    and keeps the faster plan that still fits fused (ResNet at 80%: 73.9 -> 72.0 ms with its profiled times,
+    fewer recomputes)."""
+    from memplan.planner.workloads import load_workload
+    from memplan.solvers import solve
+
+    w = load_workload("resnet")
+    g = profile(w.model, w.batch, w.loss_fn, name="resnet", device="cpu", progress=False, repeats=1, measure=False)
+    for op in g.ops:  # times that do not move from run to run (the plans depend on them), 1 us per 4 KiB made
+        made = sum(g.tensors[t].bytes for t in op.outputs)
+        op.time_s, op.backward_time_s = 1e-6 * (1 + made / 4096), 2e-6 * (1 + made / 4096)
+    g.invalidate()
+    budget = g.fixed.resident_bytes + int((simulate(g, None).peak_bytes - g.fixed.resident_bytes) * 0.8)
+    unfused = simulate(g, solve(g, budget, "dp").plan, fuse="backward")
+    fused = solve(g, budget, "dp", fuse="backward")
+    report = simulate(g, fused.plan, fuse="backward")
+    assert report.peak_bytes <= budget < simulate(g, fused.plan).peak_bytes  # fits fused only
+    assert report.time_s < unfused.time_s
+    assert fused.status == "feasible"
+    assert fused.plan.solver.settings["fuse"] == "backward" and fused.plan.predicted.peak_bytes == report.peak_bytes
