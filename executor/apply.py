@@ -33,6 +33,7 @@ import difflib
 import functools
 import itertools
 import math
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -47,12 +48,13 @@ from memplan.executor.recipes import SIGNATURES_PER_OP, Segment
 from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order, release_order
 from memplan.executor.transfers import HostPool
 from memplan.planner.core.boundaries import BEGIN, END, Boundary, boundary_positions
-from memplan.planner.core.errors import MemplanError, PlanError, PlanMismatch
+from memplan.planner.core.errors import MemplanError, MemplanWarning, PlanError, PlanMismatch
 from memplan.planner.core.graph import DETACH, Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.schedule import Schedule, schedule
 from memplan.planner.core.shapes import family_of
-from memplan.planner.core.simulator import static_facts
+from memplan.planner.core.simulator import simulate, static_facts
+from memplan.planner.core.units import format_bytes
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
 from memplan.planner.probe.device import device_of
 from memplan.planner.probe.fusion import BACKWARD_STEPPERS, FusedOptimizer
@@ -653,5 +655,20 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, graph: Graph | str | Pat
     """
     refuse_compiled(model)
     plan, graph = _load(plan, graph)
+    _warn_if_solved_fused(plan, graph, fuse)
     return Executor(model, plan, graph, optimizer=optimizer, fuse=fuse, accumulation_steps=accumulation_steps,
                     max_grad_norm=max_grad_norm)
+
+
+def _warn_if_solved_fused(plan: Plan, graph: Graph, fuse: str | None) -> None:
+    """A plan solved for a backward-fused step (``solve(..., fuse="backward")``) may fit its budget only so:
+    applied otherwise, say what its peak is against the budget (a warning: the budget is the user's)."""
+    solved_for = plan.solver.settings.get("fuse") if plan.solver is not None else None
+    if solved_for != "backward" or fuse == "backward" or plan.budget_bytes is None:
+        return
+    peak = simulate(graph, plan, timeline=False, fuse=fuse).peak_bytes
+    if peak > plan.budget_bytes:
+        warnings.warn(MemplanWarning(
+            f"this plan was solved for the optimizer fused into backward; applied with fuse={fuse!r} its "
+            f"predicted peak is {format_bytes(peak)}, over its budget of {format_bytes(plan.budget_bytes)}: "
+            f"apply it with fuse='backward', or solve again without fuse"), stacklevel=3)

@@ -271,3 +271,24 @@ def test_a_plan_for_a_backward_fused_step_uses_the_room_its_early_frees_leave():
     assert report.time_s < unfused.time_s
     assert fused.status == "feasible"
     assert fused.plan.solver.settings["fuse"] == "backward" and fused.plan.predicted.peak_bytes == report.peak_bytes
+
+
+def test_a_plan_solved_for_a_fused_step_applied_unfused_says_it_goes_over(graph):
+    """A plan solve(fuse="backward") returns may fit its budget only fused: applied otherwise, a warning
+    names its predicted peak against the budget; applied fused, none."""
+    import warnings
+
+    from memplan.planner.core.errors import MemplanWarning
+
+    g = graph.model_copy(deep=True)
+    peak = simulate(g, None, fuse="backward").peak_bytes
+    plan = Plan.keep_all(g, budget_bytes=peak)
+    plan = plan.model_copy(update={"solver": plan.solver.model_copy(update={"settings": {"fuse": "backward"}})})
+    assert simulate(g, plan).peak_bytes > peak  # fits only fused
+    m = _model()
+    with pytest.warns(MemplanWarning, match=r"solved for the optimizer fused into backward; applied with "
+                                            r"fuse=None its predicted peak is .* over its budget"):
+        apply(m, plan, graph=g, optimizer=_opt(m)).remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemplanWarning)
+        apply(m, plan, graph=g, optimizer=_opt(m), fuse="backward").remove()
