@@ -126,7 +126,7 @@ def _unproven(graph: Graph, result: SolveResult, budget: int) -> SolveResult:
     unfused step fits another budget (smaller, or larger by the room fusion leaves), so neither an
     optimality claim nor a lower bound holds for the fused step: status "feasible", the search's own status
     kept in ``stats["unfused_status"]``. The plan records the fused step's prediction and ``fuse`` in its
-    solver settings (it may fit the budget only fused)."""
+    solver settings (it may fit the budget only fused), and the report is the fused step's."""
     stats = {**result.stats, "unfused_status": result.status}
     fused = simulate(graph, result.plan, timeline=False, fuse="backward")
     solver = result.plan.solver.model_copy(update={
@@ -135,7 +135,8 @@ def _unproven(graph: Graph, result: SolveResult, budget: int) -> SolveResult:
     predicted = Prediction(peak_bytes=fused.peak_bytes, step_time_s=fused.time_s,
                            recompute_time_s=fused.recompute_time_s, exposed_transfer_s=fused.exposed_transfer_s)
     plan = result.plan.model_copy(update={"budget_bytes": budget, "solver": solver, "predicted": predicted})
-    return SolveResult(plan, result.report, "feasible", result.solve_time_s, None, None, stats, result.space)
+    full = simulate(graph, plan, fuse="backward")  # the report is the fused step's, with its timeline
+    return SolveResult(plan, full, "feasible", result.solve_time_s, None, None, stats, result.space)
 
 
 def _solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,

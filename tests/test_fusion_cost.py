@@ -292,3 +292,28 @@ def test_a_plan_solved_for_a_fused_step_applied_unfused_says_it_goes_over(graph)
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemplanWarning)
         apply(m, plan, graph=g, optimizer=_opt(m), fuse="backward").remove()
+
+
+def test_memplan_solve_plans_for_a_backward_fused_step(graph, tmp_path):
+    """``memplan solve --fuse backward``: the plan records the fused step's prediction, the summary reports it;
+    an unknown mode is refused in one line."""
+    from typer.testing import CliRunner
+
+    from memplan.api.cli import app
+
+    g = graph.model_copy(deep=True)
+    g.save(str(tmp_path / "graph.json"))
+    budget = simulate(g, None, fuse="backward").peak_bytes
+    r = CliRunner().invoke(app, ["solve", str(tmp_path / "graph.json"), "--budget", str(budget), "--solver", "dp",
+                                 "--fuse", "backward", "-o", str(tmp_path / "plan.json"), "--json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    summary = json.loads(r.output)
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert summary["peak_bytes"] == plan.predicted.peak_bytes == simulate(g, plan, fuse="backward").peak_bytes
+    assert summary["peak_bytes"] <= budget and plan.solver.settings["fuse"] == "backward"
+    assert summary["status"] == "feasible"
+    bad = CliRunner().invoke(app, ["solve", str(tmp_path / "graph.json"), "--budget", "50%", "--fuse", "sideways"])
+    assert bad.exit_code != 0 and "--fuse 'sideways': choose backward or forward" in bad.output
+    assert "Traceback" not in bad.output

@@ -50,6 +50,8 @@ def solve(
     keep_tensor: Annotated[list[int] | None, typer.Option(
         "--keep-tensor", help="--solver manual: keep this saved activation (a tensor id), recompute the "
                               "others; repeat for more")] = None,
+    fuse: Annotated[str | None, typer.Option(help="the training loop fuses optimizer steps into backward: "
+                                                  "plan for that step's peak")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Find the fastest plan whose simulated peak fits the budget, and write it."""
@@ -63,9 +65,11 @@ def solve(
     manual = {k: v for k, v in (("checkpoint", checkpoint), ("tensors", keep_tensor)) if v}
     if manual and solver != "manual":
         raise MemplanError("--checkpoint and --keep-tensor write a plan by hand: use them with --solver manual")
+    if fuse not in (None, "backward", "forward"):
+        raise MemplanError(f"--fuse {fuse!r}: choose backward or forward")
     with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
         result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host,
-                           **manual)
+                           fuse=fuse, **manual)
     with writing(output):
         result.plan.save(str(output))
     base = keep_all_report(graph)
