@@ -60,11 +60,12 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     its share of the optimizer's transient there) is searched again under a budget below its own peak by the
     overshoot (deeper each time), at most :data:`FUSED_RETRIES` times, and one that fits with room to spare
     is searched again under a budget larger by the room (:data:`FUSED_ROOM_SEARCHES` times, the faster
-    fitting plan kept); such a plan is "feasible", not proven
+    fitting plan kept), all within ``time_limit_s``; such a plan is "feasible", not proven
     optimal (``stats["unfused_status"]``: the search's own claim). Raises :class:`Infeasible` (with ``min_feasible_bytes``) when no
     plan fits, and :class:`MemplanError` for an unknown method, a bad option or a budget out of range.
     Every returned plan has been simulated and fits the budget there, fused as asked.
     """
+    deadline = time.perf_counter() + time_limit_s  # the searches below share the request's time limit
     result = _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
                     host_budget_bytes=host_budget_bytes, **options)
     if fuse != "backward" or not graph.fused_backward or budget_bytes is None:
@@ -73,17 +74,18 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     for _ in range(FUSED_RETRIES):
         over = simulate(graph, result.plan, timeline=False, fuse=fuse).peak_bytes - budget
         if over <= 0:
-            return _unproven(graph, _use_the_room(graph, result, budget, budget_bytes, method,
-                                                  time_limit_s=time_limit_s, offload=offload,
-                                                  host_budget_bytes=host_budget_bytes, **options), budget)
+            return _unproven(graph, _use_the_room(graph, result, budget, budget_bytes, method, deadline=deadline,
+                                                  offload=offload, host_budget_bytes=host_budget_bytes, **options),
+                             budget)
         # a plan whose unfused peak is under the budget already is found again under a budget cut less than
         # its slack: cut below its own peak, and deeper each time (the fused peak need not fall as fast)
         cut = max(over, 2 * cut)
         budget_bytes = min(budget_bytes, result.report.peak_bytes) - cut
-        if budget_bytes < 0:
+        left = deadline - time.perf_counter()
+        if budget_bytes < 0 or left <= 0:
             break
         try:
-            result = _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
+            result = _solve(graph, budget_bytes, method, time_limit_s=left, offload=offload,
                             host_budget_bytes=host_budget_bytes, **options)
         except Infeasible as e:
             raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer "
@@ -93,13 +95,14 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     over = simulate(graph, result.plan, timeline=False, fuse=fuse).peak_bytes - budget
     if over > 0:
         raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer fused "
-                         f"into backward: searched again under smaller budgets, its steps inside backward still "
-                         f"go {_both(over)} over", budget_bytes=budget)
+                         f"into backward: searched again under smaller budgets within the time limit of "
+                         f"{time_limit_s:g} s, its steps inside backward still go {_both(over)} over",
+                         budget_bytes=budget)
     return _unproven(graph, result, budget)
 
 
 def _use_the_room(graph: Graph, result: SolveResult, budget: int, searched: int, method: str, *,
-                  time_limit_s: float, **kw: Any) -> SolveResult:
+                  deadline: float, **kw: Any) -> SolveResult:
     """A plan searched under ``searched`` whose backward-fused step fits ``budget`` with room to spare
     (fusion freed the gradients early): searched again under ``searched`` plus the room, at most
     :data:`FUSED_ROOM_SEARCHES` times, and the faster fused step that still fits is kept (fewer recomputes
@@ -110,8 +113,11 @@ def _use_the_room(graph: Graph, result: SolveResult, budget: int, searched: int,
         if room <= 0 or all(a == Action.KEEP for a in result.plan.actions().values()):  # nothing to give back
             break
         searched += room
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
         try:
-            again = _solve(graph, searched, method, time_limit_s=time_limit_s, **kw)
+            again = _solve(graph, searched, method, time_limit_s=left, **kw)
         except Infeasible:
             break
         fused = simulate(graph, again.plan, timeline=False, fuse="backward")

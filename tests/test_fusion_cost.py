@@ -317,3 +317,31 @@ def test_memplan_solve_plans_for_a_backward_fused_step(graph, tmp_path):
     bad = CliRunner().invoke(app, ["solve", str(tmp_path / "graph.json"), "--budget", "50%", "--fuse", "sideways"])
     assert bad.exit_code != 0 and "--fuse 'sideways': choose backward or forward" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_the_searches_for_a_fused_step_share_the_requests_time_limit(graph, monkeypatch):
+    """Every search solve(fuse="backward") runs gets what is left of one time limit, not a time limit each
+    (five more searches could have taken six): here each search takes 0.3 s and never fits; under a 1 s
+    limit they stop at it, and the refusal names the limit."""
+    import time as clock
+
+    from memplan.planner.core.errors import Infeasible
+    from memplan.solvers import core
+
+    g = graph.model_copy(deep=True)
+    g.fused_backward[0].step_bytes = 4 * 2**20  # over any budget near the keep-everything peak
+    budget = simulate(g, None).peak_bytes
+    found, limits = core._solve(g, budget, "dp", time_limit_s=30.0), []
+
+    def slow(*args, time_limit_s, **kw):
+        limits.append(time_limit_s)
+        clock.sleep(0.3)
+        return found  # the same plan again: still over
+
+    monkeypatch.setattr(core, "_solve", slow)
+    start = clock.perf_counter()
+    with pytest.raises(Infeasible, match=r"within the time limit of 1 s"):
+        core.solve(g, budget, "dp", time_limit_s=1.0, fuse="backward")
+    assert clock.perf_counter() - start < 1.0 + 0.3 + 0.5
+    assert limits[0] == 1.0 and all(b < a for a, b in zip(limits, limits[1:], strict=False))
+    assert len(limits) < 1 + core.FUSED_RETRIES
