@@ -51,7 +51,8 @@ def content_hash(text: str | bytes) -> str:
 
 
 def plan_key(*, graph_sha256: str, budget: int | str | None, solver: str, time_limit_s: float, offload: bool,
-             host_budget: int | str | None, context: str, budget_fraction: float | None = None) -> str:
+             host_budget: int | str | None, context: str, budget_fraction: float | None = None,
+             fuse: str | None = None) -> str:
     """The cache key of a plan request. ``budget`` is taken as given (``"50%"`` and the same number of
     bytes are two keys, both correct); ``context`` names memplan's version and the registered solvers."""
     norm = [b.strip() if isinstance(b, str) else b for b in (budget, host_budget)]
@@ -59,6 +60,8 @@ def plan_key(*, graph_sha256: str, budget: int | str | None, solver: str, time_l
             "time_limit_s": float(time_limit_s), "offload": bool(offload), "context": context}
     if budget_fraction is not None:  # only when given: keys of requests without it stay as they were
         body["budget_fraction"] = float(budget_fraction)
+    if fuse is not None:  # likewise
+        body["fuse"] = fuse
     return content_hash(json.dumps(body, sort_keys=True, separators=(",", ":")))
 
 

@@ -84,7 +84,8 @@ def _overhead(time_s: float, base_s: float) -> float:
 
 
 def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_limit_s: float,
-             offload: bool, host_budget: int | str | None, budget_fraction: float | None = None) -> dict[str, Any]:
+             offload: bool, host_budget: int | str | None, budget_fraction: float | None = None,
+             fuse: str | None = None) -> dict[str, Any]:
     """Solve; returns a :class:`memplan.api.schemas.PlanResponse` without ``cache_hit``.
 
     Raises :class:`memplan.planner.core.errors.Infeasible` (with ``min_feasible_bytes``) and the other
@@ -96,7 +97,7 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
     budget_bytes = resolve_budget(budget, g, fraction=budget_fraction)
     host_bytes = None if host_budget is None else parse_budget(host_budget)  # bytes: never a percentage
     result = solve(g, budget_bytes, solver, time_limit_s=time_limit_s, offload=offload,
-                   host_budget_bytes=host_bytes)
+                   host_budget_bytes=host_bytes, fuse=fuse)
     base = keep_all_report(g)
     r = result.report
     return {
@@ -117,12 +118,14 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
     }
 
 
-def simulate_job(graph: Graph | str, plan: Plan | dict[str, Any] | None, *, timeline: bool) -> dict[str, Any]:
-    """Replay the step under ``plan`` (None: keep everything); returns a ``SimulationResponse``.
-    Raises :class:`memplan.planner.core.errors.PlanMismatch` / ``PlanError`` for a plan of another graph."""
+def simulate_job(graph: Graph | str, plan: Plan | dict[str, Any] | None, *, timeline: bool,
+                 fuse: str | None = None) -> dict[str, Any]:
+    """Replay the step under ``plan`` (None: keep everything), its optimizer ``fuse``-d as given; returns a
+    ``SimulationResponse``. Raises :class:`memplan.planner.core.errors.PlanMismatch` / ``PlanError`` for a
+    plan of another graph."""
     g = load_graph(graph)
     p = plan if plan is None or isinstance(plan, Plan) else Plan.model_validate(plan)
-    report = simulate(g, p, timeline=timeline)
+    report = simulate(g, p, timeline=timeline, fuse=fuse)
     out = report.model_dump(exclude={"timeline"})
     out["graph_fingerprint"] = g.fingerprint
     out["timeline"] = [e.model_dump() for e in report.timeline] if timeline else None

@@ -161,6 +161,9 @@ class PlanRequest(_In):
     time_limit_s: TimeLimit | None = Field(default=None, description="None: the server's default")
     offload: bool = Field(default=False, description="let the solver offload activations to host memory")
     host_budget: HostBudget | None = Field(default=None, description="pinned host memory cap for offload")
+    fuse: Literal["backward"] | None = Field(
+        default=None, description="'backward': the training loop steps the optimizer inside backward; plan for "
+                                  "that step's peak (predicted is then that step's)")
 
     @model_validator(mode="after")
     def _one_budget_within_limits(self, info: ValidationInfo) -> PlanRequest:
@@ -177,6 +180,9 @@ class SimulateRequest(_In):
     graph: CheckedGraph
     plan: Plan | None = Field(default=None, description="memplan.plan/1; None: keep everything")
     timeline: bool = Field(default=False, description="include the per-step memory timeline")
+    fuse: Literal["backward", "forward"] | None = Field(
+        default=None, description="the optimizer's steps fused into backward or forward (what the graph's "
+                                  "profile measured them to cost, and backward fusion's early frees)")
 
     @model_validator(mode="after")
     def _within_limits(self, info: ValidationInfo) -> SimulateRequest:

@@ -110,7 +110,7 @@ class Service:
         graph_sha256 = await asyncio.to_thread(content_hash, read.graph_json)
         key = plan_key(graph_sha256=graph_sha256, budget=req["budget"], budget_fraction=req["budget_fraction"],
                        solver=req["solver"], time_limit_s=time_limit_s, offload=req["offload"],
-                       host_budget=req["host_budget"], context=self._cache_context)
+                       host_budget=req["host_budget"], context=self._cache_context, fuse=req["fuse"])
         if body_key is not None:
             self._remember_body(body_key, key)
         stored = await asyncio.to_thread(self.cache.get, key)
@@ -121,7 +121,7 @@ class Service:
             task = asyncio.ensure_future(self._solve_and_cache(
                 key, self._graph_arg(read), budget=req["budget"], budget_fraction=req["budget_fraction"],
                 solver=req["solver"], time_limit_s=time_limit_s, offload=req["offload"],
-                host_budget=req["host_budget"]))
+                host_budget=req["host_budget"], fuse=req["fuse"]))
             self._inflight[key] = task
             task.add_done_callback(functools.partial(self._solved, key))
         # shield: a request that goes away leaves the solve running; its answer is still cached.
@@ -148,6 +148,7 @@ class Service:
     async def simulate(self, read: ReadRequest[SimulateRequest]) -> dict[str, Any]:
         out = await self.pool.run(
             jobs.simulate_job, self._graph_arg(read), read.fields["plan"], timeline=read.fields["timeline"],
+            fuse=read.fields["fuse"],
             timeout_s=self.settings.max_time_limit_s + self.settings.grace_s)
         # The wire form names its fields: a figure the simulator adds later is not sent until it is
         # added to the schema (rather than failing the response's validation).

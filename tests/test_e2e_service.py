@@ -100,6 +100,27 @@ def test_plan_then_cache_hit_then_simulate(http, graph):
     assert max(e["peak_bytes"] for e in sim.json()["timeline"]) == res["predicted"]["peak_bytes"]
 
 
+def test_a_plan_for_a_backward_fused_step_over_http(http, graph):
+    """``fuse: "backward"`` plans for the step whose optimizer runs inside backward: the answer's predicted
+    peak is that step's (what /v1/simulate says with the same ``fuse``), the plan records it, it is cached
+    apart from the unfused request, and an unknown mode is a 422 naming the field."""
+    from memplan.planner.core.simulator import simulate
+
+    g = graph.model_dump(mode="json")
+    fused_keep = simulate(graph, None, fuse="backward").peak_bytes
+    req = {"graph": g, "budget": fused_keep, "solver": "dp", "fuse": "backward"}
+    r = http.post("/v1/plans", json=req)
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["predicted"]["peak_bytes"] <= fused_keep and res["plan"]["solver"]["settings"]["fuse"] == "backward"
+    sim = http.post("/v1/simulate", json={"graph": g, "plan": res["plan"], "fuse": "backward"}).json()
+    assert sim["peak_bytes"] == res["predicted"]["peak_bytes"]
+    plain = http.post("/v1/plans", json={**req, "fuse": None}).json()
+    assert plain["cache_hit"] is False and "fuse" not in plain["plan"]["solver"]["settings"]  # keyed apart
+    bad = http.post("/v1/plans", json={**req, "fuse": "sideways"})
+    assert bad.status_code == 422 and "fuse" in bad.text
+
+
 def test_budget_forms_agree(http, graph):
     g = graph.model_dump(mode="json")
     by_percent = http.post("/v1/plans", json={"graph": g, "budget": "85%", "solver": "oracle"}).json()
