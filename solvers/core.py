@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.planner.core.errors import Infeasible, MemplanError
-from memplan.planner.core.graph import Graph
+from memplan.planner.core.graph import FUSE_MODES, Graph
 from memplan.planner.core.plan import Action, Plan, Prediction, SolverInfo
 from memplan.planner.core.simulator import Report, simulate, simulate_actions
 from memplan.planner.core.units import MAX_BYTES, format_bytes
@@ -65,7 +65,10 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     plan fits, and :class:`MemplanError` for an unknown method, a bad option or a budget out of range.
     Every returned plan has been simulated and fits the budget there, fused as asked.
     """
-    deadline = time.perf_counter() + time_limit_s  # the searches below share the request's time limit
+    if fuse is not None and fuse not in FUSE_MODES:
+        raise MemplanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
+    start = time.perf_counter()
+    deadline = start + time_limit_s  # the searches below share the request's time limit
     result = _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
                     host_budget_bytes=host_budget_bytes, **options)
     if fuse != "backward" or not graph.fused_backward or budget_bytes is None:
@@ -76,7 +79,7 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
         if over <= 0:
             return _unproven(graph, _use_the_room(graph, result, budget, budget_bytes, method, deadline=deadline,
                                                   offload=offload, host_budget_bytes=host_budget_bytes, **options),
-                             budget)
+                             budget, time.perf_counter() - start)
         # a plan whose unfused peak is under the budget already is found again under a budget cut less than
         # its slack: cut below its own peak, and deeper each time (the fused peak need not fall as fast)
         cut = max(over, 2 * cut)
@@ -98,7 +101,7 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
                          f"into backward: searched again under smaller budgets within the time limit of "
                          f"{time_limit_s:g} s, its steps inside backward still go {_both(over)} over",
                          budget_bytes=budget)
-    return _unproven(graph, result, budget)
+    return _unproven(graph, result, budget, time.perf_counter() - start)
 
 
 def _use_the_room(graph: Graph, result: SolveResult, budget: int, searched: int, method: str, *,
@@ -106,7 +109,7 @@ def _use_the_room(graph: Graph, result: SolveResult, budget: int, searched: int,
     """A plan searched under ``searched`` whose backward-fused step fits ``budget`` with room to spare
     (fusion freed the gradients early): searched again under ``searched`` plus the room, at most
     :data:`FUSED_ROOM_SEARCHES` times, and the faster fused step that still fits is kept (fewer recomputes
-    where the freed gradients make room: ResNet at 90%)."""
+    where the freed gradients make room: ResNet at 80%)."""
     best = simulate(graph, result.plan, timeline=False, fuse="backward")
     for _ in range(FUSED_ROOM_SEARCHES):
         room = budget - best.peak_bytes
@@ -127,22 +130,23 @@ def _use_the_room(graph: Graph, result: SolveResult, budget: int, searched: int,
     return result
 
 
-def _unproven(graph: Graph, result: SolveResult, budget: int) -> SolveResult:
+def _unproven(graph: Graph, result: SolveResult, budget: int, elapsed_s: float) -> SolveResult:
     """``result`` for a backward-fused step under ``budget``: its plan was searched among those whose
     unfused step fits another budget (smaller, or larger by the room fusion leaves), so neither an
     optimality claim nor a lower bound holds for the fused step: status "feasible", the search's own status
     kept in ``stats["unfused_status"]``. The plan records the fused step's prediction and ``fuse`` in its
-    solver settings (it may fit the budget only fused), and the report is the fused step's."""
+    solver settings (it may fit the budget only fused), and the report is the fused step's; ``elapsed_s``:
+    all the searches' time."""
     stats = {**result.stats, "unfused_status": result.status}
     fused = simulate(graph, result.plan, timeline=False, fuse="backward")
     solver = result.plan.solver.model_copy(update={
-        "status": "feasible", "lower_bound_s": None, "gap": None,
+        "status": "feasible", "lower_bound_s": None, "gap": None, "solve_time_s": elapsed_s,
         "settings": {**result.plan.solver.settings, "fuse": "backward"}})
     predicted = Prediction(peak_bytes=fused.peak_bytes, step_time_s=fused.time_s,
                            recompute_time_s=fused.recompute_time_s, exposed_transfer_s=fused.exposed_transfer_s)
     plan = result.plan.model_copy(update={"budget_bytes": budget, "solver": solver, "predicted": predicted})
     full = simulate(graph, plan, fuse="backward")  # the report is the fused step's, with its timeline
-    return SolveResult(plan, full, "feasible", result.solve_time_s, None, None, stats, result.space)
+    return SolveResult(plan, full, "feasible", elapsed_s, None, None, stats, result.space)
 
 
 def _solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,

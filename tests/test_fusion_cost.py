@@ -247,6 +247,8 @@ def test_a_plan_for_a_backward_fused_step_fits_the_budget_fused():
     first.step_bytes = 10**12  # no plan absorbs that
     with pytest.raises(Infeasible, match="fused into backward"):
         solve(g, budget, "dp", fuse="backward")
+    with pytest.raises(MemplanError, match="fuse='sideways': expected backward or forward"):
+        solve(g, budget, "dp", fuse="sideways")
 
 
 def test_a_plan_for_a_backward_fused_step_uses_the_room_its_early_frees_leave():
