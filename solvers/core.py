@@ -75,10 +75,12 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
         return result  # (forward fusion's step is predicted as the unfused one)
     budget, cut = budget_bytes, 0
     for _ in range(FUSED_RETRIES):
-        over = simulate(graph, result.plan, timeline=False, fuse=fuse).peak_bytes - budget
+        fused = simulate(graph, result.plan, timeline=False, fuse=fuse)
+        over = fused.peak_bytes - budget
         if over <= 0:
-            return _unproven(graph, _use_the_room(graph, result, budget, budget_bytes, method, deadline=deadline,
-                                                  offload=offload, host_budget_bytes=host_budget_bytes, **options),
+            return _unproven(graph, _use_the_room(graph, result, fused, budget, budget_bytes, method,
+                                                  deadline=deadline, offload=offload,
+                                                  host_budget_bytes=host_budget_bytes, **options),
                              budget, time.perf_counter() - start)
         # a plan whose unfused peak is under the budget already is found again under a budget cut less than
         # its slack: cut below its own peak, and deeper each time (the fused peak need not fall as fast)
@@ -104,13 +106,12 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     return _unproven(graph, result, budget, time.perf_counter() - start)
 
 
-def _use_the_room(graph: Graph, result: SolveResult, budget: int, searched: int, method: str, *,
+def _use_the_room(graph: Graph, result: SolveResult, best: Report, budget: int, searched: int, method: str, *,
                   deadline: float, **kw: Any) -> SolveResult:
     """A plan searched under ``searched`` whose backward-fused step fits ``budget`` with room to spare
     (fusion freed the gradients early): searched again under ``searched`` plus the room, at most
     :data:`FUSED_ROOM_SEARCHES` times, and the faster fused step that still fits is kept (fewer recomputes
-    where the freed gradients make room: ResNet at 80%)."""
-    best = simulate(graph, result.plan, timeline=False, fuse="backward")
+    where the freed gradients make room: ResNet at 80%). ``best``: the plan's fused step, simulated."""
     for _ in range(FUSED_ROOM_SEARCHES):
         room = budget - best.peak_bytes
         if room <= 0 or all(a == Action.KEEP for a in result.plan.actions().values()):  # nothing to give back
@@ -138,15 +139,14 @@ def _unproven(graph: Graph, result: SolveResult, budget: int, elapsed_s: float) 
     solver settings (it may fit the budget only fused), and the report is the fused step's; ``elapsed_s``:
     all the searches' time."""
     stats = {**result.stats, "unfused_status": result.status}
-    fused = simulate(graph, result.plan, timeline=False, fuse="backward")
+    fused = simulate(graph, result.plan, fuse="backward")  # the report, with its timeline
     solver = result.plan.solver.model_copy(update={
         "status": "feasible", "lower_bound_s": None, "gap": None, "solve_time_s": elapsed_s,
         "settings": {**result.plan.solver.settings, "fuse": "backward"}})
     predicted = Prediction(peak_bytes=fused.peak_bytes, step_time_s=fused.time_s,
                            recompute_time_s=fused.recompute_time_s, exposed_transfer_s=fused.exposed_transfer_s)
     plan = result.plan.model_copy(update={"budget_bytes": budget, "solver": solver, "predicted": predicted})
-    full = simulate(graph, plan, fuse="backward")  # the report is the fused step's, with its timeline
-    return SolveResult(plan, full, "feasible", elapsed_s, None, None, stats, result.space)
+    return SolveResult(plan, fused, "feasible", elapsed_s, None, None, stats, result.space)
 
 
 def _solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,

@@ -317,7 +317,7 @@ def test_memplan_solve_plans_for_a_backward_fused_step(graph, tmp_path):
     assert summary["peak_bytes"] <= budget and plan.solver.settings["fuse"] == "backward"
     assert summary["status"] == "feasible"
     bad = CliRunner().invoke(app, ["solve", str(tmp_path / "graph.json"), "--budget", "50%", "--fuse", "sideways"])
-    assert bad.exit_code != 0 and "--fuse 'sideways': choose backward or forward" in bad.output
+    assert bad.exit_code != 0 and "fuse='sideways': expected backward or forward" in bad.output
     assert "Traceback" not in bad.output
 
 

@@ -65,8 +65,6 @@ def solve(
     manual = {k: v for k, v in (("checkpoint", checkpoint), ("tensors", keep_tensor)) if v}
     if manual and solver != "manual":
         raise MemplanError("--checkpoint and --keep-tensor write a plan by hand: use them with --solver manual")
-    if fuse not in (None, "backward", "forward"):
-        raise MemplanError(f"--fuse {fuse!r}: choose backward or forward")
     with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
         result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host,
                            fuse=fuse, **manual)

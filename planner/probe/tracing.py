@@ -84,6 +84,10 @@ class Tracer(TorchDispatchMode):
         self.laps: list[tuple[str, int, int]] = []  # (phase, forward op or backward step, lap) to settle
 
     # -- storages ---------------------------------------------------------------------------------------
+    def charged(self, s: torch.UntypedStorage, t: torch.Tensor) -> int:
+        """Bytes of ``t``'s storage ``s`` as the allocator of the graph's device charges them."""
+        return round_allocation(s.nbytes(), self.charge_as or t.device.type)
+
     def register(self, t: torch.Tensor, kind: str) -> int | None:
         """The storage id of ``t``, registering its storage (as ``kind``) when new."""
         s = storage_of(t)
@@ -95,7 +99,7 @@ class Tracer(TorchDispatchMode):
             return tid
         tid = len(self.trace.storages)
         born = (self.phase, self.clock) if kind == "activation" else None
-        nbytes = round_allocation(s.nbytes(), self.charge_as or t.device.type)
+        nbytes = self.charged(s, t)
         self.trace.storages.append(TraceStorage(tid, kind, nbytes, dtype_name(t.dtype), list(t.shape), born,
                                                 requires_grad=kind != "activation" and t.requires_grad))
         self.by_key[key] = tid
@@ -506,7 +510,7 @@ def _fusion_buckets(model: nn.Module, optimizer: torch.optim.Optimizer, tracer: 
         grad = p.grad
         storage = storage_of(grad) if grad is not None else None  # none counted for a sparse one, as elsewhere
         if storage is not None:
-            grad_bytes[b] += round_allocation(storage.nbytes(), tracer.charge_as or grad.device.type)
+            grad_bytes[b] += tracer.charged(storage, grad)
         if ready[b] == len(groups[b]):
             tracer.trace.fused_steps.append((tracer.clock, owner.get(b, ""), grad_bytes[b]))
 
