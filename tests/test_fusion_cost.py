@@ -347,3 +347,42 @@ def test_the_searches_for_a_fused_step_share_the_requests_time_limit(graph, monk
     assert clock.perf_counter() - start < 1.0 + 0.3 + 0.5
     assert limits[0] == 1.0 and all(b < a for a, b in zip(limits, limits[1:], strict=False))
     assert len(limits) < 1 + core.FUSED_RETRIES
+
+
+def test_a_fused_plan_at_gpu_scale_fits_and_is_no_better_than_the_exhaustive_optimum():
+    """At a GPU's figures (10 layers of 512 MiB activations and 256 MiB weights, budgets of tens of GB),
+    against the oracle: every keep/recompute choice of the saved activations simulated fused. The plan
+    solve(fuse="backward") returns fits the budget fused, is no faster than the best plan that does (it is
+    one of them), and, where the plan searched for the unfused step fits fused too, no slower than it."""
+    import itertools
+
+    from memplan.planner.core.graph import FusedStep
+    from memplan.planner.core.synthetic import linear_chain
+    from memplan.solvers import solve
+
+    mib = 2**20
+    g = linear_chain(10, activation_bytes=512 * mib, input_bytes=512 * mib, param_bytes=256 * mib,
+                     time_s=[0.001 * (1 + i % 3) for i in range(10)])
+    g.fixed.optimizer_step_bytes = 10 * 256 * mib  # AdamW's sqrt list: one tensor per parameter
+    g.fused_backward = [FusedStep(after=i, module=f"layers.{i}", grad_bytes=256 * mib, step_bytes=256 * mib)
+                        for i in reversed(range(10))]
+    g.invalidate()
+    assert simulate(g, None, fuse="backward").peak_bytes <= simulate(g, None).peak_bytes
+    saved = sorted({t for op in g.ops for t in op.saved if g.tensors[t].kind == "activation"})
+    fixed = g.fixed.resident_bytes
+    recomputed = 0
+    for budget in (fixed + 5 * 2**30, fixed + 21 * 2**28, fixed + 22 * 2**28):  # keep-everything: fixed + 5.75 GiB
+        best = None
+        for choice in itertools.product(("keep", "recompute"), repeat=len(saved)):
+            r = simulate(g, Plan.for_graph(g, dict(zip(saved, choice, strict=True))), timeline=False, fuse="backward")
+            if r.peak_bytes <= budget and (best is None or r.time_s < best):
+                best = r.time_s
+        assert best is not None
+        fused = solve(g, budget, "dp", fuse="backward")
+        report = simulate(g, fused.plan, timeline=False, fuse="backward")
+        assert report.peak_bytes <= budget and report.time_s >= best - 1e-12
+        recomputed += fused.plan.count("recompute")
+        plain = simulate(g, solve(g, budget, "dp").plan, timeline=False, fuse="backward")
+        if plain.peak_bytes <= budget:
+            assert report.time_s <= plain.time_s + 1e-12
+    assert recomputed > 0  # the budgets bind
