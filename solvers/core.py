@@ -8,6 +8,7 @@ step alone, for strategies that run others (``auto``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from typing import Any
 
 from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.graph import FUSE_MODES, Graph
-from memplan.planner.core.plan import Action, Plan, Prediction, SolverInfo
-from memplan.planner.core.simulator import Report, simulate, simulate_actions
+from memplan.planner.core.plan import Plan, Prediction, SolverInfo
+from memplan.planner.core.simulator import Report, simulate, simulate_actions, static_facts
 from memplan.planner.core.units import MAX_BYTES, format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 from memplan.solvers.min_memory import least_peak, smallest_known_peak
@@ -27,10 +28,8 @@ from memplan.solvers.registry import ALL_PLANS, Proposal, SolverSpec, get
 # (GPT-2's search ran ~7 s, a 2,000-op chain's its whole time limit), and a budget near the quoted peak, which
 # the strategy then runs on, gets the full search
 QUOTE_SEARCH_S = 1.0
-# searches under a smaller budget for a plan whose backward-fused step fits (solve's ``fuse``)
-FUSED_RETRIES = 5
-# searches under a larger budget where backward fusion's early frees leave room (solve's ``fuse``)
-FUSED_ROOM_SEARCHES = 2
+# bisections of the searched budget for a backward-fused step (solve's ``fuse``), after its first two searches
+FUSED_SEARCHES = 4
 
 
 @dataclass(frozen=True)
@@ -55,13 +54,10 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     ``method`` names a registered strategy (see :func:`memplan.solvers.registry.solvers`; ``auto`` picks
     one). ``offload`` lets the strategy move activations to host memory (``host_budget_bytes`` caps them);
     ``options`` are the strategy's ``Config`` fields. ``fuse``: the step the plan will run in ("backward":
-    each fusion bucket stepped inside backward, :func:`simulate`'s ``fuse``); the plans are searched
-    unfused, and one whose fused step goes over the budget (a bucket stepped beside backward's peak holds
-    its share of the optimizer's transient there) is searched again under a budget below its own peak by the
-    overshoot (deeper each time), at most :data:`FUSED_RETRIES` times, and one that fits with room to spare
-    is searched again under a budget larger by the room (:data:`FUSED_ROOM_SEARCHES` times, the faster
-    fitting plan kept), all within ``time_limit_s``; such a plan is "feasible", not proven
-    optimal (``stats["unfused_status"]``: the search's own claim). Raises :class:`Infeasible` (with ``min_feasible_bytes``) when no
+    each fusion bucket stepped inside backward, :func:`simulate`'s ``fuse``); its plans are searched on
+    :func:`fused_search_graph` (the fused step's memory, over-counted by at most a bucket step's transient)
+    within ``time_limit_s`` (:func:`_solve_fused`): optimal where the search's claim carries over, else
+    "feasible" with the search's bound. Raises :class:`Infeasible` (with ``min_feasible_bytes``) when no
     plan fits, and :class:`MemplanError` for an unknown method, a bad option or a budget out of range.
     Every returned plan has been simulated and fits the budget there, fused as asked.
     """
@@ -69,84 +65,164 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
         raise MemplanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
     start = time.perf_counter()
     deadline = start + time_limit_s  # the searches below share the request's time limit
-    result = _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
-                    host_budget_bytes=host_budget_bytes, **options)
     if fuse != "backward" or not graph.fused_backward or budget_bytes is None:
-        return result  # (forward fusion's step is predicted as the unfused one)
-    budget, cut = budget_bytes, 0
-    for _ in range(FUSED_RETRIES):
-        fused = simulate(graph, result.plan, timeline=False, fuse=fuse)
-        over = fused.peak_bytes - budget
-        if over <= 0:
-            return _unproven(graph, _use_the_room(graph, result, fused, budget, budget_bytes, method,
-                                                  deadline=deadline, offload=offload,
-                                                  host_budget_bytes=host_budget_bytes, **options),
-                             budget, time.perf_counter() - start)
-        # a plan whose unfused peak is under the budget already is found again under a budget cut less than
-        # its slack: cut below its own peak, and deeper each time (the fused peak need not fall as fast)
-        cut = max(over, 2 * cut)
-        budget_bytes = min(budget_bytes, result.report.peak_bytes) - cut
-        left = deadline - time.perf_counter()
-        if budget_bytes < 0 or left <= 0:
-            break
-        try:
-            result = _solve(graph, budget_bytes, method, time_limit_s=left, offload=offload,
-                            host_budget_bytes=host_budget_bytes, **options)
-        except Infeasible as e:
-            raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer "
-                             f"fused into backward: its steps inside backward hold {_both(over)} more than the "
-                             f"plans found for it; {e}", budget_bytes=budget,
-                             min_feasible_bytes=e.min_feasible_bytes) from None
-    over = simulate(graph, result.plan, timeline=False, fuse=fuse).peak_bytes - budget
-    if over > 0:
-        raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer fused "
-                         f"into backward: searched again under smaller budgets within the time limit of "
-                         f"{time_limit_s:g} s, its steps inside backward still go {_both(over)} over",
-                         budget_bytes=budget)
-    return _unproven(graph, result, budget, time.perf_counter() - start)
+        return _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
+                      host_budget_bytes=host_budget_bytes, **options)  # (forward fusion: predicted unfused)
+    return _solve_fused(graph, budget_bytes, method, time_limit_s=time_limit_s, start=start, deadline=deadline,
+                        offload=offload, host_budget_bytes=host_budget_bytes, **options)
 
 
-def _use_the_room(graph: Graph, result: SolveResult, best: Report, budget: int, searched: int, method: str, *,
-                  deadline: float, **kw: Any) -> SolveResult:
-    """A plan searched under ``searched`` whose backward-fused step fits ``budget`` with room to spare
-    (fusion freed the gradients early): searched again under ``searched`` plus the room, at most
-    :data:`FUSED_ROOM_SEARCHES` times, and the faster fused step that still fits is kept (fewer recomputes
-    where the freed gradients make room: ResNet at 80%). ``best``: the plan's fused step, simulated."""
-    for _ in range(FUSED_ROOM_SEARCHES):
-        room = budget - best.peak_bytes
-        if room <= 0 or all(a == Action.KEEP for a in result.plan.actions().values()):  # nothing to give back
-            break
-        searched += room
+def fused_search_graph(graph: Graph) -> tuple[Graph, int]:
+    """The graph the searches for a backward-fused step run on (solve's ``fuse="backward"``), and the most
+    it over-counts a plan's fused peak by. It is the step without fusion, but each bucket's gradients freed
+    by the backward step that completes them (``backward_grad_free_bytes``) and what its step's transient
+    needs beyond that step's own frees held during the step (``backward_workspace_bytes``); the final step's
+    transient is what remains. Every solver reads those fields, so every solver searches the fused step's
+    memory. A bucket is stepped after its backward step frees its workspace, the gradients it consumed and
+    the saved activations it read last (plan-independent: every plan has them resident there), so only the
+    transient beyond those is added, and a plan's peak here is never below its fused peak (the executor's
+    pins, which keep an activation for a later replay, aside: solve checks every plan fused). Same
+    fingerprint: its plans are the graph's."""
+    st = static_facts(graph)
+    search = graph.model_copy(deep=True)
+    buckets: dict[int, list[Any]] = {}
+    for f in graph.fused_backward:
+        buckets.setdefault(f.after, []).append(f)
+    over = 0
+    for i, steps in buckets.items():
+        op = graph.ops[i]
+        freed = (op.backward_workspace_bytes + op.backward_grad_free_bytes
+                 + sum(graph.tensors[t].bytes for t in st.releases_after_bwd[i] if st.is_activation[t]))
+        need, stepped = 0, 0
+        for f in steps:  # stepped one after another, each after the gradients before it are freed
+            need = max(need, f.step_bytes - stepped)
+            stepped += f.grad_bytes
+        extra = max(0, need - freed)
+        search.ops[i].backward_workspace_bytes += extra
+        search.ops[i].backward_grad_free_bytes += stepped
+        over = max(over, extra)
+    search.fixed.optimizer_step_bytes = max(
+        0, graph.fixed.optimizer_step_bytes - sum(f.step_bytes for f in graph.fused_backward))
+    search.fused_backward = []
+    return search.invalidate(), over
+
+
+def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float, start: float, deadline: float,
+                 **kw: Any) -> SolveResult:
+    """solve(..., fuse="backward"). The searches run on :func:`fused_search_graph`, whose peaks are the fused
+    step's plus at most ``over`` (a bucket step's transient beyond its backward step's frees), so every plan
+    whose fused step fits ``budget`` fits ``budget + over`` there: the plan searched under that budget is at
+    least as fast as any of them (over the search's space), and where its own fused step fits it is the
+    answer, with the search's claims. Otherwise the plan searched under ``budget`` fits (or, where no plan
+    does there, the one at the search graph's least peak may), and the searched budget is bisected between
+    the two (:data:`FUSED_SEARCHES` times), the fastest fused step that fits kept: bounded by the first
+    search's bound, and "optimal" only where it meets it."""
+    search, over = fused_search_graph(graph)
+
+    def attempt(searched: int) -> tuple[SolveResult, Report]:
         left = deadline - time.perf_counter()
         if left <= 0:
+            raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer "
+                             f"fused into backward within the time limit of {time_limit_s:g} s", budget_bytes=budget)
+        result = _solve(search, searched, method, time_limit_s=left, **kw)
+        return result, simulate(graph, result.plan, timeline=False, fuse="backward")
+
+    def late() -> float | None:
+        return time_limit_s if time.perf_counter() >= deadline else None
+
+    try:
+        top, top_fused = attempt(budget + over)
+    except Infeasible as e:  # no plan's search peak is under budget + over: no plan's fused peak under budget
+        raise _fused_refusal(graph, budget, late(), e, attempt) from None
+    fixed_s = top_fused.time_s - top.report.time_s  # fused against search-graph time: the same for every plan
+    bound = None if top.lower_bound_s is None else top.lower_bound_s + fixed_s
+    if top_fused.peak_bytes <= budget:
+        return _fused_result(graph, top, top_fused, budget, start, status=top.status, lower_bound_s=bound,
+                             searched=budget + over, searches=1)
+    searches, fits = 2, budget
+    try:
+        low, low_fused = attempt(budget)
+    except Infeasible as e:
+        floor = e.min_feasible_bytes
+        if floor is None or floor <= budget or floor >= budget + over:
+            raise _fused_refusal(graph, budget, late(), e, None) from None
+        low, low_fused = attempt(floor)  # the search graph's least peak: its fused step may still fit
+        if low_fused.peak_bytes > budget:
+            raise _fused_refusal(graph, budget, late(), e, None, found=min(floor, low_fused.peak_bytes)) from None
+        searches, fits = 3, floor
+    if low_fused.peak_bytes > budget:  # a pin kept an activation past the step that frees it (see above)
+        fits = budget - (low_fused.peak_bytes - budget)
+        try:
+            low, low_fused = attempt(fits)
+        except Infeasible as e:
+            raise _fused_refusal(graph, budget, late(), e, None, found=low_fused.peak_bytes) from None
+        if low_fused.peak_bytes > budget:
+            raise _fused_refusal(graph, budget, late(), Infeasible(""), None, found=low_fused.peak_bytes)
+        searches += 1
+    misses = budget + over
+    best, best_fused = low, low_fused
+    for _ in range(FUSED_SEARCHES):
+        mid = (fits + misses) // 2
+        if mid <= fits or deadline - time.perf_counter() <= 0:
             break
         try:
-            again = _solve(graph, searched, method, time_limit_s=left, **kw)
+            again, again_fused = attempt(mid)
         except Infeasible:
             break
-        fused = simulate(graph, again.plan, timeline=False, fuse="backward")
-        if fused.peak_bytes > budget or fused.time_s >= best.time_s:
-            break
-        result, best = again, fused
-    return result
+        searches += 1
+        if again_fused.peak_bytes <= budget:
+            fits = mid
+            if again_fused.time_s < best_fused.time_s:
+                best, best_fused = again, again_fused
+        else:
+            misses = mid
+    # as fast as the bound over every plan whose fused step fits: optimal over the search's space
+    proven = bound is not None and best_fused.time_s <= bound + 1e-9 * abs(bound)
+    return _fused_result(graph, best, best_fused, budget, start, status="optimal" if proven else "feasible",
+                         lower_bound_s=bound, searched=fits, searches=searches)
 
 
-def _unproven(graph: Graph, result: SolveResult, budget: int, elapsed_s: float) -> SolveResult:
-    """``result`` for a backward-fused step under ``budget``: its plan was searched among those whose
-    unfused step fits another budget (smaller, or larger by the room fusion leaves), so neither an
-    optimality claim nor a lower bound holds for the fused step: status "feasible", the search's own status
-    kept in ``stats["unfused_status"]``. The plan records the fused step's prediction and ``fuse`` in its
-    solver settings (it may fit the budget only fused), and the report is the fused step's; ``elapsed_s``:
-    all the searches' time."""
-    stats = {**result.stats, "unfused_status": result.status}
-    fused = simulate(graph, result.plan, fuse="backward")  # the report, with its timeline
+def _fused_refusal(graph: Graph, budget: int, late: float | None, refused: Infeasible, attempt: Any, *,
+                   found: int | None = None) -> Infeasible:
+    """The refusal of ``budget`` for a backward-fused step, quoting the least fused peak memplan found: the
+    plan at the search graph's least peak (``refused.min_feasible_bytes``), searched again with ``attempt``
+    where given (its fused peak is at most that), or ``found``; ``late``: the time limit the searches ran
+    out of, if they did."""
+    floor = refused.min_feasible_bytes if found is None else found
+    if floor is not None and floor <= budget:
+        # the search failed for another reason than the budget (its method, its time): say its own words
+        return Infeasible(f"with the optimizer fused into backward: {refused}", budget_bytes=budget,
+                          min_feasible_bytes=refused.min_feasible_bytes)
+    if floor is not None and attempt is not None and found is None:
+        with contextlib.suppress(Infeasible):
+            floor = min(floor, attempt(floor)[1].peak_bytes)
+    least = (f"; the least peak memplan found for that step is {_both(floor)} (fixed memory alone is "
+             f"{format_bytes(graph.fixed.resident_bytes)})" if floor is not None else f": {refused}")
+    if late is not None:
+        least += f"; the searches stopped at the time limit of {late:g} s, a longer one may find a plan"
+    return Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer fused into "
+                      f"backward{least}", budget_bytes=budget, min_feasible_bytes=floor)
+
+
+def _fused_result(graph: Graph, result: SolveResult, fused: Report, budget: int, start: float, *, status: str,
+                  lower_bound_s: float | None, searched: int, searches: int) -> SolveResult:
+    """``result`` (searched on the fused search graph under ``searched``) for the backward-fused step under
+    ``budget``: the report and the plan's prediction are the fused step's (with its timeline), the plan records
+    ``fuse`` in its solver settings (it may fit the budget only fused), and ``status`` / ``lower_bound_s``
+    the claims that hold for the fused step."""
+    elapsed = time.perf_counter() - start
+    report = simulate(graph, result.plan, fuse="backward")  # with its timeline
+    gap = None
+    if lower_bound_s is not None and report.time_s > 0:
+        gap = max(0.0, (report.time_s - lower_bound_s) / report.time_s)
+    stats = {**result.stats, "search_status": result.status, "searched_bytes": searched, "searches": searches}
     solver = result.plan.solver.model_copy(update={
-        "status": "feasible", "lower_bound_s": None, "gap": None, "solve_time_s": elapsed_s,
+        "status": status, "lower_bound_s": lower_bound_s, "gap": gap, "solve_time_s": elapsed,
         "settings": {**result.plan.solver.settings, "fuse": "backward"}})
-    predicted = Prediction(peak_bytes=fused.peak_bytes, step_time_s=fused.time_s,
-                           recompute_time_s=fused.recompute_time_s, exposed_transfer_s=fused.exposed_transfer_s)
+    predicted = Prediction(peak_bytes=report.peak_bytes, step_time_s=report.time_s,
+                           recompute_time_s=report.recompute_time_s, exposed_transfer_s=report.exposed_transfer_s)
     plan = result.plan.model_copy(update={"budget_bytes": budget, "solver": solver, "predicted": predicted})
-    return SolveResult(plan, fused, "feasible", elapsed_s, None, None, stats, result.space)
+    return SolveResult(plan, report, status, elapsed, lower_bound_s, gap, stats, result.space)
 
 
 def _solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,
