@@ -116,22 +116,23 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
     answer, with the search's claims. Otherwise the plan searched under ``budget`` fits (or, where no plan
     does there, the one at the search graph's least peak may), and the searched budget is bisected between
     the two (:data:`FUSED_SEARCHES` times), the fastest fused step that fits kept: bounded by the first
-    search's bound, and "optimal" only where it meets it."""
+    search's bound, and "optimal" only where it meets it. The searches share ``time_limit_s``: where another
+    may follow, a search gets half of what is left (auto's ILP runs to its limit), a bisection its share."""
     search, over = fused_search_graph(graph)
 
-    def attempt(searched: int) -> tuple[SolveResult, Report]:
+    def attempt(searched: int, share: float = 1.0) -> tuple[SolveResult, Report]:
         left = deadline - time.perf_counter()
         if left <= 0:
             raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer "
                              f"fused into backward within the time limit of {time_limit_s:g} s", budget_bytes=budget)
-        result = _solve(search, searched, method, time_limit_s=left, **kw)
+        result = _solve(search, searched, method, time_limit_s=left * share, **kw)
         return result, simulate(graph, result.plan, timeline=False, fuse="backward")
 
     def late() -> float | None:
         return time_limit_s if time.perf_counter() >= deadline else None
 
-    try:
-        top, top_fused = attempt(budget + over)
+    try:  # (a search may run to its limit, as auto's ILP does: where another may follow, it gets half)
+        top, top_fused = attempt(budget + over, 0.5 if over else 1.0)
     except Infeasible as e:  # no plan's search peak is under budget + over: no plan's fused peak under budget
         raise _fused_refusal(graph, budget, late(), e, attempt) from None
     fixed_s = top_fused.time_s - top.report.time_s  # fused against search-graph time: the same for every plan
@@ -141,12 +142,12 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
                              searched=budget + over, searches=1)
     searches, fits = 2, budget
     try:
-        low, low_fused = attempt(budget)
+        low, low_fused = attempt(budget, 0.5)
     except Infeasible as e:
         floor = e.min_feasible_bytes
         if floor is None or floor <= budget or floor >= budget + over:
             raise _fused_refusal(graph, budget, late(), e, None) from None
-        low, low_fused = attempt(floor)  # the search graph's least peak: its fused step may still fit
+        low, low_fused = attempt(floor, 0.5)  # the search graph's least peak: its fused step may still fit
         if low_fused.peak_bytes > budget:
             raise _fused_refusal(graph, budget, late(), e, None, found=min(floor, low_fused.peak_bytes)) from None
         searches, fits = 3, floor
@@ -161,12 +162,12 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
         searches += 1
     misses = budget + over
     best, best_fused = low, low_fused
-    for _ in range(FUSED_SEARCHES):
+    for k in range(FUSED_SEARCHES):
         mid = (fits + misses) // 2
         if mid <= fits or deadline - time.perf_counter() <= 0:
             break
         try:
-            again, again_fused = attempt(mid)
+            again, again_fused = attempt(mid, 1 / (FUSED_SEARCHES - k))
         except Infeasible:
             break
         searches += 1

@@ -375,7 +375,7 @@ def test_the_searches_for_a_fused_step_share_the_requests_time_limit(graph, monk
                                          r"time limit of 1 s"):
         core.solve(g, budget, "dp", time_limit_s=1.0, fuse="backward")
     assert clock.perf_counter() - start < 1.0 + 0.4 + 0.5
-    assert 0.9 < limits[0] <= 1.0 and all(b < a for a, b in zip(limits, limits[1:], strict=False)) and len(limits) <= 3
+    assert limits[0] <= 1.0 and all(b < a for a, b in zip(limits, limits[1:], strict=False)) and len(limits) <= 3
 
 
 def test_a_fused_plan_at_gpu_scale_is_the_exhaustive_optimum_at_every_budget():
