@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass
 
 from memplan.planner.core.errors import GraphError, Infeasible, MemplanError
-from memplan.planner.core.graph import Graph
+from memplan.planner.core.graph import FUSE_MODES, Graph
 from memplan.planner.core.shapes import at_shape, family_of
+from memplan.planner.core.simulator import simulate
 from memplan.planner.core.units import format_bytes
 from memplan.solvers import (
     SolveResult,
@@ -61,11 +62,13 @@ class MaxDim:
 
 def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead: float | None = None,
             method: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
-            max_value: int = MAX_VALUE) -> MaxDim:
+            max_value: int = MAX_VALUE, fuse: str | None = None) -> MaxDim:
     """The largest value of dimension ``dim`` (the family's other dimensions at the graph's own values)
     whose best plan fits ``budget_bytes`` within ``max_overhead`` (a fraction: 0.2 is 20%; None: any).
 
-    ``method``, ``time_limit_s`` (per candidate) and ``offload`` go to :func:`memplan.solvers.solve`.
+    ``method``, ``time_limit_s`` (per candidate), ``offload`` and ``fuse`` go to :func:`memplan.solvers.solve`
+    (``fuse="backward"``: the step with the optimizer fused into backward, its peak and its overhead against
+    keeping everything in that step).
     Raises :class:`GraphError` when the graph has no shape family over ``dim``, :class:`Infeasible`
     (naming the minimum feasible budget at ``dim = 1``) when not even 1 fits, and :class:`MemplanError`
     for a negative budget or overhead. ``max_value`` caps the search (a model's maximum sequence length):
@@ -81,6 +84,9 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
         raise MemplanError(f"budget must be a non-negative number of bytes, got {budget_bytes!r}")
     if max_overhead is not None and not max_overhead >= 0:
         raise MemplanError(f"max overhead must be a non-negative fraction, got {max_overhead!r}")
+    if fuse is not None and fuse not in FUSE_MODES:
+        raise MemplanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
+    fused = fuse == "backward" and bool(graph.fused_backward)
     fixed = dict(fam.at)
     found: dict[int, tuple[Graph, SolveResult, float]] = {}
     probes: dict[int, Probe] = {}
@@ -89,16 +95,17 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
         if v in probes:
             return probes[v]
         g = at_shape(graph, {**fixed, dim: v}, extrapolate=True)
-        if memory_lower_bound(g) > budget_bytes:
+        # (the unfused step's bound is no bound on the fused one: solve refuses that, quoting its least peak)
+        if not fused and memory_lower_bound(g) > budget_bytes:
             least = smallest_known_peak(g, offload=offload, deadline=time.perf_counter() + time_limit_s)
             p = Probe(v, False, "no plan fits the budget", least)
         else:
             try:
-                result = solve(g, budget_bytes, method, time_limit_s=time_limit_s, offload=offload)
+                result = solve(g, budget_bytes, method, time_limit_s=time_limit_s, offload=offload, fuse=fuse)
             except Infeasible as e:
                 p = Probe(v, False, "no plan fits the budget", e.min_feasible_bytes)
             else:
-                base = keep_all_report(g).time_s
+                base = simulate(g, None, timeline=False, fuse=fuse).time_s if fuse else keep_all_report(g).time_s
                 overhead = result.report.time_s / base - 1.0 if base > 0 else 0.0
                 if max_overhead is not None and overhead > max_overhead + 1e-12:
                     p = Probe(v, False, f"the best plan found costs {overhead:.1%} over keeping everything",

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.api.cli import app
-from memplan.planner.core.errors import GraphError, Infeasible
+from memplan.planner.core.errors import GraphError, Infeasible, MemplanError
+from memplan.planner.core.graph import FusedStep
 from memplan.planner.core.shapes import at_shape, fit_family
 from memplan.planner.core.simulator import simulate
 from memplan.planner.core.synthetic import linear_chain
@@ -20,20 +21,27 @@ from memplan.solvers import keep_all_report, smallest_known_peak, solve
 from memplan.solvers.maxbatch import max_dim
 
 
-def _chain_family():
+def _chain_family(fused: bool = False):
+    """A 6-op chain at batch 8, 6, 4; ``fused``: with 600-byte weights, each a bucket stepped with a transient
+    its size (fused into backward, its gradients freed there)."""
     def at(b: int):
-        return linear_chain(6, activation_bytes=[100 * b, 300 * b, 50 * b, 200 * b, 100 * b, 10 * b],
-                            input_bytes=100 * b, time_s=[1.0, 3.0, 1.0, 2.0, 1.0, 1.0])
+        g = linear_chain(6, activation_bytes=[100 * b, 300 * b, 50 * b, 200 * b, 100 * b, 10 * b],
+                         input_bytes=100 * b, time_s=[1.0, 3.0, 1.0, 2.0, 1.0, 1.0], param_bytes=600 * fused)
+        if fused:
+            g.fused_backward = [FusedStep(after=i, grad_bytes=600, step_bytes=600) for i in reversed(range(6))]
+            g.fixed.optimizer_step_bytes = 6 * 600
+        return g
     return fit_family([({"batch": 8}, at(8)), ({"batch": 6}, at(6)), ({"batch": 4}, at(4))])
 
 
-def _fits(graph, budget: int, b: int, max_overhead: float | None) -> bool:
+def _fits(graph, budget: int, b: int, max_overhead: float | None, fuse: str | None = None) -> bool:
     g = at_shape(graph, {"batch": b}, extrapolate=True)
     try:
-        r = solve(g, budget, "oracle")
+        r = solve(g, budget, "oracle", fuse=fuse)
     except Infeasible:
         return False
-    return max_overhead is None or r.report.time_s <= (1 + max_overhead) * keep_all_report(g).time_s + 1e-12
+    keep = simulate(g, None, fuse=fuse).time_s
+    return max_overhead is None or r.report.time_s <= (1 + max_overhead) * keep + 1e-12
 
 
 @pytest.mark.parametrize("budget", [1500, 9000])
@@ -46,6 +54,26 @@ def test_search_agrees_with_solving_every_value(budget, max_overhead):
     assert not answer.next.fits and answer.next.value == answer.value + 1
     assert answer.result.report.peak_bytes <= budget
     assert answer.graph.tensors[1].bytes == 100 * answer.value
+
+
+@pytest.mark.parametrize("budget", [9000, 11000, 20000])
+@pytest.mark.parametrize("max_overhead", [None, 0.1])
+def test_a_fused_search_agrees_with_solving_every_value_fused(budget, max_overhead):
+    """``fuse="backward"``: every value solved for the fused step (its overhead against keeping everything
+    in that step), and the answer is larger than the unfused step's (at 9,000 B none fits at all unfused):
+    the gradients go early and the optimizer's transient is taken a bucket at a time."""
+    graph = _chain_family(fused=True)
+    fits = [b for b in range(1, 40) if _fits(graph, budget, b, max_overhead, "backward")]
+    answer = max_dim(graph, budget, max_overhead=max_overhead, method="oracle", fuse="backward")
+    try:
+        plain = max_dim(graph, budget, max_overhead=max_overhead, method="oracle").value
+    except Infeasible:
+        plain = 0
+    assert answer.value == max(fits) > plain
+    assert answer.result.report.peak_bytes <= budget and answer.result.plan.solver.settings["fuse"] == "backward"
+    assert not answer.next.fits and answer.next.value == answer.value + 1
+    with pytest.raises(MemplanError, match="fuse='sideways'"):
+        max_dim(graph, budget, fuse="sideways")
 
 
 def test_bad_input_is_named():
@@ -115,6 +143,30 @@ def test_the_answer_trains_as_predicted_and_one_more_does_not_fit(name):
     least = solve(more, smallest_known_peak(more))
     measured_more, _ = _measured_peak(name, answer.value + 1, least.plan, more)
     assert measured_more > budget
+
+
+def test_a_backward_fused_step_fits_a_larger_batch_and_trains_as_predicted():
+    """``max_dim(..., fuse="backward")`` (``memplan maxbatch --fuse backward``): sized for the step with the
+    optimizer fused into backward, whose gradients are freed inside backward and whose optimizer transient
+    is taken bucket by bucket. On the MLP at the budget keep-everything needs at the profiled batch, the
+    unfused answer is that batch, the fused one about twice it; trained fused there, the measured peak is the
+    prediction to the byte, within the budget."""
+    from memplan.executor.session import run_plan
+    from memplan.planner.workloads import load_workload
+
+    graph = _family("mlp")
+    b0 = graph.meta["shape_family"]["at"]["batch"]
+    budget = keep_all_report(at_shape(graph, {"batch": b0}, extrapolate=True)).peak_bytes
+    plain = max_dim(graph, budget)
+    fused = max_dim(graph, budget, fuse="backward")
+    assert plain.value == b0 and fused.value > 1.5 * b0
+    assert fused.result.plan.solver.settings["fuse"] == "backward"
+    assert simulate(fused.graph, fused.result.plan, fuse="backward").peak_bytes == fused.result.report.peak_bytes
+    assert not fused.next.fits and fused.next.min_feasible_bytes > budget
+    w = load_workload("mlp", **{**TINY["mlp"], "batch_size": fused.value})
+    r = run_plan(w.model, w.batch, w.loss_fn, None, fused.result.plan, fused.graph, steps=1, warmup=1,
+                 keep_all=False, fuse="backward")
+    assert r.measured_peak_bytes == r.predicted_peak_bytes == fused.result.report.peak_bytes <= budget
 
 
 @pytest.mark.slow
@@ -195,6 +247,16 @@ def test_cli_answers_from_a_family_graph_and_refuses_a_percentage(tmp_path):
     assert got["next"]["value"] == got["value"] + 1 and (tmp_path / "plan.json").is_file()
     res = runner.invoke(app, ["maxbatch", str(path), "--budget", "50%"])
     assert res.exit_code == 2 and "maxbatch takes a budget in bytes" in res.output
+    _chain_family(fused=True).save(str(path))
+    res = runner.invoke(app, ["maxbatch", str(path), "--budget", "11000", "--fuse", "backward", "--solver", "oracle",
+                              "--json", "-o", str(tmp_path / "plan.json"), "--graph", str(tmp_path / "graph.json")])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert got["fuse"] == "backward"
+    assert got["value"] == max_dim(_chain_family(fused=True), 11000, method="oracle", fuse="backward").value == 8
+    res = runner.invoke(app, ["maxbatch", str(path), "--budget", "11000", "--fuse", "sideways"])
+    assert res.exit_code != 0 and "fuse='sideways': expected backward or forward" in res.output
+    assert "Traceback" not in res.output
 
 
 def test_service_answers_and_bounds_the_search():
@@ -213,6 +275,13 @@ def test_service_answers_and_bounds_the_search():
         assert body["value"] == max_dim(_chain_family(), 4000, max_overhead=0.1).value
         assert body["next"]["value"] == body["value"] + 1
         assert body["plan"]["graph_fingerprint"] and body["graph"]["tensors"][1]["bytes"] == 100 * body["value"]
+        fused = json.loads(_chain_family(fused=True).model_dump_json())
+        r = c.post("/v1/maxbatch", json={"graph": fused, "budget": 11000, "fuse": "backward", "solver": "oracle",
+                                         "time_limit_s": 0.5, "max_value": 1000})
+        assert r.status_code == 200, r.text
+        assert r.json()["value"] == 8 and r.json()["plan"]["solver"]["settings"]["fuse"] == "backward"
+        r = c.post("/v1/maxbatch", json={"graph": fused, "budget": 11000, "fuse": "sideways"})
+        assert r.status_code == 422 and "fuse" in r.text
         r = c.post("/v1/maxbatch", json={"graph": graph, "budget": "50%"})
         assert r.status_code == 422 and "not a percentage" in r.json()["detail"]
         r = c.post("/v1/maxbatch", json={"graph": graph, "budget": 4000, "time_limit_s": 10})

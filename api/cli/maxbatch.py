@@ -47,6 +47,8 @@ def maxbatch(
     solver: Annotated[str, typer.Option("--solver", "-s")] = "auto",
     time_limit: Annotated[float, typer.Option("--time-limit", help="solver seconds per candidate")] = 10.0,
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
+    fuse: Annotated[str | None, typer.Option(help="backward: the training loop steps the optimizer inside "
+                                                  "backward; size the batch for that step")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="plan file to write (for the answer)")] = Path("plan.json"),
     graph_output: Annotated[Path, typer.Option("--graph", help="graph file to write (the answer's shape)")] = Path("graph.json"),
     family_output: Annotated[Path | None, typer.Option("--save-family", help="also write the profiled shape "
@@ -87,12 +89,12 @@ def maxbatch(
             graph.save(str(family_output))
     with working(f"searching {dim}", quiet=json_out):
         answer = max_dim(graph, b, dim=dim, max_overhead=overhead, method=solver, time_limit_s=time_limit,
-                         offload=offload, max_value=max_value or MAX_VALUE)
+                         offload=offload, max_value=max_value or MAX_VALUE, fuse=fuse)
     answer.result.plan.save(str(output))
     answer.graph.save(str(graph_output))
     report = answer.result.report
     summary = {"workload": name, "dim": dim, "value": answer.value, "budget_bytes": b,
-               "max_overhead": overhead, "predicted_peak_bytes": report.peak_bytes,
+               "max_overhead": overhead, "fuse": fuse, "predicted_peak_bytes": report.peak_bytes,
                "predicted_step_s": report.time_s, "overhead": answer.overhead,
                "solver": answer.result.plan.solver.name, "plan": str(output), "graph": str(graph_output),
                "next": {"value": answer.next.value, "reason": answer.next.reason,

@@ -10,7 +10,7 @@ the candidate count must fit the server's ``max_time_limit_s``.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
@@ -51,6 +51,9 @@ class MaxBatchRequest(BaseModel):
     time_limit_s: float = Field(default=DEFAULT_TIME_LIMIT_S, gt=0, allow_inf_nan=False,
                                 description="solver seconds per candidate")
     offload: bool = False
+    fuse: Literal["backward"] | None = Field(
+        default=None, description="'backward': the training loop steps the optimizer inside backward; size for "
+                                  "that step (its peak and its overhead against keeping everything in it)")
     include_graph: bool = Field(default=False, description="return the family evaluated at the answer (the "
                                                            "graph the plan is for)")
 
@@ -97,12 +100,13 @@ class MaxBatchResponse(BaseModel):
 
 
 def maxbatch_job(graph: Graph | str, budget_bytes: int, *, dim: str, max_overhead: float | None, solver: str,
-                 time_limit_s: float, offload: bool, max_value: int, include_graph: bool) -> dict[str, Any]:
+                 time_limit_s: float, offload: bool, max_value: int, include_graph: bool,
+                 fuse: str | None = None) -> dict[str, Any]:
     """The search, in a worker: the response body as a dict."""
     from memplan.solvers.maxbatch import max_dim
 
     a = max_dim(load_graph(graph), budget_bytes, dim=dim, max_overhead=max_overhead, method=solver,
-                time_limit_s=time_limit_s, offload=offload, max_value=max_value)
+                time_limit_s=time_limit_s, offload=offload, max_value=max_value, fuse=fuse)
     return {"dim": dim, "value": a.value, "budget_bytes": budget_bytes, "plan": a.result.plan.model_dump(mode="json"),
             "predicted": {"peak_bytes": a.result.report.peak_bytes, "step_time_s": a.result.report.time_s,
                           "overhead": a.overhead},
@@ -126,4 +130,4 @@ async def maxbatch(read: Annotated[ReadRequest[MaxBatchRequest], Depends(json_bo
     return await service.pool.run(
         maxbatch_job, graph, budget_bytes, dim=req["dim"], max_overhead=req["max_overhead"], solver=req["solver"],
         time_limit_s=req["time_limit_s"], offload=req["offload"], max_value=req["max_value"],
-        include_graph=req["include_graph"], timeout_s=req["time_limit_s"] * n + service.settings.grace_s)
+        include_graph=req["include_graph"], fuse=req["fuse"], timeout_s=req["time_limit_s"] * n + service.settings.grace_s)
