@@ -26,7 +26,8 @@ ILP (``solvers/ilp.py``). ``dp`` covers DAGs by the chain DP on the module-level
 (:func:`memplan.planner.core.graph.coarsen`: a stage is kept or recomputed as a whole), scoring the DP's plans
 at many memory levels in the simulator and returning the fastest that fits (together with the uniform
 segmentations of ``chen`` and every-k, so it is never worse than those): status ``feasible``, never
-``optimal``.
+``optimal``. Where none of those keep / recompute plans fits (nor, on a model with blocks, the hierarchical
+solver's), the multi-level fallback of chains (:func:`per_use_fallback`) is tried before refusing.
 
 **Offload** (``offload=True``, after Beaumont, Eyraud-Dubois, Shilova 2021): the simulator's offload
 depends on the copy stream's timing (FIFO queueing, release at the first op boundary after the copy),
@@ -208,6 +209,17 @@ def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Action
     return min(fitting, key=lambda f: f[1].time_s) if fitting else None
 
 
+def _per_use_or(refused: Proposal, graph: Graph, budget: int, deadline: float) -> Proposal:
+    """On a DAG where none of ``dp``'s keep / recompute plans fits ``budget`` (the hierarchical solver's, the
+    stage DP's): :func:`per_use_fallback`'s plan where one fits (multi-level replays go lower: on the MLP's
+    fused step the least peak is recompute_each's), else ``refused``."""
+    found = per_use_fallback(graph, budget, max(deadline, time.perf_counter() + 1e-3))
+    if found is None:
+        return refused
+    return Proposal(found[0], status="feasible", space=refused.space,
+                    stats={**refused.stats, "source": "recompute_each"})
+
+
 def _without_offload(graph: Graph, budget: int, deadline: float, per_use: bool) -> Actions | None:
     """``dp``'s plan at ``budget`` without offload (recompute_each included with ``per_use``); None when it
     has none. Its claims are left behind: offload may beat it."""
@@ -320,6 +332,8 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
         # a real model: the hierarchical solver (exact block menus, chain DP over blocks)
         p = solve_hierarchical(graph, budget_bytes, time_limit_s=time_limit_s)
         p.stats = {"model": "hierarchical", **p.stats}
+        if p.status == "infeasible":
+            return _per_use_or(p, graph, budget_bytes, deadline)
         return p
     scorer = Scorer(graph, host_budget_bytes if offload else None)
     starts: list[Actions] = []
@@ -357,7 +371,8 @@ def solve_dp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, off
         _offload_refine(graph, scorer, budget_bytes, starts, min(deadline, t0 + _OFFLOAD_REFINE_S))
     best = scorer.best(budget_bytes)
     if best is None:
-        return Proposal(status="infeasible", stats={"model": "chain" if ch else "stages", "plans_scored": len(scorer.seen)})
+        none = Proposal(status="infeasible", stats={"model": "chain" if ch else "stages", "plans_scored": len(scorer.seen)})
+        return none if offload or ch is not None else _per_use_or(none, graph, budget_bytes, deadline)
     report, actions, prefetch_at, source = best
     return Proposal(actions, prefetch_at, status="feasible",
                     stats={"model": "chain" if ch else "stages", "plans_scored": len(scorer.seen), "source": source})

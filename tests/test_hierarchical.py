@@ -130,3 +130,26 @@ def test_options_are_refused_with_a_clear_message():
         solve(g, None, "hierarchical", k=1)
     with pytest.raises(MemplanError, match="hierarchical: levels must be"):
         solve(g, None, "hierarchical", levels=0)
+
+
+def test_dp_on_a_model_falls_back_to_multi_level_replays_where_no_keep_recompute_plan_fits():
+    """The MLP's backward-fused step (its search graph: each layer's gradients freed where backward completes
+    them) at batch 130: below every keep / recompute plan the hierarchical solver finds, recompute_each plans
+    still fit (the least peak is recompute_each-everything's). ``dp`` returned no plan there and ``solve``
+    told the user to try another solver; it now returns the multi-level plan that fits, ``feasible``."""
+    import torch
+    from torch import nn
+
+    from memplan.planner.probe.profiler import profile
+    from memplan.solvers.core import fused_search_graph
+    from memplan.solvers.min_memory import least_peak
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(64, 64), nn.ReLU())], nn.Linear(64, 1))
+    g = profile(model, torch.randn(130, 64), lambda m, x: m(x).pow(2).mean(), device="cpu", progress=False,
+                repeats=1, measure=False)
+    search, _ = fused_search_graph(g)
+    assert has_blocks(search)
+    least, proven = least_peak(search)
+    r = solve(search, least, "dp")
+    assert r.report.peak_bytes <= least and r.status == "feasible" and r.plan.count("recompute_each") > 0
