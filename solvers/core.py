@@ -120,12 +120,13 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
     may follow, a search gets half of what is left (auto's ILP runs to its limit), a bisection its share."""
     search, over = fused_search_graph(graph)
 
-    def attempt(searched: int, share: float = 1.0) -> tuple[SolveResult, Report]:
+    def attempt(searched: int, share: float = 1.0, most_s: float | None = None) -> tuple[SolveResult, Report]:
         left = deadline - time.perf_counter()
         if left <= 0:
             raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer "
                              f"fused into backward within the time limit of {time_limit_s:g} s", budget_bytes=budget)
-        result = _solve(search, searched, method, time_limit_s=left * share, **kw)
+        limit = left * share if most_s is None else min(left * share, most_s)
+        result = _solve(search, searched, method, time_limit_s=limit, **kw)
         return result, simulate(graph, result.plan, timeline=False, fuse="backward")
 
     def late() -> float | None:
@@ -138,7 +139,7 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
     fixed_s = top_fused.time_s - top.report.time_s  # fused against search-graph time: the same for every plan
     bound = None if top.lower_bound_s is None else top.lower_bound_s + fixed_s
     if top_fused.peak_bytes <= budget:
-        return _fused_result(graph, top, top_fused, budget, start, status=top.status, lower_bound_s=bound,
+        return _fused_result(graph, top, budget, start, status=top.status, lower_bound_s=bound,
                              searched=budget + over, searches=1)
     searches, fits = 2, budget
     try:
@@ -179,7 +180,7 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
             misses = mid
     # as fast as the bound over every plan whose fused step fits: optimal over the search's space
     proven = bound is not None and best_fused.time_s <= bound + 1e-9 * abs(bound)
-    return _fused_result(graph, best, best_fused, budget, start, status="optimal" if proven else "feasible",
+    return _fused_result(graph, best, budget, start, status="optimal" if proven else "feasible",
                          lower_bound_s=bound, searched=fits, searches=searches)
 
 
@@ -195,8 +196,8 @@ def _fused_refusal(graph: Graph, budget: int, late: float | None, refused: Infea
         return Infeasible(f"with the optimizer fused into backward: {refused}", budget_bytes=budget,
                           min_feasible_bytes=refused.min_feasible_bytes)
     if floor is not None and attempt is not None and found is None:
-        with contextlib.suppress(Infeasible):
-            floor = min(floor, attempt(floor)[1].peak_bytes)
+        with contextlib.suppress(Infeasible):  # a quote: as short as a refusal's own search for one
+            floor = min(floor, attempt(floor, most_s=QUOTE_SEARCH_S)[1].peak_bytes)
     least = (f"; the least peak memplan found for that step is {_both(floor)} (fixed memory alone is "
              f"{format_bytes(graph.fixed.resident_bytes)})" if floor is not None else f": {refused}")
     if late is not None:
@@ -205,7 +206,7 @@ def _fused_refusal(graph: Graph, budget: int, late: float | None, refused: Infea
                       f"backward{least}", budget_bytes=budget, min_feasible_bytes=floor)
 
 
-def _fused_result(graph: Graph, result: SolveResult, fused: Report, budget: int, start: float, *, status: str,
+def _fused_result(graph: Graph, result: SolveResult, budget: int, start: float, *, status: str,
                   lower_bound_s: float | None, searched: int, searches: int) -> SolveResult:
     """``result`` (searched on the fused search graph under ``searched``) for the backward-fused step under
     ``budget``: the report and the plan's prediction are the fused step's (with its timeline), the plan records
