@@ -13,6 +13,7 @@ from memplan.planner.probe.optime import (
     last_level_cache_bytes,
     materialise,
     record_call,
+    reuse_distances,
     storage_number,
 )
 
@@ -40,6 +41,12 @@ def test_arguments_are_cold_when_new_to_the_step_or_evicted_by_the_bytes_moved_s
     calls[0].output_storage_ids = (storage_number(b.untyped_storage()),)
     assert cold_arguments(calls, cache_bytes=1000) == [{0}, set(), {0}, {0}]
     assert cold_arguments(calls, cache_bytes=10**6) == [{0}, set(), {0}, set()]
+    # the distances themselves, from one walk (the timer reads them against the LLC and the core's cache):
+    # b was written 0 bytes ago (the call before wrote it last), then 8,040 ago (its neg's output, big read
+    # and written)
+    distances = reuse_distances(calls)
+    assert distances == [(None,), (0,), (None,), (8000 + 40,)]
+    assert cold_arguments(calls, 1000, distances) == cold_arguments(calls, 1000)
 
 
 def test_reuse_distance_counts_distinct_storages_not_traffic():

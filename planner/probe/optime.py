@@ -328,25 +328,34 @@ def _mutates(func: Any) -> bool:
     return bool(schema and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
 
 
-def cold_arguments(calls: list[OpCall], cache_bytes: int) -> list[frozenset[int]]:
+def cold_arguments(calls: list[OpCall], cache_bytes: int,
+                   distances: list[tuple[int | None, ...]] | None = None) -> list[frozenset[int]]:
     """For each call of a step (in step order), the argument storages (numbered as in its
     :class:`TensorMeta`) that the step reads from memory rather than from cache: those the step has not
     touched before (parameters, the batch and optimizer state, last touched in the previous step), and
-    those whose reuse distance is over ``cache_bytes``. A storage's reuse distance is the bytes of the
-    distinct storages touched since its last touch (arguments read and outputs written): the stack
-    distance of an LRU cache. Distinct, not the traffic: a weight that every step of an unrolled cell
-    reads occupies the cache once, however often it is read (counted per read, the 64-step GRU's hidden
-    states all looked evicted by backward and its weight-gradient products were timed cold: +45%)."""
+    those whose reuse distance (:func:`reuse_distances`, or ``distances`` it gave) is over ``cache_bytes``."""
+    if distances is None:
+        distances = reuse_distances(calls)
+    return [frozenset(i for i, d in enumerate(ds) if d is None or d > cache_bytes) for ds in distances]
+
+
+def reuse_distances(calls: list[OpCall]) -> list[tuple[int | None, ...]]:
+    """For each call of a step (in step order), each argument storage's reuse distance: the bytes of the
+    distinct storages touched since its last touch in the step (arguments read and outputs written), the
+    stack distance of an LRU cache; None where the step has not touched it before. Distinct, not the
+    traffic: a weight that every step of an unrolled cell reads occupies the cache once, however often it
+    is read (counted per read, the 64-step GRU's hidden states all looked evicted by backward and its
+    weight-gradient products were timed cold: +45%). One walk, O(n log n), whatever caches it is read
+    against."""
     total = sum(len(c.storage_ids) + len(c.output_storage_ids) for c in calls)
     tree = _Fenwick(total)
     position: dict[int, int] = {}  # storage id -> index of its last touch in the tree
     size: dict[int, int] = {}      # storage id -> bytes charged at that touch
     touches = 0
-    out: list[frozenset[int]] = []
+    out: list[tuple[int | None, ...]] = []
     for c in calls:
-        cold = frozenset(i for i, sid in enumerate(c.storage_ids)
-                         if sid not in position or tree.total - tree.prefix(position[sid]) > cache_bytes)
-        out.append(cold)
+        out.append(tuple(None if sid not in position else tree.total - tree.prefix(position[sid])
+                         for sid in c.storage_ids))
         for sid, nbytes in (*zip(c.storage_ids, c.argument_storage_bytes(), strict=True),
                             *zip(c.output_storage_ids, c.output_bytes(), strict=True)):
             if sid in position:
@@ -631,13 +640,15 @@ class OpTimer:
         """One :class:`Timing` per call of a step, given in step order (the order decides which
         arguments are cold: :func:`cold_arguments`)."""
         self.stats.calls += len(calls)
+        in_context = self._in_step_context()
+        distances = reuse_distances(calls) if (self.cold and self.spec is None) or in_context else None
         if self.cold and self.spec is None:
-            colds = cold_arguments(calls, last_level_cache_bytes(self.device))
+            colds = cold_arguments(calls, last_level_cache_bytes(self.device), distances)
         else:
             colds = [frozenset()] * len(calls)
-        if self._in_step_context():
+        if in_context:
             # a call that finds an argument beyond its core's own cache is timed in the step's context
-            contexts = [bool(beyond) for beyond in cold_arguments(calls, self._core_bytes())]
+            contexts = [bool(beyond) for beyond in cold_arguments(calls, self._core_bytes(), distances)]
         else:
             contexts = [False] * len(calls)
         keys = [self.timing_key(c, cold, context) for c, cold, context in zip(calls, colds, contexts, strict=True)]
