@@ -152,6 +152,9 @@ def no_parameters(width=4):
      "no plan fits budget 0 B for graph 'mlp'; the minimum feasible budget memplan knows is"),
     (("plan", "mlp", "--budget", "1", "--set", "depth=2", "--set", "width=16", "--set", "batch_size=8"),
      "no plan fits budget 1 B for graph 'mlp'"),
+    (("plan", "mlp", "--fuse", "sideways"), "--fuse 'sideways': choose backward or forward"),
+    (("profile", "mlp", "--fuse", "sideways", "-o", "{tmp}/g.json"), "--fuse 'sideways': choose backward or forward"),
+    (("simulate", "{graph}", "{plan}", "--fuse", "bogus"), "--fuse 'bogus': choose backward or forward (or none)"),
     (("serve", "--cache", "/proc/nope/x.sqlite"), "cannot create the plan cache's folder /proc/nope"),
     (("serve", "--cache", "{tmp}"), "is a folder"),
 ])
@@ -200,3 +203,33 @@ def test_the_workload_help_names_every_built_in():
     from memplan.planner.workloads import BUILTINS
 
     assert WORKLOAD_HELP.startswith(f"built-in ({', '.join(BUILTINS)}) ")
+
+
+def test_plan_profile_and_simulate_take_the_fused_step(tmp_path):
+    """``plan --fuse backward`` profiles (timing the fused steps too) and plans for the step with the optimizer
+    stepped inside backward; ``simulate`` scores a plan in the step it was solved for unless told otherwise
+    (``--fuse none``: unfused); ``profile --fuse backward`` records the fused step's measured cost."""
+    from memplan.planner.core.graph import Graph
+    from memplan.planner.core.simulator import simulate
+
+    small = ["--set", "depth=3", "--set", "width=32", "--set", "batch_size=16"]
+    runner = CliRunner()
+    graph_path, plan_path = tmp_path / "graph.json", tmp_path / "plan.json"
+    r = runner.invoke(cli.app, ["plan", "mlp", "--budget", "60%", "--fuse", "backward", "--json", *small,
+                                "-o", str(plan_path), "--graph", str(graph_path)])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    graph, plan = Graph.load(str(graph_path)), Plan.load(str(plan_path))
+    assert summary["fuse"] == "backward" and plan.solver.settings["fuse"] == "backward"
+    assert "backward" in graph.fused_extra_s and graph.fused_backward
+    fused, plain = simulate(graph, plan, fuse="backward"), simulate(graph, plan)
+    assert summary["predicted_peak_bytes"] == fused.peak_bytes <= summary["budget_bytes"]
+    assert summary["keep_all_step_s"] == simulate(graph, None, fuse="backward").time_s
+    r = runner.invoke(cli.app, ["simulate", str(graph_path), str(plan_path), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["fuse"] == "backward"
+    assert json.loads(r.stdout)["peak_bytes"] == fused.peak_bytes
+    r = runner.invoke(cli.app, ["simulate", str(graph_path), str(plan_path), "--json", "--fuse", "none"])
+    assert json.loads(r.stdout)["fuse"] is None and json.loads(r.stdout)["peak_bytes"] == plain.peak_bytes
+    r = runner.invoke(cli.app, ["profile", "mlp", *small, "--fuse", "backward", "-o", str(tmp_path / "g.json")])
+    assert r.exit_code == 0, r.output
+    assert "backward" in Graph.load(str(tmp_path / "g.json")).fused_extra_s

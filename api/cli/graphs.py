@@ -14,10 +14,12 @@ from memplan.api.cli.options import (
     WORKLOAD_HELP,
     EngineOpt,
     FakeOpt,
+    FuseOpt,
     JsonOpt,
     NprocOpt,
     SetOpt,
     SpecOpt,
+    fuse_mode,
     needs_fake,
     workload_options,
 )
@@ -54,12 +56,16 @@ def profile(
     device_spec: SpecOpt = None,
     nproc: NprocOpt = 1,
     engine: EngineOpt = "ddp",
+    fuse: FuseOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Profile a training step of WORKLOAD (real, or under fake tensors) and write its graph. With --fake
-    --nproc N, print each rank's traced keep-everything peak under --engine instead (no graph written)."""
+    --nproc N, print each rank's traced keep-everything peak under --engine instead (no graph written).
+    --fuse backward (or forward): also time steps with the optimizer fused there, so that plans for such a
+    loop (solve --fuse) predict its cost."""
     from memplan.planner.workloads import load_workload
 
+    fuse = fuse_mode(fuse)
     needs_fake("profile", nproc, fake)
     if nproc > 1:
         ranks_fake(workload, nproc=nproc, engine=engine, budget=None, solver="auto", time_limit=0.0,
@@ -68,7 +74,7 @@ def profile(
     writable(output)
     w = load_workload(workload, **workload_options(options))
     graph = profile_workload(w, fake=fake, device_spec=device_spec, device=device, repeats=repeats,
-                              json_out=json_out)
+                              json_out=json_out, fuse=fuse)
     with writing(output):
         graph.save(str(output))
     summary = {"graph": str(output), "name": graph.name, "ops": len(graph.ops), "tensors": len(graph.tensors),
@@ -91,19 +97,27 @@ def simulate(
     graph_file: Annotated[Path, typer.Argument(help="graph.json")],
     plan_file: Annotated[Path | None, typer.Argument(help="plan.json (default: keep everything)")] = None,
     timeline: Annotated[bool, typer.Option(help="include the per-op memory timeline in --json")] = False,
+    fuse: Annotated[str | None, typer.Option(
+        "--fuse", help="backward, forward or none: the step with the optimizer fused there (default: what the "
+                       "plan was solved for)")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Replay one training step of a graph under a plan and print the predicted peak and time."""
     from memplan.planner.core.simulator import simulate as run_sim
 
+    mode = fuse_mode(fuse, none=True)
     graph = Graph.load(str(graph_file))
     plan = Plan.load(str(plan_file)) if plan_file else None
-    report = run_sim(graph, plan)
+    if fuse is None and plan is not None:  # a plan solved for a fused step is that step's
+        mode = fuse_mode(plan.solver.settings.get("fuse") if isinstance(plan.solver.settings.get("fuse"), str)
+                         else None, none=True)
+    report = run_sim(graph, plan, fuse=mode)
     if json_out:
         d = report.model_dump() if timeline else report_dict(report)
-        emit_json(d)
+        emit_json({**d, "fuse": mode})
         return
-    print_report(report, title=f"{graph.name} under {'keep everything' if plan is None else plan_file}")
+    print_report(report, title=f"{graph.name} under {'keep everything' if plan is None else plan_file}"
+                               + (f", optimizer fused into {mode}" if mode else ""))
 
 
 # ---- schema -------------------------------------------------------------------------------------

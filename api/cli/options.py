@@ -17,6 +17,21 @@ SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="KEY=VALUE", help="a workload option, repeatable: --set n_layer=2 --set size=base "
                                        "(built-ins take their config's field names; see planner/workloads.py)")]
 
+FuseOpt = Annotated[str | None, typer.Option(
+    "--fuse", help="backward or forward: the training loop steps the optimizer inside backward (each module's "
+                   "gradients freed there) or in the next forward")]
+
+
+def fuse_mode(text: str | None, *, none: bool = False) -> str | None:
+    """``--fuse``'s value: None, "backward" or "forward" (and, with ``none``, "none" for None); anything else
+    is refused in one line."""
+    if text is None or (none and text == "none"):
+        return None
+    if text not in ("backward", "forward"):
+        raise MemplanError(f"--fuse {text!r}: choose backward or forward" + (" (or none)" if none else ""))
+    return text
+
+
 # the built-ins of memplan.planner.workloads.BUILTINS (named here: importing it would import torch for --help)
 WORKLOAD_HELP = "built-in (mlp, resnet, gpt2, unet, bert, rnn) or path/to/file.py:function"
 

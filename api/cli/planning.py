@@ -17,12 +17,14 @@ from memplan.api.cli.options import (
     WORKLOAD_HELP,
     EngineOpt,
     FakeOpt,
+    FuseOpt,
     JsonOpt,
     NprocOpt,
     SetOpt,
     SpecOpt,
     budget_bytes,
     budget_list,
+    fuse_mode,
     needs_fake,
     workload_options,
 )
@@ -55,7 +57,7 @@ def solve(
     json_out: JsonOpt = False,
 ) -> None:
     """Find the fastest plan whose simulated peak fits the budget, and write it."""
-    from memplan.solvers import keep_all_report
+    from memplan.planner.core.simulator import simulate as run_sim
     from memplan.solvers import solve as run_solve
 
     writable(output)
@@ -70,9 +72,10 @@ def solve(
                            fuse=fuse, **manual)
     with writing(output):
         result.plan.save(str(output))
-    base = keep_all_report(graph)
+    # keeping everything in the same step (fused as asked, where solve planned for it)
+    base = run_sim(graph, None, timeline=False, fuse="backward" if fuse == "backward" else None)
     summary = {
-        "plan": str(output), "solver": result.plan.solver.name, "status": result.status,
+        "plan": str(output), "fuse": fuse, "solver": result.plan.solver.name, "status": result.status,
         "budget_bytes": b, "peak_bytes": result.report.peak_bytes, "time_s": result.report.time_s,
         "keep_all_peak_bytes": base.peak_bytes, "keep_all_time_s": base.time_s,
         "overhead": result.report.time_s / base.time_s - 1.0 if base.time_s else 0.0,
@@ -219,14 +222,17 @@ def plan_workload(
     device_spec: SpecOpt = None,
     nproc: NprocOpt = 1,
     engine: EngineOpt = "ddp",
+    fuse: FuseOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Profile WORKLOAD, solve under BUDGET and write the graph and the plan. With --fake --nproc N, print
-    each rank's plan, predicted and traced peak under --engine instead (nothing written)."""
+    each rank's plan, predicted and traced peak under --engine instead (nothing written). --fuse backward:
+    plan for a loop that steps the optimizer inside backward (as run --fuse backward trains)."""
+    from memplan.planner.core.simulator import simulate as run_sim
     from memplan.planner.workloads import load_workload
-    from memplan.solvers import keep_all_report
     from memplan.solvers import solve as run_solve
 
+    fuse = fuse_mode(fuse)
     needs_fake("plan", nproc, fake)
     if nproc > 1:
         ranks_fake(workload, nproc=nproc, engine=engine, budget=budget, solver=solver, time_limit=time_limit,
@@ -235,15 +241,15 @@ def plan_workload(
     check_budget(budget)  # before profiling: a typo is not found a minute later
     writable(output, graph_output)
     w = load_workload(workload, **workload_options(options))
-    graph = profile_workload(w, fake=fake, device_spec=device_spec, json_out=json_out)
+    graph = profile_workload(w, fake=fake, device_spec=device_spec, json_out=json_out, fuse=fuse)
     with writing(graph_output):
         graph.save(str(graph_output))
     b = budget_bytes(budget, graph)
-    result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload)
+    result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse)
     with writing(output):
         result.plan.save(str(output))
-    base = keep_all_report(graph)
-    summary = {"workload": w.name, "device": graph.meta.get("device_spec") or graph.device, "graph": str(graph_output), "plan": str(output), "solver": result.plan.solver.name,
+    base = run_sim(graph, None, timeline=False, fuse=fuse)  # keeping everything, in the same step
+    summary = {"workload": w.name, "fuse": fuse, "device": graph.meta.get("device_spec") or graph.device, "graph": str(graph_output), "plan": str(output), "solver": result.plan.solver.name,
                "status": result.status, "budget_bytes": b, "keep_all_peak_bytes": base.peak_bytes,
                "measured_keep_all_peak_bytes": graph.measured.peak_bytes,
                "predicted_peak_bytes": result.report.peak_bytes, "keep_all_step_s": base.time_s,

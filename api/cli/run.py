@@ -17,6 +17,7 @@ from memplan.api.cli.options import (
     JsonOpt,
     SetOpt,
     budget_bytes,
+    fuse_mode,
     workload_options,
 )
 from memplan.api.cli.ranks import ranks_fake, train_ranks
@@ -84,8 +85,7 @@ def run_workload(
     from memplan.planner.workloads import load_workload
     from memplan.solvers import solve as run_solve
 
-    if fuse not in (None, "backward", "forward"):
-        raise MemplanError(f"--fuse {fuse!r}: choose backward or forward")
+    fuse = fuse_mode(fuse)
     if graph_file is not None and plan_file is None:
         raise MemplanError("--graph is the graph of a --plan: give --plan too (without --plan, run profiles)")
     if plan_file is None:
