@@ -104,8 +104,8 @@ def maxbatch(
         emit_json(summary)
         return
     nxt = answer.next
-    why = nxt.reason + (f" (needs at least {format_bytes(nxt.min_feasible_bytes)})" if nxt.min_feasible_bytes
-                        else "")
+    why = nxt.reason + (f" (needs at least {format_bytes(nxt.min_feasible_bytes)}, {nxt.min_feasible_bytes} B)"
+                        if nxt.min_feasible_bytes else "")
     out.print(f"{name}: largest {dim} {answer.value} under {format_bytes(b)}"
               + (f" within {overhead:.0%} overhead" if overhead is not None else "")
               + f": {summary['solver']} plan, predicted peak {format_bytes(report.peak_bytes)}, "
