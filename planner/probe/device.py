@@ -541,9 +541,11 @@ class EmulatedCudaDevice(Device):
         self.synchronizations += 1
         for s in list(self.streams):
             s.drain()
-        if self.sync_latency_s > 0:  # busy: the thread's CPU-time clock sees it as the wall clock does
-            until = time.perf_counter() + self.sync_latency_s
-            while time.perf_counter() < until:
+        if self.sync_latency_s > 0:
+            # busy, on the thread's own CPU clock: every clock then sees at least the latency (spun on the wall
+            # clock, a thread descheduled on a loaded machine was charged less of it in CPU time)
+            until = time.thread_time() + self.sync_latency_s
+            while time.thread_time() < until:
                 pass
 
     def copy_stream(self) -> CopyStream:
