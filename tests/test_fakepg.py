@@ -274,7 +274,9 @@ def test_fsdp_traced_ranks_match_two_real_gloo_processes(tmp_path):
     rank's worker thread drops it after the main thread, late (the rank had waited for its peer; on 2
     shared cores the worker is then often descheduled), the free is made on a thread the profiler does not
     follow and its time is unknown: the measurement keeps the buffer until its address is reused. Seen in
-    full-suite runs (2,998,224 B against 2,798,288 B) and made to appear by delaying one rank's backward."""
+    full-suite runs (2,998,224 B against 2,798,288 B) and made to appear by delaying one rank's backward.
+    Held during the step, such a buffer can move the peak to an earlier moment: the peak then reads more by
+    less than the buffer (6 of 80 rank measurements: +16,384 B), never less than the trace."""
     import torch.multiprocessing as mp
 
     from memplan.api.distributed import block_prefixes
@@ -292,5 +294,9 @@ def test_fsdp_traced_ranks_match_two_real_gloo_processes(tmp_path):
     for t in traced:
         for what in ("peak_bytes", "start_bytes"):
             measured, fake = real[t.rank][what], getattr(t, what)
-            assert any(0 <= measured - late - fake <= 1e-4 * measured for late in late_frees), \
-                (t.rank, what, measured, fake, sorted(late_frees))
+            exact = any(0 <= measured - late - fake <= 1e-4 * measured for late in late_frees)
+            # a buffer held late during the step can move the peak to another moment, where the step holds
+            # less: the peak then reads more than the trace's by less than the buffer (seen: 16,384 B, a unit
+            # of 199,936 B held at a moment 16 KiB under the peak). The start is one moment: exact there.
+            shifted = what == "peak_bytes" and 0 <= measured - fake <= max(late_frees)
+            assert exact or shifted, (t.rank, what, measured, fake, sorted(late_frees))
