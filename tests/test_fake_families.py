@@ -1,5 +1,6 @@
 """The fake trace is the real step on the model families transformers ships (issue #21): for a decoder of
-each kind, an encoder-decoder, an encoder and a vision model, built tiny and random on the CPU with the loss
+each kind, encoder-decoders (text and audio), encoders, vision models (classification and segmentation), a
+two-tower contrastive model and a state-space model, built tiny and random on the CPU with the loss
 from ``labels=``, the graph traced under fake tensors is the real profile's (same ops in the same order,
 bytes, saves, lifetimes), and the plan solved on it trains a step under the executor with recomputation
 whose loss and gradients are bitwise those of plain training.
@@ -156,6 +157,52 @@ def _wav2vec2(**extra):
             {"input_values": torch.randn(BATCH, 1600), "labels": torch.tensor([1, 0, 1, 0])})
 
 
+def _clip():
+    towers = {"hidden_size": WIDTH, "intermediate_size": 2 * WIDTH, "num_hidden_layers": 1, "num_attention_heads": HEADS}
+    config = transformers.CLIPConfig(text_config={**towers, "vocab_size": VOCAB, "max_position_embeddings": SEQ},
+                                     vision_config={**towers, "image_size": 32, "patch_size": 8}, projection_dim=16)
+    return transformers.CLIPModel(config), {"input_ids": torch.randint(3, VOCAB, (BATCH, SEQ)),
+                                            "pixel_values": torch.randn(BATCH, 3, 32, 32), "return_loss": True}
+
+
+def _whisper():
+    config = transformers.WhisperConfig(d_model=WIDTH, encoder_layers=1, decoder_layers=1, encoder_attention_heads=HEADS,
+                                        decoder_attention_heads=HEADS, encoder_ffn_dim=2 * WIDTH,
+                                        decoder_ffn_dim=2 * WIDTH, vocab_size=VOCAB, num_mel_bins=16,
+                                        max_source_positions=SEQ, max_target_positions=SEQ, use_cache=False,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    return (transformers.WhisperForConditionalGeneration(config),
+            {"input_features": torch.randn(BATCH, 16, 2 * SEQ), "labels": torch.randint(3, VOCAB, (BATCH, 8))})
+
+
+def _mamba():
+    config = transformers.MambaConfig(hidden_size=WIDTH, num_hidden_layers=1, vocab_size=VOCAB, state_size=4,
+                                      use_cache=False)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return transformers.MambaForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
+def _bloom():
+    config = transformers.BloomConfig(hidden_size=WIDTH, n_layer=1, n_head=HEADS, vocab_size=VOCAB, use_cache=False)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return transformers.BloomForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
+def _convnext():
+    config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                                         num_labels=3, image_size=32)
+    return (transformers.ConvNextForImageClassification(config),
+            {"pixel_values": torch.randn(BATCH, 3, 32, 32), "labels": torch.tensor([0, 1, 2, 0])})
+
+
+def _segformer():
+    config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                                          num_attention_heads=[1, 2], decoder_hidden_size=16, num_labels=3,
+                                          patch_sizes=[7, 3], strides=[4, 2])
+    return (transformers.SegformerForSemanticSegmentation(config),
+            {"pixel_values": torch.randn(BATCH, 3, 32, 32), "labels": torch.randint(0, 3, (BATCH, 32, 32))})
+
+
 _MOE = {"num_hidden_layers": 1, "num_experts_per_tok": 2}
 
 FAMILIES = {
@@ -193,6 +240,17 @@ FAMILIES = {
                             q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH,
                             first_k_dense_replace=1, n_group=1, topk_group=1),
+    # two towers and a contrastive loss between them
+    "clip": _clip,
+    # audio encoder-decoder: convolutions over mel frames, then a decoder with cross-attention
+    "whisper": _whisper,
+    # a state-space model: the selective scan's reference loop (mamba_ssm not installed), 500 ops in one layer
+    "mamba": _mamba,
+    # ALiBi position biases built from the attention mask
+    "bloom": _bloom,
+    "convnext": _convnext,
+    # segmentation: per-pixel labels, the decoder's upsampling
+    "segformer": _segformer,
 }
 
 
