@@ -255,7 +255,7 @@ def test_cli_answers_from_a_family_graph_and_refuses_a_percentage(tmp_path):
     assert got["fuse"] == "backward"
     assert got["value"] == max_dim(_chain_family(fused=True), 11000, method="oracle", fuse="backward").value == 8
     res = runner.invoke(app, ["maxbatch", str(path), "--budget", "11000", "--fuse", "sideways"])
-    assert res.exit_code != 0 and "fuse='sideways': expected backward or forward" in res.output
+    assert res.exit_code != 0 and "--fuse 'sideways': choose backward or forward" in res.output
     assert "Traceback" not in res.output
 
 

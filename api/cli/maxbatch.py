@@ -13,6 +13,7 @@ from memplan.api.cli.options import (
     JsonOpt,
     SetOpt,
     SpecOpt,
+    fuse_mode,
     workload_options,
 )
 from memplan.planner.core.errors import MemplanError
@@ -70,6 +71,7 @@ def maxbatch(
         raise MemplanError(f"maxbatch takes a budget in bytes (e.g. 24GiB), not {budget!r}: a percentage is of "
                            f"one shape's activation memory")
     b = parse_budget(budget)
+    fuse = fuse_mode(fuse)  # before profiling: a typo is not found minutes later
     overhead = _fraction(max_overhead) if max_overhead is not None else None
     if workload.endswith(".json"):
         graph = Graph.load(workload)
