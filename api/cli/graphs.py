@@ -109,8 +109,8 @@ def simulate(
     graph = Graph.load(str(graph_file))
     plan = Plan.load(str(plan_file)) if plan_file else None
     if fuse is None and plan is not None:  # a plan solved for a fused step is that step's
-        mode = fuse_mode(plan.solver.settings.get("fuse") if isinstance(plan.solver.settings.get("fuse"), str)
-                         else None, none=True)
+        recorded = plan.solver.settings.get("fuse")
+        mode = recorded if recorded in ("backward", "forward") else None
     report = run_sim(graph, plan, fuse=mode)
     if json_out:
         d = report.model_dump() if timeline else report_dict(report)

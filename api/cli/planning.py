@@ -248,7 +248,8 @@ def plan_workload(
     result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse)
     with writing(output):
         result.plan.save(str(output))
-    base = run_sim(graph, None, timeline=False, fuse=fuse)  # keeping everything, in the same step
+    # keeping everything in the step solve planned (forward fusion's is predicted unfused there)
+    base = run_sim(graph, None, timeline=False, fuse="backward" if fuse == "backward" else None)
     summary = {"workload": w.name, "fuse": fuse, "device": graph.meta.get("device_spec") or graph.device, "graph": str(graph_output), "plan": str(output), "solver": result.plan.solver.name,
                "status": result.status, "budget_bytes": b, "keep_all_peak_bytes": base.peak_bytes,
                "measured_keep_all_peak_bytes": graph.measured.peak_bytes,
