@@ -161,9 +161,10 @@ class PlanRequest(_In):
     time_limit_s: TimeLimit | None = Field(default=None, description="None: the server's default")
     offload: bool = Field(default=False, description="let the solver offload activations to host memory")
     host_budget: HostBudget | None = Field(default=None, description="pinned host memory cap for offload")
-    fuse: Literal["backward"] | None = Field(
-        default=None, description="'backward': the training loop steps the optimizer inside backward; plan for "
-                                  "that step's peak (predicted is then that step's)")
+    fuse: Literal["backward", "forward"] | None = Field(
+        default=None, description="'backward' (or 'forward'): the training loop steps the optimizer inside "
+                                  "backward (before each module's next forward); plan for that step's peak "
+                                  "(predicted is then that step's)")
 
     @model_validator(mode="after")
     def _one_budget_within_limits(self, info: ValidationInfo) -> PlanRequest:

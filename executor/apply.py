@@ -661,14 +661,14 @@ def apply(model: nn.Module, plan: Plan | str | Path, *, graph: Graph | str | Pat
 
 
 def _warn_if_solved_fused(plan: Plan, graph: Graph, fuse: str | None) -> None:
-    """A plan solved for a backward-fused step (``solve(..., fuse="backward")``) may fit its budget only so:
+    """A plan solved for a fused step (``solve(..., fuse="backward" | "forward")``) may fit its budget only so:
     applied otherwise, say what its peak is against the budget (a warning: the budget is the user's)."""
     solved_for = plan.solver.settings.get("fuse") if plan.solver is not None else None
-    if solved_for != "backward" or fuse == "backward" or plan.budget_bytes is None:
+    if solved_for not in ("backward", "forward") or fuse == solved_for or plan.budget_bytes is None:
         return
     peak = simulate(graph, plan, timeline=False, fuse=fuse).peak_bytes
     if peak > plan.budget_bytes:
         warnings.warn(MemplanWarning(
-            f"this plan was solved for the optimizer fused into backward; applied with fuse={fuse!r} its "
+            f"this plan was solved for the optimizer fused into {solved_for}; applied with fuse={fuse!r} its "
             f"predicted peak is {format_bytes(peak)}, over its budget of {format_bytes(plan.budget_bytes)}: "
             f"apply it with fuse='backward', or solve again without fuse"), stacklevel=3)

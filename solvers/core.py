@@ -17,6 +17,7 @@ from typing import Any
 from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.graph import FUSE_MODES, Graph
 from memplan.planner.core.plan import Plan, Prediction, SolverInfo
+from memplan.planner.core.schedule import first_forward_op
 from memplan.planner.core.simulator import Report, simulate, simulate_actions, static_facts
 from memplan.planner.core.units import MAX_BYTES, format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
@@ -54,10 +55,11 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     ``method`` names a registered strategy (see :func:`memplan.solvers.registry.solvers`; ``auto`` picks
     one). ``offload`` lets the strategy move activations to host memory (``host_budget_bytes`` caps them);
     ``options`` are the strategy's ``Config`` fields. ``fuse``: the step the plan will run in ("backward":
-    each fusion bucket stepped inside backward, :func:`simulate`'s ``fuse``); its plans are searched on
-    :func:`fused_search_graph` (the fused step's memory, over-counted by at most a bucket step's transient)
-    within ``time_limit_s`` (:func:`_solve_fused`): optimal where the search's claim carries over, else
-    "feasible" with the search's bound. Raises :class:`Infeasible` (with ``min_feasible_bytes``) when no
+    each fusion bucket stepped inside backward; "forward": before its module's next forward; :func:`simulate`'s
+    ``fuse``); its plans are searched on :func:`fused_search_graph` (the fused step's memory; backward's
+    over-counted by at most a bucket step's transient) within ``time_limit_s`` (:func:`_solve_fused`):
+    backward-fused plans optimal where the search's claim carries over, else "feasible" with the search's
+    bound; forward-fused plans "feasible" (the executor's watch of the parameter reads is not searched). Raises :class:`Infeasible` (with ``min_feasible_bytes``) when no
     plan fits, and :class:`MemplanError` for an unknown method, a bad option or a budget out of range.
     Every returned plan has been simulated and fits the budget there, fused as asked.
     """
@@ -65,16 +67,26 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
         raise MemplanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
     start = time.perf_counter()
     deadline = start + time_limit_s  # the searches below share the request's time limit
-    if fuse != "backward" or not graph.fused_backward or budget_bytes is None:
+    if fuse is None or not graph.fused_backward or budget_bytes is None:
         return _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
-                      host_budget_bytes=host_budget_bytes, **options)  # (forward fusion: predicted unfused)
-    return _solve_fused(graph, budget_bytes, method, time_limit_s=time_limit_s, start=start, deadline=deadline,
-                        offload=offload, host_budget_bytes=host_budget_bytes, **options)
+                      host_budget_bytes=host_budget_bytes, **options)
+    return _solve_fused(graph, budget_bytes, method, fuse=fuse, time_limit_s=time_limit_s, start=start,
+                        deadline=deadline, offload=offload, host_budget_bytes=host_budget_bytes, **options)
 
 
-def fused_search_graph(graph: Graph) -> tuple[Graph, int]:
-    """The graph the searches for a backward-fused step run on (solve's ``fuse="backward"``), and the most
-    it over-counts a plan's fused peak by. It is the step without fusion, but each bucket's gradients freed
+def fused_search_graph(graph: Graph, fuse: str = "backward") -> tuple[Graph, int]:
+    """The graph the searches for a fused step run on (solve's ``fuse``), and the most it over-counts a
+    plan's fused peak by.
+
+    Forward fusion: the previous step's gradients are held until each bucket's update applies, before its
+    module's first forward op (:func:`~memplan.planner.core.schedule.first_forward_op`). Each forward op's
+    workspace gains the gradients still held while it runs and what the updates just before it need beyond
+    its own outputs and workspace (their transients, over the gradients not yet freed): the largest of those
+    moments is then the op's own candidate, exactly the fused step's in forward. An op replayed in backward
+    (the gradients gone by then) holds that extra too: a plan's peak here is over its fused peak by at most
+    the largest extra. Backward: the graph's own, the final step's transient what the buckets leave.
+
+    Backward fusion: the step without fusion, but each bucket's gradients freed
     by the backward step that completes them (``backward_grad_free_bytes``) and what its step's transient
     needs beyond that step's own frees held during the step (``backward_workspace_bytes``); the final step's
     transient is what remains. Every solver reads those fields, so every solver searches the fused step's
@@ -83,6 +95,8 @@ def fused_search_graph(graph: Graph) -> tuple[Graph, int]:
     transient beyond those is added, and a plan's peak here is never below its fused peak (the executor's
     pins, which keep an activation for a later replay, aside: solve checks every plan fused). Same
     fingerprint: its plans are the graph's."""
+    if fuse == "forward":
+        return _forward_search_graph(graph)
     st = static_facts(graph)
     search = graph.model_copy(deep=True)
     buckets: dict[int, list[Any]] = {}
@@ -107,10 +121,34 @@ def fused_search_graph(graph: Graph) -> tuple[Graph, int]:
     return search.invalidate(), over
 
 
-def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float, start: float, deadline: float,
-                 **kw: Any) -> SolveResult:
-    """solve(..., fuse="backward"). The searches run on :func:`fused_search_graph`, whose peaks are the fused
-    step's plus at most ``over`` (a bucket step's transient beyond its backward step's frees), so every plan
+def _forward_search_graph(graph: Graph) -> tuple[Graph, int]:
+    """:func:`fused_search_graph` for forward fusion."""
+    search = graph.model_copy(deep=True)
+    at: dict[int, list[Any]] = {}
+    for f in graph.fused_backward:
+        at.setdefault(first_forward_op(graph, f.module), []).append(f)
+    held = sum(f.grad_bytes for f in graph.fused_backward)
+    over = 0
+    for op in graph.ops:
+        update = 0  # the most an update before the op holds: its transient and the gradients not yet freed
+        for f in at.get(op.id, ()):  # applied one after another, each freeing its gradients
+            update = max(update, held + f.step_bytes)
+            held -= f.grad_bytes
+        made = sum(graph.tensors[t].bytes for t in dict.fromkeys(op.outputs))
+        extra = held + max(0, update - held - made - op.workspace_bytes)
+        search.ops[op.id].workspace_bytes += extra
+        over = max(over, extra)
+    search.fixed.optimizer_step_bytes = max(
+        0, graph.fixed.optimizer_step_bytes - sum(f.step_bytes for f in graph.fused_backward))
+    search.fused_backward = []
+    return search.invalidate(), over
+
+
+def _solve_fused(graph: Graph, budget: int, method: str, *, fuse: str, time_limit_s: float, start: float,
+                 deadline: float, **kw: Any) -> SolveResult:
+    """solve(..., fuse=...). The searches run on :func:`fused_search_graph`, whose peaks are the fused
+    step's plus at most ``over`` (backward: a bucket step's transient beyond its backward step's frees;
+    forward: the gradients held in forward, charged again to a replay in backward), so every plan
     whose fused step fits ``budget`` fits ``budget + over`` there: the plan searched under that budget is at
     least as fast as any of them (over the search's space), and where its own fused step fits it is the
     answer, with the search's claims. Otherwise the plan searched under ``budget`` fits (or, where no plan
@@ -118,16 +156,16 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
     the two (:data:`FUSED_SEARCHES` times), the fastest fused step that fits kept: bounded by the first
     search's bound, and "optimal" only where it meets it. The searches share ``time_limit_s``: where another
     may follow, a search gets half of what is left (auto's ILP runs to its limit), a bisection its share."""
-    search, over = fused_search_graph(graph)
+    search, over = fused_search_graph(graph, fuse)
 
     def attempt(searched: int, share: float = 1.0, most_s: float | None = None) -> tuple[SolveResult, Report]:
         left = deadline - time.perf_counter()
         if left <= 0:
             raise Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer "
-                             f"fused into backward within the time limit of {time_limit_s:g} s", budget_bytes=budget)
+                             f"fused into {fuse} within the time limit of {time_limit_s:g} s", budget_bytes=budget)
         limit = left * share if most_s is None else min(left * share, most_s)
         result = _solve(search, searched, method, time_limit_s=limit, **kw)
-        return result, simulate(graph, result.plan, timeline=False, fuse="backward")
+        return result, simulate(graph, result.plan, timeline=False, fuse=fuse)
 
     def late() -> float | None:
         return time_limit_s if time.perf_counter() >= deadline else None
@@ -135,31 +173,34 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
     try:  # (a search may run to its limit, as auto's ILP does: where another may follow, it gets half)
         top, top_fused = attempt(budget + over, 0.5 if over else 1.0)
     except Infeasible as e:  # no plan's search peak is under budget + over: no plan's fused peak under budget
-        raise _fused_refusal(graph, budget, late(), e, attempt) from None
-    fixed_s = top_fused.time_s - top.report.time_s  # fused against search-graph time: the same for every plan
-    bound = None if top.lower_bound_s is None else top.lower_bound_s + fixed_s
+        raise _fused_refusal(graph, fuse, budget, late(), e, attempt) from None
+    # backward fusion's time is the search graph's plus what fusion adds, the same for every plan, so the
+    # search's claims carry over; forward fusion's watch of the parameter-reading ops depends on the plan's
+    # own window: no claim
+    fixed_s = top_fused.time_s - top.report.time_s
+    bound = None if top.lower_bound_s is None or fuse != "backward" else top.lower_bound_s + fixed_s
     if top_fused.peak_bytes <= budget:
-        return _fused_result(graph, top, budget, start, status=top.status, lower_bound_s=bound,
-                             searched=budget + over, searches=1)
+        return _fused_result(graph, top, budget, start, fuse=fuse, lower_bound_s=bound, searched=budget + over,
+                             searches=1, status=top.status if fuse == "backward" else "feasible")
     searches, fits = 2, budget
     try:
         low, low_fused = attempt(budget, 0.5)
     except Infeasible as e:
         floor = e.min_feasible_bytes
         if floor is None or floor <= budget or floor >= budget + over:
-            raise _fused_refusal(graph, budget, late(), e, None) from None
+            raise _fused_refusal(graph, fuse, budget, late(), e, None) from None
         low, low_fused = attempt(floor, 0.5)  # the search graph's least peak: its fused step may still fit
         if low_fused.peak_bytes > budget:
-            raise _fused_refusal(graph, budget, late(), e, None, found=min(floor, low_fused.peak_bytes)) from None
+            raise _fused_refusal(graph, fuse, budget, late(), e, None, found=min(floor, low_fused.peak_bytes)) from None
         searches, fits = 3, floor
     if low_fused.peak_bytes > budget:  # a pin kept an activation past the step that frees it (see above)
         fits = budget - (low_fused.peak_bytes - budget)
         try:
             low, low_fused = attempt(fits)
         except Infeasible as e:
-            raise _fused_refusal(graph, budget, late(), e, None, found=low_fused.peak_bytes) from None
+            raise _fused_refusal(graph, fuse, budget, late(), e, None, found=low_fused.peak_bytes) from None
         if low_fused.peak_bytes > budget:
-            raise _fused_refusal(graph, budget, late(), Infeasible(""), None, found=low_fused.peak_bytes)
+            raise _fused_refusal(graph, fuse, budget, late(), Infeasible(""), None, found=low_fused.peak_bytes)
         searches += 1
     misses = budget + over
     best, best_fused = low, low_fused
@@ -180,20 +221,20 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, time_limit_s: float,
             misses = mid
     # as fast as the bound over every plan whose fused step fits: optimal over the search's space
     proven = bound is not None and best_fused.time_s <= bound + 1e-9 * abs(bound)
-    return _fused_result(graph, best, budget, start, status="optimal" if proven else "feasible",
+    return _fused_result(graph, best, budget, start, fuse=fuse, status="optimal" if proven else "feasible",
                          lower_bound_s=bound, searched=fits, searches=searches)
 
 
-def _fused_refusal(graph: Graph, budget: int, late: float | None, refused: Infeasible, attempt: Any, *,
+def _fused_refusal(graph: Graph, fuse: str, budget: int, late: float | None, refused: Infeasible, attempt: Any, *,
                    found: int | None = None) -> Infeasible:
-    """The refusal of ``budget`` for a backward-fused step, quoting the least fused peak memplan found: the
+    """The refusal of ``budget`` for a fused step, quoting the least fused peak memplan found: the
     plan at the search graph's least peak (``refused.min_feasible_bytes``), searched again with ``attempt``
     where given (its fused peak is at most that), or ``found``; ``late``: the time limit the searches ran
     out of, if they did."""
     floor = refused.min_feasible_bytes if found is None else found
     if floor is not None and floor <= budget:
         # the search failed for another reason than the budget (its method, its time): say its own words
-        return Infeasible(f"with the optimizer fused into backward: {refused}", budget_bytes=budget,
+        return Infeasible(f"with the optimizer fused into {fuse}: {refused}", budget_bytes=budget,
                           min_feasible_bytes=refused.min_feasible_bytes)
     if floor is not None and attempt is not None and found is None:
         with contextlib.suppress(Infeasible):  # a quote: as short as a refusal's own search for one
@@ -203,24 +244,24 @@ def _fused_refusal(graph: Graph, budget: int, late: float | None, refused: Infea
     if late is not None:
         least += f"; the searches stopped at the time limit of {late:g} s, a longer one may find a plan"
     return Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer fused into "
-                      f"backward{least}", budget_bytes=budget, min_feasible_bytes=floor)
+                      f"{fuse}{least}", budget_bytes=budget, min_feasible_bytes=floor)
 
 
-def _fused_result(graph: Graph, result: SolveResult, budget: int, start: float, *, status: str,
+def _fused_result(graph: Graph, result: SolveResult, budget: int, start: float, *, fuse: str, status: str,
                   lower_bound_s: float | None, searched: int, searches: int) -> SolveResult:
-    """``result`` (searched on the fused search graph under ``searched``) for the backward-fused step under
+    """``result`` (searched on the fused search graph under ``searched``) for the ``fuse``-fused step under
     ``budget``: the report and the plan's prediction are the fused step's (with its timeline), the plan records
     ``fuse`` in its solver settings (it may fit the budget only fused), and ``status`` / ``lower_bound_s``
     the claims that hold for the fused step."""
     elapsed = time.perf_counter() - start
-    report = simulate(graph, result.plan, fuse="backward")  # with its timeline
+    report = simulate(graph, result.plan, fuse=fuse)  # with its timeline
     gap = None
     if lower_bound_s is not None and report.time_s > 0:
         gap = max(0.0, (report.time_s - lower_bound_s) / report.time_s)
     stats = {**result.stats, "search_status": result.status, "searched_bytes": searched, "searches": searches}
     solver = result.plan.solver.model_copy(update={
         "status": status, "lower_bound_s": lower_bound_s, "gap": gap, "solve_time_s": elapsed,
-        "settings": {**result.plan.solver.settings, "fuse": "backward"}})
+        "settings": {**result.plan.solver.settings, "fuse": fuse}})
     predicted = Prediction(peak_bytes=report.peak_bytes, step_time_s=report.time_s,
                            recompute_time_s=report.recompute_time_s, exposed_transfer_s=report.exposed_transfer_s)
     plan = result.plan.model_copy(update={"budget_bytes": budget, "solver": solver, "predicted": predicted})

@@ -67,8 +67,8 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
     whose best plan fits ``budget_bytes`` within ``max_overhead`` (a fraction: 0.2 is 20%; None: any).
 
     ``method``, ``time_limit_s`` (per candidate), ``offload`` and ``fuse`` go to :func:`memplan.solvers.solve`
-    (``fuse="backward"``: the step with the optimizer fused into backward, its peak and its overhead against
-    keeping everything in that step).
+    (``fuse="backward"`` or ``"forward"``: the step with the optimizer fused there, its peak and its overhead
+    against keeping everything in that step).
     Raises :class:`GraphError` when the graph has no shape family over ``dim``, :class:`Infeasible`
     (naming the minimum feasible budget at ``dim = 1``) when not even 1 fits, and :class:`MemplanError`
     for a negative budget or overhead. ``max_value`` caps the search (a model's maximum sequence length):
@@ -86,7 +86,7 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
         raise MemplanError(f"max overhead must be a non-negative fraction, got {max_overhead!r}")
     if fuse is not None and fuse not in FUSE_MODES:
         raise MemplanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
-    fused = fuse == "backward" and bool(graph.fused_backward)
+    fused = fuse is not None and bool(graph.fused_backward)
     fixed = dict(fam.at)
     found: dict[int, tuple[Graph, SolveResult, float]] = {}
     probes: dict[int, Probe] = {}
@@ -105,8 +105,8 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
             except Infeasible as e:
                 p = Probe(v, False, "no plan fits the budget", e.min_feasible_bytes)
             else:
-                # keeping everything in the step solve planned (forward fusion's is predicted unfused)
-                base = (simulate(g, None, timeline=False, fuse="backward") if fused else keep_all_report(g)).time_s
+                # keeping everything in the step solve planned
+                base = (simulate(g, None, timeline=False, fuse=fuse) if fused else keep_all_report(g)).time_s
                 overhead = result.report.time_s / base - 1.0 if base > 0 else 0.0
                 if max_overhead is not None and overhead > max_overhead + 1e-12:
                     p = Probe(v, False, f"the best plan found costs {overhead:.1%} over keeping everything",

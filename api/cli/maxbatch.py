@@ -48,8 +48,8 @@ def maxbatch(
     solver: Annotated[str, typer.Option("--solver", "-s")] = "auto",
     time_limit: Annotated[float, typer.Option("--time-limit", help="solver seconds per candidate")] = 10.0,
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
-    fuse: Annotated[str | None, typer.Option(help="backward: the training loop steps the optimizer inside "
-                                                  "backward; size the batch for that step")] = None,
+    fuse: Annotated[str | None, typer.Option(help="backward or forward: the training loop steps the optimizer "
+                                                  "there; size the batch for that step")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="plan file to write (for the answer)")] = Path("plan.json"),
     graph_output: Annotated[Path, typer.Option("--graph", help="graph file to write (the answer's shape)")] = Path("graph.json"),
     family_output: Annotated[Path | None, typer.Option("--save-family", help="also write the profiled shape "

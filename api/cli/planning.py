@@ -72,8 +72,8 @@ def solve(
                            fuse=fuse, **manual)
     with writing(output):
         result.plan.save(str(output))
-    # keeping everything in the same step (fused as asked, where solve planned for it)
-    base = run_sim(graph, None, timeline=False, fuse="backward" if fuse == "backward" else None)
+    # keeping everything in the same step (fused as asked, as solve planned for it)
+    base = run_sim(graph, None, timeline=False, fuse=fuse if fuse in ("backward", "forward") else None)
     summary = {
         "plan": str(output), "fuse": fuse, "solver": result.plan.solver.name, "status": result.status,
         "budget_bytes": b, "peak_bytes": result.report.peak_bytes, "time_s": result.report.time_s,
@@ -248,8 +248,7 @@ def plan_workload(
     result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse)
     with writing(output):
         result.plan.save(str(output))
-    # keeping everything in the step solve planned (forward fusion's is predicted unfused there)
-    base = run_sim(graph, None, timeline=False, fuse="backward" if fuse == "backward" else None)
+    base = run_sim(graph, None, timeline=False, fuse=fuse)  # keeping everything in the step solve planned
     summary = {"workload": w.name, "fuse": fuse, "device": graph.meta.get("device_spec") or graph.device, "graph": str(graph_output), "plan": str(output), "solver": result.plan.solver.name,
                "status": result.status, "budget_bytes": b, "keep_all_peak_bytes": base.peak_bytes,
                "measured_keep_all_peak_bytes": graph.measured.peak_bytes,

@@ -51,9 +51,10 @@ class MaxBatchRequest(BaseModel):
     time_limit_s: float = Field(default=DEFAULT_TIME_LIMIT_S, gt=0, allow_inf_nan=False,
                                 description="solver seconds per candidate")
     offload: bool = False
-    fuse: Literal["backward"] | None = Field(
-        default=None, description="'backward': the training loop steps the optimizer inside backward; size for "
-                                  "that step (its peak and its overhead against keeping everything in it)")
+    fuse: Literal["backward", "forward"] | None = Field(
+        default=None, description="'backward' (or 'forward'): the training loop steps the optimizer inside "
+                                  "backward (before each module's next forward); size for that step (its peak "
+                                  "and its overhead against keeping everything in it)")
     include_graph: bool = Field(default=False, description="return the family evaluated at the answer (the "
                                                            "graph the plan is for)")
 

@@ -250,6 +250,16 @@ def watch_op_cost_s(graph: Graph, op: Any) -> float:
     return overlapped_s(graph.device, op.time_s, graph.watch_op_dispatch_s) - op.time_s
 
 
+def first_forward_op(graph: Graph, module: str) -> int:
+    """The first forward op run inside ``module`` (a module path; "" the model), where forward fusion's
+    pre-hook applies its pending update; 0 where none is (the update is then taken at the start)."""
+    prefix = module + "."
+    for op in graph.ops:
+        if not module or op.module == module or op.module.startswith(prefix):
+            return op.id
+    return 0
+
+
 def fusion_charge(graph: Graph, fuse: str | None) -> tuple[str, float]:
     """The optimizer step's event under ``fuse``: its reason and seconds. The updates' own time is
     ``graph.optimizer_time_s`` wherever they run; fused, the step also pays what the profiler measured fusion
@@ -338,6 +348,12 @@ class _Lowering:
         self.fused: dict[int, list[FusedStep]] = {}  # backward step -> the fusion buckets it completes
         for f in graph.fused_backward:
             self.fused.setdefault(f.after, []).append(f)
+        # forward fusion: forward op -> the buckets whose pending update applies before it (their module's
+        # first op: the executor's forward pre-hook)
+        self.applied_before: dict[int, list[FusedStep]] = {}
+        if fuse == "forward":
+            for f in graph.fused_backward:
+                self.applied_before.setdefault(first_forward_op(graph, f.module), []).append(f)
         # discover: retain every pinnable tensor, record in ``reads`` the lowest backward step whose
         # replay reads each, emit nothing; pins: {tensor: step} retained from production until after it
         self.discover = discover
@@ -403,7 +419,7 @@ class _Lowering:
         reason, seconds = fusion_charge(g, self.fuse)
         # backward fusion stepped its buckets already: the step's transient is what remains
         workspace = g.fixed.optimizer_step_bytes
-        if self.fuse == "backward":
+        if self.fuse == "backward" or self.applied_before:  # the buckets hold their shares where they step
             workspace = max(0, workspace - sum(f.step_bytes for f in g.fused_backward))
         self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
                                          workspace_bytes=workspace, duration_s=seconds))
@@ -439,11 +455,21 @@ class _Lowering:
         resident, offloaded, rebuilt, emit, events = self.resident, self.offloaded, self.rebuilt, self.emit, self.events
         saved, saved_at, d2h_after, d2h_after_op = st.saved, st.saved_at, st.d2h_after, st.d2h_after_op
         pending = self.pending
+        if emit and self.applied_before:
+            # forward fusion: the previous step's gradients are held until their module's update applies
+            events.append(ScheduleEvent(
+                "optimizer", "forward", None, reason="the previous step's gradients, held until forward fusion "
+                "applies their update", alloc_bytes=sum(f.grad_bytes for f in g.fused_backward)))
         for op in g.ops:
             i = op.id
             self.at = i
             if pending and pending[0][0] <= self.now:
                 self._release_pending()  # at the boundary before op i
+            if emit:
+                for f in self.applied_before.get(i, ()):  # stepped before its module's forward, gradients freed
+                    events.append(ScheduleEvent(
+                        "optimizer", "forward", i, reason=f"optimizer step of {f.module or 'the model'}'s parameters, "
+                        f"fused into forward", workspace_bytes=f.step_bytes, free_bytes=f.grad_bytes))
             alloc = 0
             for t in op.outputs:
                 if not resident[t]:

@@ -192,8 +192,9 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
             watched += len(ev.ops)
             watch_s += ev.duration_s
             now += ev.duration_s
-        elif kind == "optimizer":  # the step, or (backward fusion) a bucket stepped inside backward
+        elif kind == "optimizer":  # the step, or a fused bucket's (or forward fusion's held gradients)
             start = now
+            live += ev.alloc_bytes
             during = live + ev.workspace_bytes
             if during > peak:
                 peak, peak_event = during, ev
