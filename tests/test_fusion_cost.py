@@ -284,7 +284,7 @@ def test_a_plan_for_a_forward_fused_step_fits_it_near_the_exhaustive_optimum():
     """solve(fuse="forward") searches the forward-fused step's memory (the held gradients charged to the
     forward ops they are held beside, the updates' transients where they apply): against every keep /
     recompute / recompute_each choice simulated fused, its plan fits at every budget from the least fused
-    peak up, within 5% of the fastest that fits (the search charges the held gradients to a replay in
+    peak up, within 5% of the fastest that fits (1.7-1.8% here; the search charges the held gradients to a replay in
     backward too, and does not search the watch of the parameter reads: "feasible"), and refuses below it.
     Searched unfused, every one of these budgets was refused (the unfused step's optimizer transient, all at
     once, is over them)."""
@@ -295,6 +295,10 @@ def test_a_plan_for_a_forward_fused_step_fits_it_near_the_exhaustive_optimum():
 
     x = torch.randn(96, 64)
     g = profile(_weights_heavy(), x, _lse, device="cpu", progress=False, repeats=1, measure=False)
+    for op in g.ops:  # times that do not move from run to run or with the machine's load, 1 us per 4 KiB made
+        made = sum(g.tensors[t].bytes for t in op.outputs)
+        op.time_s, op.backward_time_s = 1e-6 * (1 + made / 4096), 2e-6 * (1 + made / 4096)
+    g.invalidate()
     saved = sorted({t for op in g.ops for t in op.saved if g.tensors[t].kind == "activation"})
     oracle = []
     for choice in itertools.product(("keep", "recompute", "recompute_each"), repeat=len(saved)):
@@ -305,7 +309,7 @@ def test_a_plan_for_a_forward_fused_step_fits_it_near_the_exhaustive_optimum():
     for k in range(0, 11, 2):
         budget = least + (keep - least) * k // 10
         best = min(t for p, t in oracle if p <= budget)
-        result = solve(g, budget, "auto", fuse="forward", time_limit_s=20)
+        result = solve(g, budget, "auto", fuse="forward", time_limit_s=30)
         report = simulate(g, result.plan, timeline=False, fuse="forward")
         assert report.peak_bytes <= budget and best - 1e-12 <= report.time_s <= 1.05 * best, (k, report.time_s, best)
         assert result.status == "feasible" and result.plan.solver.settings["fuse"] == "forward"
