@@ -29,8 +29,10 @@ from memplan.solvers.registry import ALL_PLANS, Proposal, SolverSpec, get
 # (GPT-2's search ran ~7 s, a 2,000-op chain's its whole time limit), and a budget near the quoted peak, which
 # the strategy then runs on, gets the full search
 QUOTE_SEARCH_S = 1.0
-# bisections of the searched budget for a backward-fused step (solve's ``fuse``), after its first two searches
+# bisections of the searched budget for a fused step (solve's ``fuse``), after its first two searches
 FUSED_SEARCHES = 4
+# forward fusion's searches from below (solve's ``fuse="forward"``), each under the last plan's peak less its overshoot
+FUSED_RETRIES = 5
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,70 @@ def _forward_search_graph(graph: Graph) -> tuple[Graph, int]:
 
 def _solve_fused(graph: Graph, budget: int, method: str, *, fuse: str, time_limit_s: float, start: float,
                  deadline: float, **kw: Any) -> SolveResult:
-    """solve(..., fuse=...). The searches run on :func:`fused_search_graph`, whose peaks are the fused
+    """solve(..., fuse=...): :func:`_fused_search`; for forward fusion, beside it (each half the time left)
+    :func:`_forward_from_below`, and the faster plan whose fused step fits (neither makes a claim)."""
+    if fuse != "forward":
+        return _fused_search(graph, *fused_search_graph(graph, fuse), budget, method, fuse=fuse,
+                             time_limit_s=time_limit_s, start=start, deadline=deadline, **kw)
+    halfway = start + (deadline - start) / 2
+    try:
+        found: SolveResult | None = _fused_search(graph, *fused_search_graph(graph, fuse), budget, method, fuse=fuse,
+                                                  time_limit_s=time_limit_s, start=start, deadline=halfway, **kw)
+        refused = None
+    except Infeasible as e:
+        found, refused = None, e
+    below, least = _forward_from_below(graph, budget, method, deadline=deadline, **kw)
+    if below is not None and (found is None or below[1].time_s < found.report.time_s):
+        return _fused_result(graph, below[0], budget, start, fuse=fuse, status="feasible", lower_bound_s=None,
+                             searched=below[0].plan.budget_bytes or budget, searches=below[2])
+    if found is not None:
+        return found
+    assert refused is not None
+    floor = refused.min_feasible_bytes
+    if least is not None and (floor is None or least < floor):
+        refused = _fused_refusal(graph, fuse, budget, None, refused, None, found=least)
+    raise refused
+
+
+def _forward_from_below(graph: Graph, budget: int, method: str, *, deadline: float,
+                        **kw: Any) -> tuple[tuple[SolveResult, Report, int] | None, int | None]:
+    """Forward fusion's plans searched from below: on the graph without the held gradients (its final step's
+    transient what the buckets leave), which under-counts the fused forward, under ``budget`` and then,
+    while the fused step goes over, under a budget below the plan's own peak by the overshoot (deeper each
+    time, :data:`FUSED_RETRIES` times). The fused search graph over-counts a replay of an early op in
+    backward by the gradients held beside it in forward: at an 8-layer chain at GPU figures it refused every
+    budget within 0.9 GiB of the least fused peak; from below those fit. Returns the plan, its fused step and
+    the searches run (None where none fits), and the least fused peak seen."""
+    lite = graph.model_copy(deep=True)
+    lite.fixed.optimizer_step_bytes = max(
+        0, graph.fixed.optimizer_step_bytes - sum(f.step_bytes for f in graph.fused_backward))
+    lite.fused_backward = []
+    lite.invalidate()
+    searched, cut, least = budget, 0, None
+    for k in range(FUSED_RETRIES):
+        left = deadline - time.perf_counter()
+        if left <= 0 or searched < 0:
+            break
+        try:
+            result = _solve(lite, searched, method, time_limit_s=left / (FUSED_RETRIES - k), **kw)
+        except Infeasible as e:
+            if e.min_feasible_bytes is not None and least is None:  # a quote: the lite graph's least plan, fused
+                with contextlib.suppress(Infeasible):
+                    quote = _solve(lite, e.min_feasible_bytes, method, time_limit_s=min(left, QUOTE_SEARCH_S), **kw)
+                    least = simulate(graph, quote.plan, timeline=False, fuse="forward").peak_bytes
+            break
+        fused = simulate(graph, result.plan, timeline=False, fuse="forward")
+        least = fused.peak_bytes if least is None else min(least, fused.peak_bytes)
+        if fused.peak_bytes <= budget:
+            return (result, fused, k + 1), least
+        cut = max(fused.peak_bytes - budget, 2 * cut)
+        searched = min(searched, result.report.peak_bytes) - cut
+    return None, least
+
+
+def _fused_search(graph: Graph, search: Graph, over: int, budget: int, method: str, *, fuse: str,
+                  time_limit_s: float, start: float, deadline: float, **kw: Any) -> SolveResult:
+    """The searches for a fused step on ``search`` (:func:`fused_search_graph`), whose peaks are the fused
     step's plus at most ``over`` (backward: a bucket step's transient beyond its backward step's frees;
     forward: the gradients held in forward, charged again to a replay in backward), so every plan
     whose fused step fits ``budget`` fits ``budget + over`` there: the plan searched under that budget is at
@@ -156,7 +221,6 @@ def _solve_fused(graph: Graph, budget: int, method: str, *, fuse: str, time_limi
     the two (:data:`FUSED_SEARCHES` times), the fastest fused step that fits kept: bounded by the first
     search's bound, and "optimal" only where it meets it. The searches share ``time_limit_s``: where another
     may follow, a search gets half of what is left (auto's ILP runs to its limit), a bisection its share."""
-    search, over = fused_search_graph(graph, fuse)
 
     def attempt(searched: int, share: float = 1.0, most_s: float | None = None) -> tuple[SolveResult, Report]:
         left = deadline - time.perf_counter()
