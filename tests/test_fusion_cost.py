@@ -284,8 +284,9 @@ def test_a_plan_for_a_forward_fused_step_fits_it_near_the_exhaustive_optimum():
     """solve(fuse="forward") searches the forward-fused step's memory (the held gradients charged to the
     forward ops they are held beside, the updates' transients where they apply): against every keep /
     recompute / recompute_each choice simulated fused, its plan fits at every budget from the least fused
-    peak up, within 5% of the fastest that fits (1.8% from the search graph alone; the search charges the held gradients to a replay in
-    backward too, and does not search the watch of the parameter reads: "feasible"), and refuses below it.
+    peak up, within 5% of the fastest that fits (here the fastest; 1.8% off from the search graph alone,
+    which charges the held gradients to a replay in backward too; the watch of the parameter reads is not
+    searched: "feasible"), and refuses below it.
     Searched unfused, every one of these budgets was refused (the unfused step's optimizer transient, all at
     once, is over them)."""
     import itertools
