@@ -671,4 +671,4 @@ def _warn_if_solved_fused(plan: Plan, graph: Graph, fuse: str | None) -> None:
         warnings.warn(MemplanWarning(
             f"this plan was solved for the optimizer fused into {solved_for}; applied with fuse={fuse!r} its "
             f"predicted peak is {format_bytes(peak)}, over its budget of {format_bytes(plan.budget_bytes)}: "
-            f"apply it with fuse='backward', or solve again without fuse"), stacklevel=3)
+            f"apply it with fuse={solved_for!r}, or solve again without fuse"), stacklevel=3)
