@@ -453,23 +453,10 @@ def test_the_searches_for_a_fused_step_share_the_requests_time_limit(graph, monk
     assert limits[0] <= 1.0 and all(b < a for a, b in zip(limits, limits[1:], strict=False)) and len(limits) <= 3
 
 
-def test_a_fused_plan_at_gpu_scale_is_the_exhaustive_optimum_at_every_budget():
-    """At a GPU's figures (8 layers of 512 MiB activations and 256 MiB weights, AdamW-like steps of 128 MiB
-    to 1 GiB per layer, budgets of GBs), against the oracle: every keep / recompute / recompute_each choice
-    of the saved activations (every plan the executor runs without offload) simulated fused. At every budget
-    from below the least fused peak to keep-everything's, solve(fuse="backward") returns a plan that fits
-    fused and is as fast as the best one (an optimality claim holds where made), or refuses exactly where
-    none fits, quoting the least fused peak. Backward fusion frees each layer's gradients inside backward and
-    steps each layer apart: every budget here is below every unfused plan's peak (the unfused step's optimizer
-    holds every transient at once; before, solve searched unfused plans and refused them all), and the 1 GiB
-    steps make the search graph over-count, so the searched budget is bisected."""
-    import itertools
-
-    from memplan.planner.core.errors import Infeasible
+def _gpu_chain():
+    """8 layers of 512 MiB activations and 256 MiB weights, AdamW-like steps of 128 MiB to 1 GiB per layer."""
     from memplan.planner.core.graph import FusedStep
     from memplan.planner.core.synthetic import linear_chain
-    from memplan.solvers import solve
-    from memplan.solvers.min_memory import least_peak
 
     mib, n = 2**20, 8
     g = linear_chain(n, activation_bytes=512 * mib, input_bytes=512 * mib, param_bytes=256 * mib,
@@ -477,74 +464,65 @@ def test_a_fused_plan_at_gpu_scale_is_the_exhaustive_optimum_at_every_budget():
     g.fused_backward = [FusedStep(after=i, module=f"layers.{i}", grad_bytes=256 * mib,
                                   step_bytes=(1024 if i % 3 == 0 else 128) * mib) for i in reversed(range(n))]
     g.fixed.optimizer_step_bytes = sum(f.step_bytes for f in g.fused_backward)
-    g.invalidate()
+    return g.invalidate()
+
+
+def _the_optimum_at_every_budget(g, fuse):
+    """Against the oracle (every keep / recompute / recompute_each choice of the saved activations, every plan
+    the executor runs without offload, simulated ``fuse``-fused), at every budget from below the least fused
+    peak to keep-everything's: solve(fuse=) returns a plan that fits fused and is as fast as the best one, or
+    refuses exactly where none fits, quoting the least fused peak. Returns ``(budget, result)`` of those
+    solved, and the least fused peak."""
+    import itertools
+
+    from memplan.planner.core.errors import Infeasible
+    from memplan.solvers import solve
+
     saved = sorted({t for op in g.ops for t in op.saved if g.tensors[t].kind == "activation"})
     oracle = []  # (fused peak, fused time) of every plan
     for choice in itertools.product(("keep", "recompute", "recompute_each"), repeat=len(saved)):
-        r = simulate(g, Plan.for_graph(g, dict(zip(saved, choice, strict=True))), timeline=False, fuse="backward")
+        r = simulate(g, Plan.for_graph(g, dict(zip(saved, choice, strict=True))), timeline=False, fuse=fuse)
         oracle.append((r.peak_bytes, r.time_s))
     least = min(p for p, _ in oracle)
-    unfused_least = least_peak(g)[0]
-    keep = simulate(g, None, fuse="backward").peak_bytes
-    assert least < keep and least < unfused_least
-    solved = below_unfused = bisected = 0
-    for budget in range(least - 2**28, keep + 2**27, 2**27):
+    solved = []
+    for budget in range(least - 2**28, simulate(g, None, fuse=fuse).peak_bytes + 2**27, 2**27):
         best = min((t for p, t in oracle if p <= budget), default=None)
         if best is None:
-            with pytest.raises(Infeasible, match="with the optimizer fused into backward") as e:
-                solve(g, budget, "dp", fuse="backward")
+            with pytest.raises(Infeasible, match=f"with the optimizer fused into {fuse}") as e:
+                solve(g, budget, "dp", fuse=fuse)
             assert e.value.min_feasible_bytes == least
             continue
-        result = solve(g, budget, "dp", fuse="backward")
-        report = simulate(g, result.plan, timeline=False, fuse="backward")
+        result = solve(g, budget, "dp", fuse=fuse)
+        report = simulate(g, result.plan, timeline=False, fuse=fuse)
         assert report.peak_bytes <= budget and report.time_s == pytest.approx(best, rel=1e-12), budget
-        assert result.lower_bound_s <= report.time_s + 1e-12
-        solved += 1
-        below_unfused += budget < unfused_least
-        bisected += result.stats["searches"] > 1
-    assert solved > 10 and below_unfused == solved and bisected > 3
+        solved.append((budget, result))
+    return solved, least
+
+
+def test_a_fused_plan_at_gpu_scale_is_the_exhaustive_optimum_at_every_budget():
+    """At a GPU's figures (:func:`_gpu_chain`, budgets of GBs), backward fusion, against the oracle
+    (:func:`_the_optimum_at_every_budget`: the optimum at every budget, an optimality claim holding where
+    made). Backward fusion frees each layer's gradients inside backward and steps each layer apart: every
+    budget here is below every unfused plan's peak (the unfused step's optimizer holds every transient at
+    once; before, solve searched unfused plans and refused them all), and the 1 GiB steps make the search
+    graph over-count, so the searched budget is bisected."""
+    from memplan.solvers.min_memory import least_peak
+
+    g = _gpu_chain()
+    solved, least = _the_optimum_at_every_budget(g, "backward")
+    unfused_least = least_peak(g)[0]
+    assert least < unfused_least and len(solved) > 10
+    assert all(budget < unfused_least for budget, _ in solved)
+    assert all(r.lower_bound_s <= r.report.time_s + 1e-12 for _, r in solved)
+    assert sum(r.stats["searches"] > 1 for _, r in solved) > 3
 
 
 def test_a_forward_fused_plan_at_gpu_scale_is_the_exhaustive_optimum_at_every_budget():
-    """Forward fusion at a GPU's figures (the 8-layer chain above: 512 MiB activations, 256 MiB weights, 128 MiB
-    to 1 GiB steps): the previous step's 2 GiB of gradients are held into the forward, each layer's freed as
-    its update applies. Against every keep / recompute / recompute_each choice simulated forward-fused,
-    solve(fuse="forward") is the optimum at every budget from the least fused peak to keeping everything, and
-    refuses below it quoting that peak. The search graph alone (the held gradients as forward workspace)
-    refused every budget within 0.9 GiB of the least peak (it charges them again to a replay in backward);
-    searched from below as well, all fit."""
-    import itertools
-
-    from memplan.planner.core.errors import Infeasible
-    from memplan.planner.core.graph import FusedStep
-    from memplan.planner.core.synthetic import linear_chain
-    from memplan.solvers import solve
-
-    mib, n = 2**20, 8
-    g = linear_chain(n, activation_bytes=512 * mib, input_bytes=512 * mib, param_bytes=256 * mib,
-                     time_s=[0.001 * (1 + i % 3) for i in range(n)])
-    g.fused_backward = [FusedStep(after=i, module=f"layers.{i}", grad_bytes=256 * mib,
-                                  step_bytes=(1024 if i % 3 == 0 else 128) * mib) for i in reversed(range(n))]
-    g.fixed.optimizer_step_bytes = sum(f.step_bytes for f in g.fused_backward)
-    g.invalidate()
-    saved = sorted({t for op in g.ops for t in op.saved if g.tensors[t].kind == "activation"})
-    oracle = []
-    for choice in itertools.product(("keep", "recompute", "recompute_each"), repeat=len(saved)):
-        r = simulate(g, Plan.for_graph(g, dict(zip(saved, choice, strict=True))), timeline=False, fuse="forward")
-        oracle.append((r.peak_bytes, r.time_s))
-    least = min(p for p, _ in oracle)
-    keep = simulate(g, None, fuse="forward").peak_bytes
-    assert least < keep < simulate(g, None).peak_bytes
-    solved = 0
-    for budget in range(least - 2**28, keep + 2**27, 2**27):
-        best = min((t for p, t in oracle if p <= budget), default=None)
-        if best is None:
-            with pytest.raises(Infeasible, match="with the optimizer fused into forward") as e:
-                solve(g, budget, "dp", fuse="forward")
-            assert e.value.min_feasible_bytes == least
-            continue
-        result = solve(g, budget, "dp", fuse="forward")
-        report = simulate(g, result.plan, timeline=False, fuse="forward")
-        assert report.peak_bytes <= budget and report.time_s == pytest.approx(best, rel=1e-12), budget
-        solved += 1
-    assert solved > 10
+    """Forward fusion on the same chain: the previous step's 2 GiB of gradients are held into the forward, each
+    layer's freed as its update applies; solve(fuse="forward") is the oracle's optimum at every budget and
+    refuses below the least fused peak, quoting it. The search graph alone (the held gradients as forward
+    workspace) refused every budget within 0.9 GiB of the least peak (it charges them again to a replay in
+    backward); searched from below as well, all fit."""
+    g = _gpu_chain()
+    solved, _ = _the_optimum_at_every_budget(g, "forward")
+    assert len(solved) > 10 and simulate(g, None, fuse="forward").peak_bytes < simulate(g, None).peak_bytes
