@@ -17,7 +17,7 @@ from typing import Any
 from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.graph import FUSE_MODES, Graph
 from memplan.planner.core.plan import Plan, Prediction, SolverInfo
-from memplan.planner.core.schedule import first_forward_op
+from memplan.planner.core.schedule import final_step_bytes, forward_updates
 from memplan.planner.core.simulator import Report, simulate, simulate_actions, static_facts
 from memplan.planner.core.units import MAX_BYTES, format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
@@ -81,7 +81,7 @@ def fused_search_graph(graph: Graph, fuse: str = "backward") -> tuple[Graph, int
     plan's fused peak by.
 
     Forward fusion: the previous step's gradients are held until each bucket's update applies, before its
-    module's first forward op (:func:`~memplan.planner.core.schedule.first_forward_op`). Each forward op's
+    module's first forward op (:func:`~memplan.planner.core.schedule.forward_updates`). Each forward op's
     workspace gains the gradients still held while it runs and what the updates just before it need beyond
     its own outputs and workspace (their transients, over the gradients not yet freed): the largest of those
     moments is then the op's own candidate, exactly the fused step's in forward. An op replayed in backward
@@ -100,7 +100,7 @@ def fused_search_graph(graph: Graph, fuse: str = "backward") -> tuple[Graph, int
     if fuse == "forward":
         return _forward_search_graph(graph)
     st = static_facts(graph)
-    search = graph.model_copy(deep=True)
+    search = _unbucketed(graph)
     buckets: dict[int, list[Any]] = {}
     for f in graph.fused_backward:
         buckets.setdefault(f.after, []).append(f)
@@ -117,18 +117,22 @@ def fused_search_graph(graph: Graph, fuse: str = "backward") -> tuple[Graph, int
         search.ops[i].backward_workspace_bytes += extra
         search.ops[i].backward_grad_free_bytes += stepped
         over = max(over, extra)
-    search.fixed.optimizer_step_bytes = max(
-        0, graph.fixed.optimizer_step_bytes - sum(f.step_bytes for f in graph.fused_backward))
-    search.fused_backward = []
     return search.invalidate(), over
+
+
+def _unbucketed(graph: Graph) -> Graph:
+    """A copy of ``graph`` without its fusion buckets, its final optimizer step holding what the buckets'
+    steps leave of the transient (:func:`final_step_bytes`): the unfused step the fused searches edit."""
+    out = graph.model_copy(deep=True)
+    out.fixed.optimizer_step_bytes = final_step_bytes(graph, fused=True)
+    out.fused_backward = []
+    return out.invalidate()
 
 
 def _forward_search_graph(graph: Graph) -> tuple[Graph, int]:
     """:func:`fused_search_graph` for forward fusion."""
-    search = graph.model_copy(deep=True)
-    at: dict[int, list[Any]] = {}
-    for f in graph.fused_backward:
-        at.setdefault(first_forward_op(graph, f.module), []).append(f)
+    search = _unbucketed(graph)
+    at = forward_updates(graph)
     held = sum(f.grad_bytes for f in graph.fused_backward)
     over = 0
     for op in graph.ops:
@@ -140,9 +144,6 @@ def _forward_search_graph(graph: Graph) -> tuple[Graph, int]:
         extra = held + max(0, update - held - made - op.workspace_bytes)
         search.ops[op.id].workspace_bytes += extra
         over = max(over, extra)
-    search.fixed.optimizer_step_bytes = max(
-        0, graph.fixed.optimizer_step_bytes - sum(f.step_bytes for f in graph.fused_backward))
-    search.fused_backward = []
     return search.invalidate(), over
 
 
@@ -182,11 +183,7 @@ def _forward_from_below(graph: Graph, budget: int, method: str, *, deadline: flo
     backward by the gradients held beside it in forward: at an 8-layer chain at GPU figures it refused every
     budget within 0.9 GiB of the least fused peak; from below those fit. Returns the plan, its fused step and
     the searches run (None where none fits), and the least fused peak seen."""
-    lite = graph.model_copy(deep=True)
-    lite.fixed.optimizer_step_bytes = max(
-        0, graph.fixed.optimizer_step_bytes - sum(f.step_bytes for f in graph.fused_backward))
-    lite.fused_backward = []
-    lite.invalidate()
+    lite = _unbucketed(graph)
     searched, cut, least = budget, 0, None
     for k in range(FUSED_RETRIES):
         left = deadline - time.perf_counter()

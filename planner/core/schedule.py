@@ -250,14 +250,26 @@ def watch_op_cost_s(graph: Graph, op: Any) -> float:
     return overlapped_s(graph.device, op.time_s, graph.watch_op_dispatch_s) - op.time_s
 
 
-def first_forward_op(graph: Graph, module: str) -> int:
-    """The first forward op run inside ``module`` (a module path; "" the model), where forward fusion's
-    pre-hook applies its pending update; 0 where none is (the update is then taken at the start)."""
-    prefix = module + "."
+def final_step_bytes(graph: Graph, *, fused: bool) -> int:
+    """The transient the optimizer step at the end of the step holds: all of ``optimizer_step_bytes``, or,
+    ``fused``, what the buckets' own steps (each holding its ``step_bytes``) leave of it."""
+    total = graph.fixed.optimizer_step_bytes
+    return max(0, total - sum(f.step_bytes for f in graph.fused_backward)) if fused else total
+
+
+def forward_updates(graph: Graph) -> dict[int, list[FusedStep]]:
+    """Forward fusion: forward op -> the buckets whose pending update applies just before it, their module's
+    first op (the executor's forward pre-hook), in bucket order; a bucket whose module runs no op in the
+    graph at op 0. One pass over the ops, every prefix of each op's module path."""
+    first: dict[str, int] = {"": 0}
     for op in graph.ops:
-        if not module or op.module == module or op.module.startswith(prefix):
-            return op.id
-    return 0
+        parts = op.module.split(".") if op.module else []
+        for n in range(1, len(parts) + 1):
+            first.setdefault(".".join(parts[:n]), op.id)
+    out: dict[int, list[FusedStep]] = {}
+    for f in graph.fused_backward:
+        out.setdefault(first.get(f.module, 0), []).append(f)
+    return out
 
 
 def fusion_charge(graph: Graph, fuse: str | None) -> tuple[str, float]:
@@ -348,12 +360,8 @@ class _Lowering:
         self.fused: dict[int, list[FusedStep]] = {}  # backward step -> the fusion buckets it completes
         for f in graph.fused_backward:
             self.fused.setdefault(f.after, []).append(f)
-        # forward fusion: forward op -> the buckets whose pending update applies before it (their module's
-        # first op: the executor's forward pre-hook)
-        self.applied_before: dict[int, list[FusedStep]] = {}
-        if fuse == "forward":
-            for f in graph.fused_backward:
-                self.applied_before.setdefault(first_forward_op(graph, f.module), []).append(f)
+        # forward fusion: forward op -> the buckets whose pending update applies before it
+        self.applied_before = forward_updates(graph) if fuse == "forward" else {}
         # discover: retain every pinnable tensor, record in ``reads`` the lowest backward step whose
         # replay reads each, emit nothing; pins: {tensor: step} retained from production until after it
         self.discover = discover
@@ -418,9 +426,8 @@ class _Lowering:
         self.phase, self.at = "optimizer", None
         reason, seconds = fusion_charge(g, self.fuse)
         # backward fusion stepped its buckets already: the step's transient is what remains
-        workspace = g.fixed.optimizer_step_bytes
-        if self.fuse == "backward" or self.applied_before:  # the buckets hold their shares where they step
-            workspace = max(0, workspace - sum(f.step_bytes for f in g.fused_backward))
+        # the buckets hold their shares where they step
+        workspace = final_step_bytes(g, fused=self.fuse == "backward" or bool(self.applied_before))
         self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
                                          workspace_bytes=workspace, duration_s=seconds))
 
