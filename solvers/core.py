@@ -228,8 +228,8 @@ def _fused_search(graph: Graph, search: Graph, over: int, budget: int, method: s
         result = _solve(search, searched, method, time_limit_s=limit, **kw)
         return result, simulate(graph, result.plan, timeline=False, fuse=fuse)
 
-    def late() -> float | None:
-        return time_limit_s if time.perf_counter() >= deadline else None
+    def late() -> float | None:  # the time these searches had (forward fusion's: half the request's)
+        return deadline - start if time.perf_counter() >= deadline else None
 
     try:  # (a search may run to its limit, as auto's ILP does: where another may follow, it gets half)
         top, top_fused = attempt(budget + over, 0.5 if over else 1.0)
@@ -303,7 +303,7 @@ def _fused_refusal(graph: Graph, fuse: str, budget: int, late: float | None, ref
     least = (f"; the least peak memplan found for that step is {_both(floor)} (fixed memory alone is "
              f"{format_bytes(graph.fixed.resident_bytes)})" if floor is not None else f": {refused}")
     if late is not None:
-        least += f"; the searches stopped at the time limit of {late:g} s, a longer one may find a plan"
+        least += f"; the searches stopped at their time limit of {late:.3g} s, a longer one may find a plan"
     return Infeasible(f"no plan fits budget {_both(budget)} for graph '{graph.name}' with the optimizer fused into "
                       f"{fuse}{least}", budget_bytes=budget, min_feasible_bytes=floor)
 

@@ -446,7 +446,7 @@ def test_the_searches_for_a_fused_step_share_the_requests_time_limit(graph, monk
 
     monkeypatch.setattr(core, "_solve", slow)
     start = clock.perf_counter()
-    with pytest.raises(Infeasible, match=r"with the optimizer fused into backward; .*the searches stopped at the "
+    with pytest.raises(Infeasible, match=r"with the optimizer fused into backward; .*the searches stopped at their "
                                          r"time limit of 1 s"):
         core.solve(g, budget, "dp", time_limit_s=1.0, fuse="backward")
     assert clock.perf_counter() - start < 1.0 + 0.4 + 0.5
