@@ -64,7 +64,9 @@ from memplan.solvers.chain.solve import (
 from memplan.solvers.chain.stages import chain_elements, element_actions, stage_chain, stage_model
 from memplan.solvers.chain.table import OutOfTime, full_spare
 from memplan.solvers.every_k import every_k_search
+from memplan.solvers.evict import graph_facts, polish
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
+from memplan.solvers.min_memory import min_memory_actions
 from memplan.solvers.multilevel import multilevel_search, per_use_everything
 from memplan.solvers.registry import ALL_PLANS, FrontierPoint, Proposal, plan_space, register
 
@@ -76,6 +78,8 @@ _PER_USE_FRONTIER_S = 10.0  # dp_frontier's searches for recompute_each plans be
 KEEP_RECOMPUTE = plan_space(per_use=False, offload=False)
 _OFFLOAD_REFINE_S = 10.0     # at most this long (or the time limit) refining offloads
 HIERARCHICAL_SHARE_WITH_OFFLOAD = 0.35  # of the time left: the plan without offload, on a model with blocks
+#: of the time left, what the least-peak search may take when no keep / recompute plan fits (per_use_fallback)
+LEAST_PEAK_SHARE = 0.3
 
 
 # ---- dp on DAGs: the chain DP on the coarsened chain -------------------------------------------------------
@@ -195,9 +199,11 @@ def keep_recompute_proposal(graph: Graph, sol: ChainSolution) -> Proposal:
 
 
 def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Actions, Report] | None:
-    """The faster of the multilevel family's plan (:func:`memplan.solvers.multilevel.multilevel_search`)
-    and recompute_each-everything (the least memory replays reach) that fits ``budget``, for a chain no
-    keep / recompute plan fits; None when neither does."""
+    """For a graph no keep / recompute plan of ``dp``'s fits: the fastest plan that fits ``budget`` among the
+    multilevel family's (:func:`memplan.solvers.multilevel.multilevel_search`), recompute_each-everything
+    (the least memory replays reach) and the least-peak search's
+    (:func:`memplan.solvers.min_memory.min_memory_actions`), each made faster within the budget by
+    :func:`memplan.solvers.evict.polish` in its share of the time left; None when none fits."""
     found: list[tuple[Actions, Report]] = []
     ml = multilevel_search(graph, budget, deadline=deadline)
     if ml is not None:
@@ -205,8 +211,21 @@ def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Action
     every = per_use_everything(graph)
     if every is not None:
         found.append((every, simulate_actions(graph, every)))
-    fitting = [f for f in found if f[1].peak_bytes <= budget]
-    return min(fitting, key=lambda f: f[1].time_s) if fitting else None
+    left = deadline - time.perf_counter()
+    if left > 0:
+        least, prefetch_at = min_memory_actions(graph, time_limit_s=left * LEAST_PEAK_SHARE, deadline=deadline)
+        if not prefetch_at:
+            found.append((least, simulate_actions(graph, least)))
+    fitting = sorted((f for f in found if f[1].peak_bytes <= budget), key=lambda f: f[1].time_s)
+    facts = graph_facts(graph) if fitting else None
+    best: tuple[Actions, Report] | None = None
+    for k, (actions, report) in enumerate(fitting):
+        now = time.perf_counter()
+        actions, report, _ = polish(graph, facts, actions, report, budget,
+                                    deadline=now + max(0.0, deadline - now) / (len(fitting) - k))
+        if best is None or report.time_s < best[1].time_s:
+            best = (actions, report)
+    return best
 
 
 def _per_use_or(refused: Proposal, graph: Graph, budget: int, deadline: float) -> Proposal:

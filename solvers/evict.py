@@ -1,6 +1,7 @@
 """The eviction loop the heuristics share: facts about a graph, where a plan's simulated peak is and
 which saved activations could lower it, and the loop that evicts at the peak until the plan fits
-(:func:`shrink`), then keeps again what the final plan has room for (:func:`give_back`).
+(:func:`shrink`), then keeps again what the final plan has room for (:func:`give_back`) and makes it faster
+within the budget (:func:`polish`, which any fitting plan may go through).
 
 A strategy supplies a :data:`Picker` (which activations to evict, and how: ``greedy.pick_dtr``,
 ``capuchin.pick_capuchin``) and :func:`run_eviction` does the rest. Every candidate plan is simulated:
@@ -363,29 +364,50 @@ def give_back(graph: Graph, facts: Facts, actions: Actions, budget: int) -> tupl
     return new, after, back
 
 
-def back_to_recompute(graph: Graph, facts: Facts, actions: Actions, report: Report, budget: int, *,
-                      deadline: float) -> tuple[Actions, Report, int]:
-    """Turn ``recompute_each`` activations back into ``recompute`` one at a time, the dearest replay first,
-    where the simulated plan still fits ``budget`` and is faster (a replay that leaves them behind saves
-    their own replay). Returns the new actions, their report and how many went back."""
+def polish(graph: Graph, facts: Facts, actions: Actions, report: Report, budget: int, *,
+           deadline: float) -> tuple[Actions, Report, int]:
+    """Make a plan that fits ``budget`` faster without leaving it: each ``recompute_each`` activation, the
+    dearest replay per byte first, is kept, or else recomputed (a replay that leaves it behind saves its
+    own replay), where the simulated plan still fits and is faster; then :func:`give_back` keeps what has
+    room; again while a round gains and time is left (no simulation is started that the last one says
+    would end past ``deadline``). A plan that offloads is returned as it is: its prefetches are the
+    caller's. Returns the new actions, their report and how many moves it made.
+
+    A plan near the least peak is mostly ``recompute_each`` (the least-peak search's, the multi-level
+    family's): on the U-Net's graph a budget 2.5% of its activations above the least peak got the
+    multi-level plan at +672% step time, +113% polished from the least-peak plan."""
+    actions = {t: a for t, a in actions.items() if a != Action.KEEP}
+    if any(a == Action.OFFLOAD for a in actions.values()):
+        return actions, report, 0
     tensors = graph.tensors
-    back = 0
-    for t in sorted((t for t, a in actions.items() if a == Action.RECOMPUTE_EACH),
-                    key=lambda t: (-facts.cost_s[t] / max(1, tensors[t].bytes), t)):
-        if time.perf_counter() > deadline:
-            break
-        trial = {**actions, t: Action.RECOMPUTE}
-        r = simulate(graph, trial)
-        if r.peak_bytes <= budget and r.time_s < report.time_s:
-            actions, report = trial, r
-            back += 1
-    return actions, report, back
+    moves, sim_s = 0, 0.0
+    while True:
+        gained = 0
+        for t in sorted((t for t, a in actions.items() if a == Action.RECOMPUTE_EACH),
+                        key=lambda t: (-facts.cost_s[t] / max(1, tensors[t].bytes), t)):
+            for a in (Action.KEEP, Action.RECOMPUTE):
+                if time.perf_counter() + sim_s > deadline:
+                    return actions, report, moves
+                trial = {**actions, t: a}
+                if a == Action.KEEP:
+                    del trial[t]
+                started = time.perf_counter()
+                r = simulate(graph, trial)
+                sim_s = time.perf_counter() - started
+                if r.peak_bytes <= budget and r.time_s < report.time_s:
+                    actions, report = trial, r
+                    gained += 1
+                    break
+        actions, report, back = give_back(graph, facts, actions, budget)
+        moves += gained + back
+        if not (gained or back) or time.perf_counter() + sim_s > deadline:
+            return actions, report, moves
 
 
 def run_eviction(pick: Picker, graph: Graph, budget: int, *, time_limit_s: float, offload: bool,
          host_budget_bytes: int | None) -> Proposal:
     """:func:`shrink` with ``pick`` (``recompute_each`` moves allowed) until the plan fits ``budget``,
-    then :func:`give_back` and :func:`back_to_recompute`: a ``feasible`` proposal, or ``infeasible`` (with
+    then :func:`give_back` and :func:`polish`: a ``feasible`` proposal, or ``infeasible`` (with
     the lowest peak reached in ``stats``)."""
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
@@ -398,8 +420,8 @@ def run_eviction(pick: Picker, graph: Graph, budget: int, *, time_limit_s: float
         stats["stopped"] = "time limit" if out.timed_out else "no eviction lowers the peak"
         return Proposal(status="infeasible", stats=stats)
     actions, report, back = give_back(graph, facts, out.actions, budget)
-    actions, report, per_use_back = back_to_recompute(graph, facts, actions, report, budget, deadline=deadline)
-    stats.update(given_back=back, per_use_back=per_use_back,
+    actions, report, polished = polish(graph, facts, actions, report, budget, deadline=deadline)
+    stats.update(given_back=back, polished=polished,
                  recomputed=sum(a == Action.RECOMPUTE for a in actions.values()),
                  recomputed_each=sum(a == Action.RECOMPUTE_EACH for a in actions.values()),
                  offloaded=sum(a == Action.OFFLOAD for a in actions.values()),
