@@ -233,3 +233,23 @@ def test_plan_profile_and_simulate_take_the_fused_step(tmp_path):
     r = runner.invoke(cli.app, ["profile", "mlp", *small, "--fuse", "backward", "-o", str(tmp_path / "g.json")])
     assert r.exit_code == 0, r.output
     assert "backward" in Graph.load(str(tmp_path / "g.json")).fused_extra_s
+
+
+@pytest.mark.parametrize(("given", "read"), [
+    ("channels=4,8,16", (4, 8, 16)), ("channels=[4,8,16]", (4, 8, 16)), ("channels=[4, 8, 16]", (4, 8, 16)),
+    ("channels=(4, 8)", (4, 8)), ("channels=[8]", (8,)), ("channels=(8,)", (8,)), ("channels=[]", ()),
+    ("channels=8", 8), ("name=[x]", ("x",)), ("name=abc", "abc"), ("rate=0.5", 0.5), ("flag=true", True),
+])
+def test_set_reads_lists_as_python_and_json_write_them(given, read):
+    """``--set channels=[4,8,16]`` read as the string '[4', 8 and '16]' and was refused: a list in brackets is
+    a list."""
+    from memplan.api.cli.options import workload_options
+
+    assert workload_options([given]) == {given.partition("=")[0]: read}
+
+
+def test_a_bracketed_list_reaches_the_workload(tmp_path):
+    r = CliRunner().invoke(cli.app, ["profile", "unet", "--set", "channels=[4, 8]", "--set", "image_size=16",
+                                     "--set", "batch_size=1", "-o", str(tmp_path / "g.json")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "g.json").read_text())["ops"]

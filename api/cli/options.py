@@ -38,7 +38,8 @@ WORKLOAD_HELP = "built-in (mlp, resnet, gpt2, unet, bert, rnn) or path/to/file.p
 
 def workload_options(pairs: list[str] | None) -> dict[str, Any]:
     """``["n_layer=2", "hidden_sizes=32,64", "layer_type=basic"]`` -> keyword arguments: JSON scalars
-    (ints, floats, true/false) as such, comma-separated lists as tuples, anything else as a string."""
+    (ints, floats, true/false) as such, comma-separated lists as tuples (in brackets too, as Python or JSON
+    writes them: ``[32, 64]``, ``(32,)``, ``[]``), anything else as a string."""
 
     def value(text: str) -> Any:
         try:
@@ -53,8 +54,11 @@ def workload_options(pairs: list[str] | None) -> dict[str, Any]:
         if not sep or not key.strip().isidentifier():
             raise MemplanError(f"--set {pair!r}: expected KEY=VALUE, for example --set n_layer=2")
         text = text.strip()
-        options[key.strip()] = tuple(value(p.strip()) for p in text.split(",") if p.strip()) if "," in text \
-            else value(text)
+        bracketed = len(text) >= 2 and text[0] + text[-1] in ("[]", "()")
+        if bracketed:
+            text = text[1:-1].strip()
+        options[key.strip()] = tuple(value(p.strip()) for p in text.split(",") if p.strip()) \
+            if bracketed or "," in text else value(text)
     return options
 
 
