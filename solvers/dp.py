@@ -66,7 +66,7 @@ from memplan.solvers.chain.table import OutOfTime, full_spare
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.evict import graph_facts, polish
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
-from memplan.solvers.min_memory import min_memory_actions
+from memplan.solvers.min_memory import min_memory_actions, per_use_in_time
 from memplan.solvers.multilevel import multilevel_search, per_use_everything
 from memplan.solvers.registry import ALL_PLANS, FrontierPoint, Proposal, plan_space, register
 
@@ -208,7 +208,7 @@ def per_use_fallback(graph: Graph, budget: int, deadline: float) -> tuple[Action
     ml = multilevel_search(graph, budget, deadline=deadline)
     if ml is not None:
         found.append((ml[1], ml[2]))
-    every = per_use_everything(graph)
+    every = per_use_in_time(graph, deadline)  # its simulation takes seconds on a 1,000-op graph: only in time
     if every is not None:
         found.append((every, simulate_actions(graph, every)))
     left = deadline - time.perf_counter()

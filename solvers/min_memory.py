@@ -201,7 +201,7 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
     facts = graph_facts(graph)
     starts: list[tuple[Actions, dict[int, int]]] = [
         ({}, {}), ({t: Action.RECOMPUTE for t in facts.evictable if graph.tensors[t].recomputable}, {})]
-    per_use = _per_use_in_time(graph, stop if stop is not None else deadline)  # multi-level replays: near
+    per_use = per_use_in_time(graph, stop if stop is not None else deadline)  # multi-level replays: near
     if per_use is not None:                                                   # the bound on long chains
         starts.append((per_use, {}))
     if offload:
@@ -242,7 +242,7 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
 _REPLAYED_OP_S = 20e-6
 
 
-def _per_use_in_time(graph: Graph, deadline: float | None) -> dict[int, Action] | None:
+def per_use_in_time(graph: Graph, deadline: float | None) -> dict[int, Action] | None:
     """The recompute_each-everything start, or None when its simulation would not end before ``deadline``
     (None: no deadline, only :func:`per_use_everything`'s own size limit)."""
     if deadline is None:
@@ -278,7 +278,7 @@ def least_peak(graph: Graph, *, offload: bool = False, deadline: float | None = 
     recomputable = {t: Action.RECOMPUTE for t in saved if graph.tensors[t].recomputable}
     plans: list[tuple[dict[int, Action], dict[int, int]]] = [({}, {}), (recomputable, {})]
     scores = Scores(graph)  # each plan simulated once, here and in min_memory_actions
-    per_use = _per_use_in_time(graph, deadline)  # recompute_each: a replay keeps only its target
+    per_use = per_use_in_time(graph, deadline)  # recompute_each: a replay keeps only its target
     if per_use is not None:
         peak = scores(per_use).peak_bytes
         if peak <= memory_lower_bound(graph):

@@ -612,3 +612,21 @@ def test_with_offload_allowed_dp_is_never_slower_than_without_it_on_a_model(name
 
     plan = solve(graph, budget, "dp", time_limit_s=6, offload=True).plan
     assert simulate(graph, plan, timeline=False).time_s <= without * (1 + 1e-9)
+
+
+def test_the_per_use_fallback_starts_nothing_it_cannot_finish_by_its_deadline():
+    """dp's fallback below every keep / recompute plan (``per_use_fallback``) is reached with what the stage
+    search left, often nothing. It simulated recompute_each-everything whatever the time (2.7 s on this
+    1,000-op DAG at GPU byte scale: auto's 10 s limit ran to 13.7 s at the least peak); now, as the
+    least-peak search does, only where the simulation fits in the time left."""
+    import time
+
+    from test_solvers_common import _gpu_scale
+
+    from memplan.solvers.dp import per_use_fallback
+
+    g = _gpu_scale(random_dag(1000, seed=1, skip_prob=0.3), 1)
+    every = simulate_actions(g, per_use_everything(g))
+    t0 = time.perf_counter()
+    assert per_use_fallback(g, every.peak_bytes, time.perf_counter() + 1e-3) is None
+    assert time.perf_counter() - t0 < 1.0
