@@ -52,6 +52,7 @@ from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo, coars
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import Report, simulate_actions
 from memplan.solvers.bounds import keep_all_report
+from memplan.solvers.chain.table import OutOfTime, check_deadline
 from memplan.solvers.core import solve
 from memplan.solvers.ilp.blocks import staircase_bound, uniform_plans
 from memplan.solvers.ilp.config import Config as IlpConfig
@@ -349,10 +350,12 @@ def grads_before(graph: Graph, blks: list[Block]) -> list[int]:
     return out
 
 
-def chain_dp(menus: list[list[Option]], grads: list[int], spare_bytes: int) -> list[int] | None:
+def chain_dp(menus: list[list[Option]], grads: list[int], spare_bytes: int,
+             deadline: float | None = None) -> list[int] | None:
     """One option per block minimising the summed ``time_s`` subject to ``sum(kept_bytes of the blocks
     before s) + grads[s] + peak_bytes of s's option <= spare_bytes`` for every block ``s``; None if no
-    choice fits. Exact: a Pareto frontier of (kept bytes so far, time so far), kept bytes unrounded."""
+    choice fits. Exact: a Pareto frontier of (kept bytes so far, time so far), kept bytes unrounded.
+    ``OutOfTime`` past ``deadline`` (334 distinct blocks at GPU byte scale: 3 s a call)."""
     A = np.zeros(1, np.int64)       # kept bytes so far, ascending
     T = np.zeros(1)                 # time so far, descending
     back: list[tuple[np.ndarray, np.ndarray]] = []
@@ -360,6 +363,7 @@ def chain_dp(menus: list[list[Option]], grads: list[int], spare_bytes: int) -> l
     room = [spare_bytes - grads[s] - min(o.peak_bytes for o in menu) for s, menu in enumerate(menus)]
     cap = np.minimum.accumulate(np.asarray(room[1:] + [1 << 62], dtype=np.int64)[::-1])[::-1]
     for s, menu in enumerate(menus):
+        check_deadline(deadline)
         parts_a, parts_t, parts_o, parts_i = [], [], [], []
         for j, o in enumerate(menu):
             ok = A + grads[s] + o.peak_bytes <= spare_bytes
@@ -515,8 +519,11 @@ def solve_hierarchical(graph: Graph, budget_bytes: int, *, time_limit_s: float =
             if real > model:
                 allowance[s] += real - model
 
-    def at(model_budget: int) -> Report | None:
-        choice = chain_dp(menus, allowance, model_budget - fixed)
+    def at(model_budget: int) -> Report | None:  # None also past the end: no round follows then
+        try:
+            choice = chain_dp(menus, allowance, model_budget - fixed, deadline=end)
+        except OutOfTime:
+            return None
         if choice is None:
             return None
         actions = _plan(menus, choice)
