@@ -66,8 +66,8 @@ from memplan.solvers.chain.table import OutOfTime, full_spare
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.evict import give_back, graph_facts, polish
 from memplan.solvers.hierarchical import has_blocks, solve_hierarchical
-from memplan.solvers.min_memory import min_memory_actions, per_use_in_time
-from memplan.solvers.multilevel import multilevel_search
+from memplan.solvers.min_memory import min_memory_actions
+from memplan.solvers.multilevel import multilevel_search, per_use_in_time
 from memplan.solvers.registry import ALL_PLANS, FrontierPoint, Proposal, plan_space, register
 
 Actions = dict[int, Action]

@@ -19,7 +19,7 @@ from memplan.solvers.chain.solve import chain_min_budget_bytes
 from memplan.solvers.every_k import every_k_search
 from memplan.solvers.evict import Actions, Facts, Site, candidates, graph_facts, peak_site, shrink, simulate
 from memplan.solvers.greedy import pick_dtr
-from memplan.solvers.multilevel import per_use_everything
+from memplan.solvers.multilevel import per_use_in_time
 from memplan.solvers.oracle import oracle_min_peak, plan_count
 
 MAX_EXACT_SAVED = 10      # smallest_known_peak enumerates every plan of graphs this small ...
@@ -235,20 +235,6 @@ def min_memory_actions(graph: Graph, offload: bool = False, *, time_limit_s: flo
         if r.peak_bytes < best_peak:
             best_peak, best = r.peak_bytes, (a, {})
     return best
-
-
-# what simulating a recompute_each plan costs per op it replays (1,000-op chain: 500,000 replayed ops, 5.4 s on
-# the 2-core benchmark machine): a start is made only when its simulation fits in what is left of a deadline
-_REPLAYED_OP_S = 20e-6
-
-
-def per_use_in_time(graph: Graph, deadline: float | None) -> dict[int, Action] | None:
-    """The recompute_each-everything start, or None when its simulation would not end before ``deadline``
-    (None: no deadline, only :func:`per_use_everything`'s own size limit)."""
-    if deadline is None:
-        return per_use_everything(graph)
-    left_s = deadline - time.perf_counter()
-    return per_use_everything(graph, max_replayed_ops=int(left_s / _REPLAYED_OP_S)) if left_s > 0 else None
 
 
 def smallest_known_peak(graph: Graph, *, offload: bool = False, deadline: float | None = None) -> int:
