@@ -398,9 +398,10 @@ def polish(graph: Graph, facts: Facts, actions: Actions, report: Report, budget:
                 if r.peak_bytes <= budget and r.time_s < report.time_s:
                     actions, report = trial, r
                     gained += 1
+                    moves += 1
                     break
         actions, report, back = give_back(graph, facts, actions, budget)
-        moves += gained + back
+        moves += back
         if not (gained or back) or time.perf_counter() + sim_s > deadline:
             return actions, report, moves
 

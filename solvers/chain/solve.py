@@ -35,8 +35,9 @@ def engine_for(ch: OpChain, spare: int, deadline: float | None = None, *, exact_
     g = ch.unit_gcd
     if (ch.n + 1) * (spare // g + 1) <= _GRID_CELLS:
         return Grid(ch, g, spare // g, deadline=deadline)
+    pareto_until = deadline if exact_until is None else exact_until if deadline is None else min(exact_until, deadline)
     try:
-        return Pareto(ch, spare, _PARETO_POINTS, deadline if exact_until is None else min(exact_until, deadline or exact_until))
+        return Pareto(ch, spare, _PARETO_POINTS, pareto_until)
     except TooLarge:
         pass
     except OutOfTime:
