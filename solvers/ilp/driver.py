@@ -145,8 +145,10 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         outer_bound = bound_i
     # the replay model's claims cover recompute_each with per_use, offload at every prefetch point with
     # prefetch="choose"; behind the interval model, its bound decides (and covers every plan)
-    space = ALL_PLANS if outer_bound is not None else plan_space(per_use=per_use, offload=offload,
-                                                                 prefetch=cfg.prefetch)
+    # (a plan it finds; "infeasible" is the replay model's alone: the interval bound is on time, and a
+    # recompute_each plan it leaves out may fit, as on a U-Net below every keep / recompute plan's peak)
+    model_space = plan_space(per_use=per_use, offload=offload, prefetch=cfg.prefetch)
+    space = ALL_PLANS if outer_bound is not None else model_space
     try:
         built = Builder(graph, budget_bytes, offload=offload, host_budget=host_budget_bytes, cfg=cfg,
                         deadline=deadline).build()
@@ -157,7 +159,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
         # the answer, a timeout, within the caller's deadline
         stats.update(stopped="time limit while building the model", solve_s=time.perf_counter() - t0)
         if best is None:
-            return Proposal(status="infeasible", stats=stats, space=space)
+            return Proposal(status="infeasible", stats=stats, space=model_space)
         return Proposal(best[1], best[2], "timeout", None, stats, space=space)
     model = built.model
     stats.update(variables=len(model.lb), rows=len(model.rows), build_s=time.perf_counter() - t0)
@@ -222,7 +224,7 @@ def solve_ilp(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0, of
                  solve_s=time.perf_counter() - t0)
     if best is None:
         stats["stopped"] = "model infeasible" if status == "infeasible" else "time limit"
-        return Proposal(status="infeasible", stats=stats, space=space)
+        return Proposal(status="infeasible", stats=stats, space=model_space)
     if bound_s is not None:
         bound_s = min(bound_s, best[0])
     if status == "optimal":
