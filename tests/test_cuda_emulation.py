@@ -17,7 +17,7 @@ import functools
 
 import pytest
 import torch
-from test_executor import TINY, adamw, assert_same, reference, run_under
+from test_executor import TINY, adamw, assert_same, measured_under, reference, run_under
 
 from memplan.executor import apply
 from memplan.executor.session import run_plan
@@ -164,13 +164,7 @@ def test_measured_peak_on_a_cuda_graph_is_the_predicted_one(name, offload, gpu):
     g = cuda_graph(name)
     plan = cuda_plan(name, offload)
     w = load_workload(name, **TINY[name])
-    model = w.model
-    opt = adamw(model)
-    ex = apply(model, plan, graph=g, optimizer=opt)
-    try:
-        measured = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
-    finally:
-        ex.remove()
+    measured, _ = measured_under(w.model, w, plan, g)
     predicted = simulate(g, plan).peak_bytes
     # never over (what a late release does: the first GPU run's offload plan); under by up to 3%: one clean
     # CI run measured the gpt2 offload plan 1.6% under its prediction (5,098,496 against 5,181,952 B), which
@@ -463,14 +457,8 @@ def test_random_plans_run_event_for_event_as_the_schedule_says(name, gpu):
                     prefetch_at[t] = rng.randint(max(g.savers[t]), len(g.ops) - 1)
         plan = Plan.for_graph(g, actions, prefetch_at=prefetch_at)
         sched = schedule(g, plan)
-        model = copy.deepcopy(w.model)
-        opt = adamw(model)
-        ex = apply(model, plan, graph=g, optimizer=opt)
-        try:
-            measured = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
-            events = [e.key() for e in ex.last_step.events]
-        finally:
-            ex.remove()
+        measured, step = measured_under(copy.deepcopy(w.model), w, plan, g)
+        events = [e.key() for e in step.events]
         assert events == sched.executed(), seed
         predicted = simulate(g, plan).peak_bytes
         assert 0.999 * predicted <= measured <= predicted, (seed, measured, predicted)

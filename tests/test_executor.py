@@ -213,6 +213,18 @@ def run_under(name: str, plan: Plan, *, optimizer: str = "adamw", fuse: str | No
     return Run(_trained(losses, model), replays, events, offloaded)
 
 
+def measured_under(model: nn.Module, w: Workload, plan: Plan, graph: Graph,
+                   opt: torch.optim.Optimizer | None = None) -> tuple[int, Step]:
+    """The peak of one step of ``model`` under ``plan`` after a warm-up step, measured as
+    :mod:`memplan.planner.probe.measure` measures it, and the executor's record of that step."""
+    opt = opt or adamw(model)
+    ex = apply(model, plan, graph=graph, optimizer=opt)
+    try:
+        return measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes, ex.last_step
+    finally:
+        ex.remove()
+
+
 def assert_same(got: Trained, want: Trained) -> None:
     """Bitwise: every loss, every parameter and every buffer equal (``torch.equal``) on CPU."""
     assert len(got.losses) == len(want.losses)
@@ -296,14 +308,7 @@ def test_near_the_least_peak_a_unet_gets_polished_per_use_plans_that_train_bitwi
     plan = results[1].plan
     predicted = simulate(g, plan)
     assert_same(run_under("unet", plan).trained, reference("unet"))
-    w = workload("unet")
-    model = fresh_model("unet")
-    opt = adamw(model)
-    ex = apply(model, plan, graph=g, optimizer=opt)
-    try:
-        measured = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
-    finally:
-        ex.remove()
+    measured, _ = measured_under(fresh_model("unet"), workload("unet"), plan, g)
     assert abs(measured / predicted.peak_bytes - 1) <= 0.01, (measured, predicted.peak_bytes)
 
 

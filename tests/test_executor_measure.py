@@ -16,9 +16,8 @@ import functools
 
 import pytest
 import torch
-from test_executor import adamw, fresh_model, graph_of, plan_of, workload
+from test_executor import adamw, fresh_model, graph_of, measured_under, plan_of, workload
 
-from memplan.executor import apply
 from memplan.planner import simulate
 from memplan.planner.core.plan import Action
 from memplan.planner.probe.measure import measure_step
@@ -47,15 +46,7 @@ def test_measured_peak_under_a_plan_matches_the_simulator(name, method, offload)
     g = graph_of(name)
     plan = plan_of(name, method, offload=offload, first=0.3)
     predicted = simulate(g, plan).peak_bytes
-    w = workload(name)
-    model = fresh_model(name)
-    opt = adamw(model)
-    ex = apply(model, plan, graph=g, optimizer=opt)
-    try:
-        measured = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
-        step = ex.last_step
-    finally:
-        ex.remove()
+    measured, step = measured_under(fresh_model(name), workload(name), plan, g)
     print(f"{name} {method}{' offload' if offload else ''}: predicted {predicted} B, measured {measured} B "
           f"({measured / predicted - 1:+.2%}), keep-all measured {keep_all_peak(name)} B")
 

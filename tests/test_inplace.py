@@ -15,6 +15,7 @@ import functools
 
 import pytest
 import torch
+from test_executor import measured_under
 from torch import nn
 
 from memplan.executor import apply
@@ -24,7 +25,6 @@ from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.replay import reads_mid_chain, rebuild_ops, replay
 from memplan.planner.core.schedule import schedule
 from memplan.planner.core.simulator import simulate
-from memplan.planner.probe.measure import measure_step
 from memplan.planner.probe.profiler import profile
 from memplan.planner.workloads import Workload, load_workload
 from memplan.solvers import keep_all_report, memory_lower_bound, solve
@@ -309,12 +309,8 @@ def test_measured_peak_equals_the_prediction_under_multi_level_replays(name, met
     w = workload(name)
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    ex = apply(model, plan, graph=g, optimizer=opt)
-    try:
-        measured = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
-        replays = ex.last_step.replays
-    finally:
-        ex.remove()
+    measured, step = measured_under(model, w, plan, g, opt)
+    replays = step.replays
     rep = simulate(g, plan)
     assert replays == rep.recomputed_ops > 0
     assert measured == rep.peak_bytes
