@@ -18,7 +18,7 @@ from test_optimal_space import scaled_graph
 from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import simulate_actions
-from memplan.planner.core.synthetic import linear_chain, random_dag
+from memplan.planner.core.synthetic import gpu_scale, linear_chain, random_dag
 from memplan.solvers import frontier_points, keep_all_report, memory_lower_bound, solve, solve_frontier
 from memplan.solvers.baselines import revolve_checkpoints
 from memplan.solvers.chain import solve as chain_solve
@@ -621,11 +621,9 @@ def test_the_per_use_fallback_starts_nothing_it_cannot_finish_by_its_deadline():
     least-peak search does, only where the simulation fits in the time left."""
     import time
 
-    from test_solvers_common import _gpu_scale
-
     from memplan.solvers.dp import per_use_fallback
 
-    g = _gpu_scale(random_dag(1000, seed=1, skip_prob=0.3), 1)
+    g = gpu_scale(random_dag(1000, seed=1, skip_prob=0.3), 1)
     every = simulate_actions(g, per_use_everything(g))
     t0 = time.perf_counter()
     assert per_use_fallback(g, every.peak_bytes, time.perf_counter() + 1e-3) is None

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.simulator import simulate, simulate_actions
-from memplan.planner.core.synthetic import inplace_dag, linear_chain, random_dag
+from memplan.planner.core.synthetic import gpu_scale, inplace_dag, linear_chain, random_dag
 from memplan.solvers import (
     Proposal,
     SolverSpec,
@@ -413,23 +413,6 @@ def test_heuristics_rebuild_per_use_where_replays_leave_too_much_behind(method, 
 GiB = 2**30
 
 
-def _gpu_scale(graph, seed: int):
-    """``graph`` with every tensor resized to an odd byte count of 64 MiB to 4 GiB and 3 GiB (+1 B) of
-    parameters: the magnitudes of GPU training, where solvers' arithmetic once lost exactness."""
-    import random
-
-    from memplan.planner.core.graph import Graph
-    from memplan.planner.core.synthetic import fill_structural_grads
-
-    rng = random.Random(seed)
-    d = graph.model_dump()
-    for t in d["tensors"]:
-        t["bytes"] = rng.randint(64 * 2**20, 4 * GiB) | 1
-    d["fixed"]["inputs_bytes"] = d["tensors"][0]["bytes"]
-    d["fixed"]["params_bytes"] = 3 * GiB + 1
-    return fill_structural_grads(Graph.model_validate(d))
-
-
 @pytest.mark.parametrize("method", METHODS)
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=st.tuples(st.sampled_from(["chain", "dag", "inplace"]), st.integers(3, 8), st.integers(0, 10_000),
@@ -438,7 +421,7 @@ def test_claims_hold_at_gpu_scale_against_the_oracle(method, case):
     """The table above at GPU byte scale, in-place DAGs included: every family's plan fits, never beats
     the oracle, and its ``optimal``, bound and ``infeasible`` hold."""
     kind, n, seed, frac = case
-    g = _gpu_scale(_graph(kind, n, seed), seed)
+    g = gpu_scale(_graph(kind, n, seed), seed)
     budget = _budget(g, frac)
     best = _oracle(g, budget)
     try:
@@ -464,7 +447,7 @@ def test_claims_hold_on_a_1000_op_gpu_scale_chain():
     (it once said "no plan fits" and quoted a floor above the greedy plan's peak)."""
     from memplan.solvers.bounds import memory_lower_bound
 
-    g = _gpu_scale(linear_chain(1000), 0)
+    g = gpu_scale(linear_chain(1000), 0)
     lo, hi = memory_lower_bound(g), keep_all_report(g).peak_bytes
     budget = lo + (hi - lo) // 20
     assert 10 * GiB < budget < 200 * GiB  # (keep-everything: 2 TiB)
@@ -518,7 +501,7 @@ def test_a_strategy_that_finds_no_plan_does_not_call_a_budget_that_another_fits_
         assert e.min_feasible_bytes > budget  # achievable: the search's own plan
 
 
-def test_below_every_keep_recompute_plan_the_solvers_find_the_per_use_plans_the_oracle_finds_at_gpu_scale():
+def test_below_every_keep_recompute_plan_the_solvers_find_the_per_use_plans_the_oracle_finds_atgpu_scale():
     """Random DAGs with long skips at GPU byte scale, at every budget (every distinct peak of the exhaustive
     oracle over keep / recompute / recompute_each) that only recompute_each plans reach. ``dp``'s stage
     search keeps or recomputes; where none of those fits it falls back to per-use plans (the multilevel
@@ -533,7 +516,7 @@ def test_below_every_keep_recompute_plan_the_solvers_find_the_per_use_plans_the_
 
     ratios, refused = [], 0
     for seed in range(60):
-        g = _gpu_scale(random_dag(10, seed=seed, skip_prob=0.6), seed)
+        g = gpu_scale(random_dag(10, seed=seed, skip_prob=0.6), seed)
         saved = [t for t in g.saved_activations if g.tensors[t].recomputable]
         if len(saved) > 8:
             continue
@@ -577,7 +560,7 @@ def test_a_rounded_chain_dp_on_a_1000_op_gpu_scale_chain_is_near_the_heuristics_
     the heuristics (measured: faster than both), its rounded-down bound below every plan found."""
     from memplan.solvers.min_memory import least_peak
 
-    g = _gpu_scale(linear_chain(1000), 7)
+    g = gpu_scale(linear_chain(1000), 7)
     keep = keep_all_report(g)
     least, _ = least_peak(g, deadline=time.perf_counter() + 10)
     budget = least + int((keep.peak_bytes - least) * frac)

@@ -188,3 +188,15 @@ def repeated_blocks(blocks: int, block_ops: int = 3, *, seed: int = 0, max_bytes
     g = Graph(name=name, tensors=tensors, ops=ops, fixed=FixedMemory(inputs_bytes=tensors[0].bytes),
               replay_op_dispatch_s=replay_op_dispatch_s, watch_op_dispatch_s=watch_op_dispatch_s)
     return fill_structural_grads(g)
+
+
+def gpu_scale(graph: Graph, seed: int) -> Graph:
+    """``graph`` with every tensor resized to an odd byte count of 64 MiB to 4 GiB and 3 GiB (+1 B) of
+    parameters: the magnitudes of GPU training, where solvers' arithmetic once lost exactness."""
+    rng = random.Random(seed)
+    d = graph.model_dump()
+    for t in d["tensors"]:
+        t["bytes"] = rng.randint(64 * 2**20, 4 * 2**30) | 1
+    d["fixed"]["inputs_bytes"] = d["tensors"][0]["bytes"]
+    d["fixed"]["params_bytes"] = 3 * 2**30 + 1
+    return fill_structural_grads(Graph.model_validate(d))
