@@ -192,8 +192,9 @@ def _forward_from_below(graph: Graph, budget: int, method: str, *, deadline: flo
         try:
             result = _solve(lite, searched, method, time_limit_s=left / (FUSED_RETRIES - k), **kw)
         except Infeasible as e:
-            if e.min_feasible_bytes is not None and least is None:  # a quote: the lite graph's least plan, fused
-                with contextlib.suppress(Infeasible):
+            left = deadline - time.perf_counter()  # (the search above took its share)
+            if e.min_feasible_bytes is not None and least is None and left > 0:  # a quote: the lite graph's
+                with contextlib.suppress(Infeasible):                            # least plan, fused
                     quote = _solve(lite, e.min_feasible_bytes, method, time_limit_s=min(left, QUOTE_SEARCH_S), **kw)
                     least = simulate(graph, quote.plan, timeline=False, fuse="forward").peak_bytes
             break
