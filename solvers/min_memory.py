@@ -17,7 +17,7 @@ from memplan.solvers.capuchin import pick_capuchin
 from memplan.solvers.chain.each import chain_each_min_budget_bytes
 from memplan.solvers.chain.solve import chain_min_budget_bytes
 from memplan.solvers.every_k import every_k_search
-from memplan.solvers.evict import Actions, Facts, Site, candidates, graph_facts, peak_site, shrink, simulate
+from memplan.solvers.evict import Actions, Facts, candidates, graph_facts, peak_site, shrink, simulate
 from memplan.solvers.greedy import pick_dtr
 from memplan.solvers.multilevel import per_use_in_time
 from memplan.solvers.oracle import oracle_min_peak, plan_count
@@ -129,23 +129,22 @@ def _segment_search(graph: Graph, deadline: float, scores: Scores) -> list[Actio
     return out
 
 
-def _descend(graph: Graph, facts: Facts, actions: Actions, *, offload: bool, deadline: float,
-             budget: int | None = None) -> tuple[Actions, Report]:
+def _descend(graph: Graph, facts: Facts, actions: Actions, *, offload: bool,
+             deadline: float) -> tuple[Actions, Report]:
     """Single-tensor moves (keep / recompute / offload) while one lowers the simulated (peak, time): the
-    peak first, and at equal peak the time, which walks plateaus (within ``budget`` when given, the time
-    alone). Moves on the activations at the peak's site are tried first; first improvement wins."""
+    peak first, and at equal peak the time, which walks plateaus. Moves on the activations at the peak's
+    site are tried first; first improvement wins. (Making a plan faster within a budget is
+    :func:`memplan.solvers.evict.polish`'s.)"""
     tensors = graph.tensors
     options = [Action.KEEP, Action.RECOMPUTE] + ([Action.OFFLOAD] if offload else [])
     current = dict(actions)
     report = simulate(graph, current)
 
     def key(r: Report) -> tuple[int, float]:
-        if budget is not None:
-            return (0 if r.peak_bytes <= budget else r.peak_bytes, r.time_s)
         return (r.peak_bytes, r.time_s)
 
     def ordered() -> list[int]:
-        site = peak_site(graph, current, {}, report) if budget is None else Site("none", -1, {})
+        site = peak_site(graph, current, {}, report)
         near = set(candidates(graph, facts, current, site, lambda t: True))
         if site.phase == "backward":  # recomputed tensors rebuilt before the peak: keeping one splits the run
             near.update(t for t, a in current.items() if a == Action.RECOMPUTE
@@ -165,7 +164,7 @@ def _descend(graph: Graph, facts: Facts, actions: Actions, *, offload: bool, dea
                 else:
                     trial[t] = a
                 r = simulate(graph, trial)
-                if key(r) < key(report) and (budget is not None or r.peak_bytes <= report.peak_bytes):
+                if key(r) < key(report):
                     current, report, improved = trial, r, True
                     break
             if improved or time.perf_counter() > deadline:
