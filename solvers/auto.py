@@ -193,8 +193,10 @@ def _fallback(graph: Graph, budget: int, failed: str, common: dict, deadline: fl
     best: Scored | None = None
     for k, (proposal, report, name) in enumerate(sorted(fits, key=lambda f: f[1].time_s)):
         share = max(0.0, _left(deadline)) / (len(fits) - k)
-        actions, report, moves = polish(graph, facts, proposal.actions, report, budget,
-                                        deadline=time.perf_counter() + share)
+        moves = 0
+        if "polished" not in proposal.stats:  # (the eviction heuristics polish their own plans)
+            actions, report, moves = polish(graph, facts, proposal.actions, report, budget,
+                                            deadline=time.perf_counter() + share)
         if moves:
             proposal.actions, proposal.status = actions, "feasible"
             proposal.stats["polished"] = moves
