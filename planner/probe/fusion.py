@@ -22,6 +22,7 @@ the parameters are those of plain training. Supported: SGD (with or without mome
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -86,6 +87,11 @@ class FusedOptimizer:
         self.ready = [0] * len(self.buckets)
         # backward fusion: a backward stepped the model and the loop's optimizer.step() has not come since
         self.stepped_in_backward = False
+        # backward fusion: the running backward reached a parameter (its end is queued on autograd's engine),
+        # and whether that backward ran to its end: a backward that raised (an OOM, a fault in a hook,
+        # KeyboardInterrupt) never runs the engine's final callbacks
+        self.backward_seen = False
+        self.backward_ended = False
         self.pending: dict[nn.Parameter, torch.Tensor] = {}   # forward fusion: parameter -> its gradient
         self.pending_settings: list[dict[str, Any]] | None = None  # the groups' settings at its step()
         self.pending_keys: set[int] = set()
@@ -110,10 +116,16 @@ class FusedOptimizer:
 
     # ---- the training loop's calls ------------------------------------------------------------
     def begin_forward(self) -> None:
-        if self.stepped_in_backward:
+        if self.backward_seen and not self.backward_ended:
+            # the last backward failed: its step is over. The buckets it stepped stay stepped (as with
+            # PyTorch's optimizer-in-backward); this forward is that micro-batch again, not the next one
+            self.stepped_in_backward = False
+            self.micro -= 1
+        elif self.stepped_in_backward:
             # plain training would add this micro-batch's gradients to the last one's before a step; backward
             # fusion has already applied and freed those (the last backward updated the model)
             raise MemplanError(accumulation_refused(self.accumulation_steps))
+        self.backward_seen = self.backward_ended = False
         self.micro += 1
         self.ready = [0] * len(self.buckets)
 
@@ -146,6 +158,10 @@ class FusedOptimizer:
 
     # ---- backward fusion --------------------------------------------------------------------------
     def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self.backward_seen:
+            self.backward_seen = True
+            me = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_ended, me))
         if not self._last_micro_batch():
             return
         b = self.bucket_of[p]
@@ -216,6 +232,13 @@ class FusedOptimizer:
     @property
     def params(self) -> Iterable[nn.Parameter]:
         return self.bucket_of
+
+
+def _backward_ended(fused: weakref.ref) -> None:
+    """Autograd's final callback of a backward that reached a fused parameter: it ran to its end."""
+    f = fused()
+    if f is not None:
+        f.backward_ended = True
 
 
 _FORWARD_FUSED: weakref.WeakSet[FusedOptimizer] = weakref.WeakSet()  # forward fusions with updates to defer
