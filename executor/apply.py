@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from memplan.executor.recipes import SIGNATURES_PER_OP, Segment
+from memplan.executor.states import StateStreamer
 from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order, release_order
 from memplan.executor.transfers import HostPool
 from memplan.planner.core.boundaries import BEGIN, END, Boundary, boundary_positions
@@ -202,7 +203,14 @@ class Executor:
         # emulation): how it charges bytes, its copy stream, its generators
         self.device = device_of(graph.device)
         self.pool = HostPool(graph, offloaded, self.device)  # allocated once, reused every step
-        self.copies = self.device.copy_stream() if offloaded else None
+        streamed = plan.streamed()
+        self.copies = self.device.copy_stream() if offloaded or streamed else None
+        if streamed and optimizer is None:
+            raise MemplanError(f"the plan streams the optimizer state of {len(streamed)} unit(s): apply(..., "
+                               f"optimizer=opt) with the optimizer it was profiled with")
+        # the streamed units' optimizer state, in its own host pool (executor/states.py)
+        self.states = (StateStreamer(model, optimizer, graph, streamed, self.device, self.copies)
+                       if streamed else None)
         self.fixed_tensors = list(model.parameters()) + list(model.buffers())
         self.step_state: Step | None = None
         self.last_step: Step | None = None
@@ -250,6 +258,9 @@ class Executor:
                     ex.end_step()
                     if ex.fused is not None:
                         return ex.fused.user_step(closure)
+                    if ex.states is not None:
+                        return ex.states.step(real_step, closure,
+                                              ex.last_step.log if ex.last_step is not None else None)
                 return real_step(closure) if closure is not None else real_step()
 
             real_zero_grad = optimizer.zero_grad
@@ -492,6 +503,8 @@ class Executor:
         if self.fused is not None:
             self.fused.remove()
             _BACKWARD_FUSED.discard(self)
+        if self.states is not None:
+            self.states.remove()
         if self.optimizer is not None:
             for name, shadow in (("step", "_step_shadow"), ("zero_grad", "_zero_grad_shadow")):
                 if self.optimizer.__dict__.get(name) is getattr(self, shadow, None):
@@ -517,7 +530,8 @@ class Executor:
 
     @property
     def host_pool_bytes(self) -> int:
-        return self.pool.bytes
+        """The pinned host memory the plan holds: offloaded activations' pool and streamed state's."""
+        return self.pool.bytes + (self.states.bytes if self.states is not None else 0)
 
 
 def _call_ends(graph: Graph) -> list[int]:

@@ -23,6 +23,7 @@ from memplan.planner.core.units import MAX_BYTES, format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 from memplan.solvers.min_memory import least_peak, smallest_known_peak
 from memplan.solvers.registry import ALL_PLANS, Proposal, SolverSpec, get
+from memplan.solvers.states import solve_with_states
 
 # A budget below the memory lower bound is refused without running a strategy; the search for the least peak
 # to quote gets at most this long (the time limit, when shorter): a refusal is answered in about a second
@@ -51,8 +52,13 @@ class SolveResult:
 
 def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,
           offload: bool = False, host_budget_bytes: int | None = None, fuse: str | None = None,
-          **options: Any) -> SolveResult:
+          states: bool | None = None, **options: Any) -> SolveResult:
     """Plan ``graph`` under ``budget_bytes`` (device peak, fixed memory included; None: no limit).
+
+    ``states`` (default: ``offload``) lets the search stream units' optimizer state through the host
+    (planner/core/states.py; :func:`memplan.solvers.states.solve_with_states` chooses which, with the
+    activations; unfused steps only); ``offload=True, states=False`` moves activations alone,
+    ``offload=False, states=True`` model states alone.
 
     ``method`` names a registered strategy (see :func:`memplan.solvers.registry.solvers`; ``auto`` picks
     one). ``offload`` lets the strategy move activations to host memory (``host_budget_bytes`` caps them);
@@ -69,6 +75,13 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
         raise MemplanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
     start = time.perf_counter()
     deadline = start + time_limit_s  # the searches below share the request's time limit
+    if (offload if states is None else states) and graph.state_units and fuse is None \
+            and budget_bytes is not None and isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool):
+        return solve_with_states(
+            graph, budget_bytes, lambda search, seconds: _solve(
+                search, budget_bytes, method, time_limit_s=seconds, offload=offload,
+                host_budget_bytes=host_budget_bytes, **options),
+            time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes)
     if fuse is None or not graph.fused_backward or budget_bytes is None:
         return _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
                       host_budget_bytes=host_budget_bytes, **options)

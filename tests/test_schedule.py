@@ -63,8 +63,11 @@ def test_executor_performs_the_schedule_event_for_event(name, method, offload):
         ex.remove()
 
     want = sched.executed()
-    for performed in steps:
-        assert performed == want, _first_difference(performed, want)
+    # a streamed unit's first step creates its state on the device: nothing to copy in yet
+    steps[0] = [k for k in steps[0] if k[0] != "h2d" or k[2] is not None]
+    first = [k for k in want if k[0] != "h2d" or k[2] is not None]
+    for performed, wanted_keys in zip(steps, (first, want), strict=True):
+        assert performed == wanted_keys, _first_difference(performed, wanted_keys)
     # the plan was exercised, and the schedule's replays are the simulator's
     wanted = "d2h" if offload else "replay"
     assert any(k[0] == wanted for k in want)

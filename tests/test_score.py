@@ -41,7 +41,11 @@ def check_sums(graph: Graph, sched: Schedule, report: Report) -> None:
     assert report.peak_bytes == max(e.peak_bytes for e in report.timeline)
     assert math.isclose(report.time_s, report.forward_time_s + report.backward_time_s + report.recompute_time_s
                         + report.exposed_transfer_s + report.optimizer_time_s, rel_tol=1e-9, abs_tol=1e-12)
-    assert report.transfer_bytes == sum(tensors[e.tensor].bytes for e in events if e.kind in ("d2h", "h2d"))
+    # an activation's copies move its bytes; a streamed state unit's (tensor None) the unit's state
+    assert report.transfer_bytes == sum(tensors[e.tensor].bytes if e.tensor is not None else e.copy_bytes
+                                        for e in events if e.kind in ("d2h", "h2d"))
+    assert all(e.copy_bytes == graph.state_units[e.at].state_bytes for e in events
+               if e.kind in ("d2h", "h2d") and e.tensor is None)
     assert report.recomputed_ops == sum(len(e.ops) for e in sched.replays()) == len(sched.of("recompute"))
     assert report.watched_ops == sum(len(e.ops) for e in sched.of("watch"))
     # every host copy is given back at its tensor's last backward reader
@@ -50,7 +54,8 @@ def check_sums(graph: Graph, sched: Schedule, report: Report) -> None:
     # the step ends with the fixed memory, the gradients backward leaves, and the held tensors
     held = sum(t.bytes for t in tensors if t.kind == "activation" and t.held_by_caller)
     grads = sum(op.backward_grad_alloc_bytes - op.backward_grad_free_bytes for op in graph.ops)
-    assert report.timeline[-1].live_bytes == graph.fixed.resident_bytes + grads + held
+    # (streamed optimizer state starts and ends the step in the host pool)
+    assert report.timeline[-1].live_bytes == graph.fixed.resident_bytes - sched.state_off_device_bytes + grads + held
 
 
 def check_scores_as_simulate(graph: Graph, plan: Plan) -> Report:

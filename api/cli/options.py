@@ -62,6 +62,13 @@ def workload_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
+HostBudgetOpt = Annotated[str | None, typer.Option(
+    "--host-budget", help="host memory cap for what the plan puts there (offloaded activations and streamed "
+                          "optimizer state, pinned in pools sized by the plan), e.g. 400GiB")]
+StatesOpt = Annotated[bool | None, typer.Option(
+    "--states/--no-states", help="with --offload: also stream units' optimizer state through the host "
+                                 "(default: --offload moves both; --no-states: activations only; --states "
+                                 "without --offload: model states only)")]
 FakeOpt = Annotated[bool, typer.Option(
     "--fake", help="trace the step under fake tensors: no activation, gradient or optimizer state is "
                    "allocated; each op is timed alone on this device (cached) instead")]

@@ -18,10 +18,12 @@ from memplan.api.cli.options import (
     EngineOpt,
     FakeOpt,
     FuseOpt,
+    HostBudgetOpt,
     JsonOpt,
     NprocOpt,
     SetOpt,
     SpecOpt,
+    StatesOpt,
     budget_bytes,
     budget_list,
     fuse_mode,
@@ -36,6 +38,29 @@ from memplan.planner.core.units import check_budget, format_bytes, parse_budget
 
 
 # ---- solve --------------------------------------------------------------------------------------
+def state_summary(graph: Graph, result: Any) -> dict[str, Any]:
+    """What a plan does with the model states, and its predicted step in parts (the report's)."""
+    r = result.report
+    streamed = result.plan.streamed()
+    return {"state_units": len(graph.state_units), "streamed_units": len(streamed),
+            "streamed_state_bytes": sum(graph.state_units[u].state_bytes for u in streamed),
+            "host_peak_bytes": r.host_peak_bytes,
+            "predicted_parts_s": {"forward": r.forward_time_s, "backward": r.backward_time_s,
+                                  "recompute": r.recompute_time_s, "exposed_transfers": r.exposed_transfer_s,
+                                  "optimizer": r.optimizer_time_s}}
+
+
+def print_states(summary: dict[str, Any]) -> None:
+    if not summary["streamed_units"]:
+        return
+    parts = summary["predicted_parts_s"]
+    out.print(f"optimizer state: {summary['streamed_units']} of {summary['state_units']} units streamed through "
+              f"the host ({format_bytes(summary['streamed_state_bytes'])}); host memory "
+              f"{format_bytes(summary['host_peak_bytes'])}; step: forward {parts['forward'] * 1e3:.1f} ms, backward "
+              f"{parts['backward'] * 1e3:.1f} ms, recompute {parts['recompute'] * 1e3:.1f} ms, exposed copies "
+              f"{parts['exposed_transfers'] * 1e3:.1f} ms, optimizer {parts['optimizer'] * 1e3:.1f} ms")
+
+
 @app.command()
 @guard
 def solve(
@@ -45,7 +70,8 @@ def solve(
     output: Annotated[Path, typer.Option("-o", "--output", help="plan file to write")] = Path("plan.json"),
     time_limit: Annotated[float, typer.Option("--time-limit", help="seconds")] = 60.0,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="allow offloading to host memory")] = False,
-    host_budget: Annotated[str | None, typer.Option(help="pinned host memory cap for offload, e.g. 8GiB")] = None,
+    host_budget: HostBudgetOpt = None,
+    states: StatesOpt = None,
     checkpoint: Annotated[list[str] | None, typer.Option(
         "--checkpoint", help="--solver manual: recompute what this module (a path prefix such as "
                              "transformer.h.3) saves; repeat for more")] = None,
@@ -69,7 +95,7 @@ def solve(
         raise MemplanError("--checkpoint and --keep-tensor write a plan by hand: use them with --solver manual")
     with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
         result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host,
-                           fuse=fuse, **manual)
+                           fuse=fuse, states=states, **manual)
     with writing(output):
         result.plan.save(str(output))
     # keeping everything in the same step (fused as asked, as solve planned for it)
@@ -83,6 +109,7 @@ def solve(
         "space": result.space,
         "recompute": result.plan.count("recompute"), "offload": result.plan.count("offload"),
         "keep": result.plan.count("keep"), "recompute_each": result.plan.count("recompute_each"),
+        **state_summary(graph, result),
     }
     if json_out:
         emit_json(summary)
@@ -95,6 +122,7 @@ def solve(
               + (f"{summary['recompute_each']} recomputed per use, " if summary["recompute_each"] else "")
               + f"{summary['offload']} "
               f"offloaded, {summary['keep']} kept; wrote [bold]{output}[/bold]")
+    print_states(summary)
     if result.lower_bound_s is not None and result.gap is not None:  # a proven bound on the step time
         out.print(f"proven lower bound{over} {result.lower_bound_s * 1e3:.2f} ms: gap {result.gap * 100:.2f}%")
 
@@ -217,6 +245,8 @@ def plan_workload(
     graph_output: Annotated[Path, typer.Option("--graph", help="graph file to write")] = Path("graph.json"),
     time_limit: Annotated[float, typer.Option("--time-limit")] = 60.0,
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
+    host_budget: HostBudgetOpt = None,
+    states: StatesOpt = None,
     options: SetOpt = None,
     fake: FakeOpt = False,
     device_spec: SpecOpt = None,
@@ -239,13 +269,15 @@ def plan_workload(
                     options=options, json_out=json_out)
         return
     check_budget(budget)  # before profiling: a typo is not found a minute later
+    host = parse_budget(host_budget) if host_budget else None
     writable(output, graph_output)
     w = load_workload(workload, **workload_options(options))
     graph = profile_workload(w, fake=fake, device_spec=device_spec, json_out=json_out, fuse=fuse)
     with writing(graph_output):
         graph.save(str(graph_output))
     b = budget_bytes(budget, graph)
-    result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse)
+    result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse,
+                       host_budget_bytes=host, states=states)
     with writing(output):
         result.plan.save(str(output))
     base = run_sim(graph, None, timeline=False, fuse=fuse)  # keeping everything in the step solve planned
@@ -253,7 +285,8 @@ def plan_workload(
                "status": result.status, "budget_bytes": b, "keep_all_peak_bytes": base.peak_bytes,
                "measured_keep_all_peak_bytes": graph.measured.peak_bytes,
                "predicted_peak_bytes": result.report.peak_bytes, "keep_all_step_s": base.time_s,
-               "predicted_step_s": result.report.time_s, "solve_time_s": result.solve_time_s}
+               "predicted_step_s": result.report.time_s, "solve_time_s": result.solve_time_s,
+               **state_summary(graph, result)}
     if json_out:
         emit_json(summary)
         return
@@ -263,3 +296,4 @@ def plan_workload(
               + (f" (measured {format_bytes(measured)})" if measured else "")
               + f", {base.time_s * 1e3:.1f} ms; plan: {format_bytes(result.report.peak_bytes)}, "
               f"{result.report.time_s * 1e3:.1f} ms; wrote {graph_output} and {output}")
+    print_states(summary)

@@ -150,6 +150,20 @@ class FusedStep(_Strict):
                                                    "optimizer_step_bytes, by gradient bytes)")
 
 
+class StateUnit(_Strict):
+    """One unit of the optimizer's parameters whose model states a plan places (planner/core/states.py): a
+    module's own parameters that the optimizer steps, as optimizer fusion buckets them
+    (planner/probe/fusion.py ``buckets``), in that order. Its optimizer state lives on the device between steps
+    (resident) or in the pinned host pool, streamed in for its update (a plan's ``states``)."""
+
+    module: str = Field(default="", description="the module that owns the unit's parameters")
+    params: int = Field(ge=0, description="how many parameters it holds")
+    param_bytes: NonNegBytes = Field(description="its parameters (device bytes)")
+    state_bytes: NonNegBytes = Field(description="its optimizer state on the device between steps (moments, "
+                                                 "step counters on the device), as the allocator charges it")
+    state_tensors: int = Field(0, ge=0, description="how many state tensors it holds on the device")
+
+
 class FixedMemory(_Strict):
     """Memory that no plan changes. Parameter gradients are not here: the simulator allocates each one
     when backward first produces it (the step starts with ``grad=None``)."""
@@ -206,6 +220,10 @@ class Graph(_Strict):
         default_factory=list,
         description="the buckets a backward-fused step steps inside backward, in the order it completes them "
                     "(empty in graphs from before they were recorded: those predict the unfused step)")
+    state_units: list[StateUnit] = Field(
+        default_factory=list,
+        description="the units whose optimizer state a plan may place (planner/core/states.py), in the optimizer "
+                    "fusion's bucket order; empty in graphs from before they were recorded (no state moves)")
     module_calls: list[ModuleCall] = Field(
         default_factory=list,
         description="each module call of the forward and its ops (where the executor re-synchronises a step "
@@ -346,6 +364,10 @@ def _check_graph(g: Graph) -> None:
             if g.tensors[t].producer != op.id:
                 raise ValueError(f"op {op.id} ({op.name}) lists tensor {t} as an output, but that tensor "
                                  f"names producer {g.tensors[t].producer}")
+    states = sum(u.state_bytes for u in g.state_units)
+    if states > g.fixed.optimizer_state_bytes:
+        raise ValueError(f"state_units hold {states} B of optimizer state, more than fixed.optimizer_state_bytes "
+                         f"({g.fixed.optimizer_state_bytes} B)")
     for f in g.fused_backward:
         if f.after >= n_o:
             raise ValueError(f"fused_backward: a bucket of {f.module or 'the model'} is completed after op "

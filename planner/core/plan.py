@@ -8,7 +8,7 @@ it is produced and copied back when backward reaches ``prefetch_at`` (see docs/m
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -77,6 +77,17 @@ class Prediction(BaseModel):
     exposed_transfer_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
 
 
+class StateDecision(BaseModel):
+    """Where one state unit's model states live (planner/core/states.py): its optimizer state ``resident``
+    on the device, or in the host pool and streamed through the device for its update (``stream``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    unit: int = Field(ge=0, description="index into the graph's state_units")
+    module: str = Field(default="", description="the unit's module, as the graph names it (checked)")
+    optimizer_state: Literal["resident", "stream"] = "resident"
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -89,6 +100,9 @@ class Plan(BaseModel):
         default=None, gt=0, allow_inf_nan=False, description="overrides the graph's host bandwidth")
     solver: SolverInfo = Field(default_factory=SolverInfo)
     decisions: list[Decision] = Field(default_factory=list)
+    states: list[StateDecision] = Field(
+        default_factory=list, description="model-state placements; units not listed are resident (a plan "
+                                          "without them places nothing)")
     predicted: Prediction | None = None
 
     @field_validator("format")
@@ -125,6 +139,18 @@ class Plan(BaseModel):
         return cls(graph_fingerprint=graph.fingerprint, model_fingerprint=graph.model_fingerprint,
                    decisions=decisions, **kw)
 
+    def streamed(self) -> list[int]:
+        """The state units whose optimizer state is streamed, in the order the plan lists them."""
+        return [d.unit for d in self.states if d.optimizer_state == "stream"]
+
+    def with_states(self, graph: Graph, streamed: list[int]) -> Plan:
+        """This plan with ``streamed`` units' optimizer state streamed (and every other unit resident)."""
+        chosen = set(streamed)
+        order = [*streamed, *(u for u in range(len(graph.state_units)) if u not in chosen)]
+        states = [StateDecision(unit=u, module=graph.state_units[u].module,
+                                optimizer_state="stream" if u in chosen else "resident") for u in order]
+        return self.model_copy(update={"states": states})
+
     def actions(self) -> dict[int, Action]:
         return {d.tensor: d.action for d in self.decisions}
 
@@ -138,6 +164,18 @@ class Plan(BaseModel):
             raise PlanMismatch(
                 f"plan was made for graph {self.graph_fingerprint}, but this graph is {graph.fingerprint} "
                 f"({graph.name}): re-solve for this graph")
+        seen: set[int] = set()
+        for sd in self.states:
+            if sd.unit >= len(graph.state_units):
+                raise PlanError(f"state decision names unit {sd.unit}, but the graph has {len(graph.state_units)} "
+                                f"state units" + ("" if graph.state_units else
+                                                  " (profiled before they were recorded: re-profile)"))
+            if sd.unit in seen:
+                raise PlanError(f"state unit {sd.unit} has more than one decision")
+            seen.add(sd.unit)
+            if sd.module != graph.state_units[sd.unit].module:
+                raise PlanMismatch(f"state unit {sd.unit} is module {graph.state_units[sd.unit].module!r} in the "
+                                   f"graph, {sd.module!r} in the plan: re-solve for this graph")
         saved = set(graph.saved_activations)
         for d in self.decisions:
             if d.tensor >= len(graph.tensors):

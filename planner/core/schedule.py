@@ -55,6 +55,7 @@ from memplan.planner.core.errors import PlanError
 from memplan.planner.core.graph import FUSE_MODES, FusedStep, Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.replay import kept_by_replays, replay
+from memplan.planner.core.states import device_state_bytes, host_state_bytes, optimizer_phase
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
 
 EventKind = Literal["compute", "d2h", "free", "h2d", "wait", "replay", "recompute", "backward", "watch",
@@ -104,9 +105,10 @@ class ScheduleEvent(NamedTuple):
 
     def key(self) -> tuple:
         """What identifies the event across the simulator and the executor: kind, tensor, ops, and the
-        position where the executor knows it (forward ops; prefetches the plan schedules)."""
+        position where the executor knows it (forward ops; prefetches the plan schedules; a streamed state
+        unit's copies)."""
         at = self.at if self.kind == "compute" or (self.kind == "h2d" and self.reason.startswith("scheduled")) \
-            or self.performed_release() else None
+            or self.performed_release() or self.phase == "optimizer" else None
         return (self.kind, at, self.tensor, self.ops)
 
     def performed_release(self) -> bool:
@@ -129,6 +131,11 @@ class Schedule:
     prefetch_at: dict[int, int] = field(default_factory=dict)
     pins: dict[int, int] = field(default_factory=dict)
     released: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # model states (planner/core/states.py): the units whose optimizer state is streamed, in order; the bytes
+    # the step starts without on the device and the host pool that holds them
+    streamed: tuple[int, ...] = ()
+    state_off_device_bytes: int = 0
+    host_state_bytes: int = 0
 
     def of(self, kind: EventKind) -> list[ScheduleEvent]:
         return [e for e in self.events if e.kind == kind]
@@ -316,11 +323,12 @@ def schedule(graph: Graph, plan: Plan | None = None, *, check: bool = True, fuse
     prefetch = {d.tensor: d.prefetch_at for d in plan.decisions
                 if d.action == Action.OFFLOAD and d.prefetch_at is not None}
     return schedule_actions(graph, plan.actions(), prefetch_at=prefetch,
-                            bandwidth_bytes_per_s=plan.bandwidth_bytes_per_s, fuse=fuse)
+                            bandwidth_bytes_per_s=plan.bandwidth_bytes_per_s, fuse=fuse, streamed=plan.streamed())
 
 
 def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: dict[int, int] | None = None,
-                     bandwidth_bytes_per_s: float | None = None, fuse: str | None = None) -> Schedule:
+                     bandwidth_bytes_per_s: float | None = None, fuse: str | None = None,
+                     streamed: list[int] | None = None) -> Schedule:
     """:func:`schedule` for solvers' inner loops: ``{tensor id: action}`` (KEEP may be left out) and the
     prefetch points the plan sets (the rest default, :func:`default_prefetch_at`), unchecked; the
     bandwidth defaults to the graph's.
@@ -332,6 +340,10 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
     those, each until its last read, and emits the events."""
     if fuse is not None and fuse not in FUSE_MODES:
         raise PlanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
+    streamed = list(streamed or ())
+    if streamed and fuse is not None:
+        raise PlanError(f"the plan streams optimizer state, which runs in an unfused optimizer.step(): "
+                        f"fuse={fuse!r} with streamed state is not supported yet (solve it with fuse=None)")
     bandwidth = bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
     prefetch_at = prefetch_at or {}
     pins: dict[int, int] = {}
@@ -340,10 +352,11 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
         probe = _Lowering(graph, actions, prefetch_at, bandwidth, discover=True)
         probe.run()
         pins = probe.reads
-    low = _Lowering(graph, actions, prefetch_at, bandwidth, pins=pins, fuse=fuse)
+    low = _Lowering(graph, actions, prefetch_at, bandwidth, pins=pins, fuse=fuse, streamed=streamed)
     low.run()
     resolved = {t: k for k, ts in low.prefetch_ops.items() for t in ts}
-    return Schedule(graph.fingerprint, tuple(low.events), resolved, dict(pins), low.released)
+    return Schedule(graph.fingerprint, tuple(low.events), resolved, dict(pins), low.released, tuple(streamed),
+                    device_state_bytes(graph, streamed), host_state_bytes(graph, streamed))
 
 
 class _Lowering:
@@ -354,9 +367,10 @@ class _Lowering:
 
     def __init__(self, graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int],
                  bandwidth: float, *, discover: bool = False, pins: dict[int, int] | None = None,
-                 fuse: str | None = None):
+                 fuse: str | None = None, streamed: list[int] | None = None):
         self.g = graph
         self.fuse = fuse
+        self.streamed = streamed or []
         self.fused: dict[int, list[FusedStep]] = {}  # backward step -> the fusion buckets it completes
         for f in graph.fused_backward:
             self.fused.setdefault(f.after, []).append(f)
@@ -428,8 +442,18 @@ class _Lowering:
         # backward fusion stepped its buckets already: the step's transient is what remains
         # the buckets hold their shares where they step
         workspace = final_step_bytes(g, fused=self.fuse == "backward" or bool(self.applied_before))
-        self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
-                                         workspace_bytes=workspace, duration_s=seconds))
+        if not self.streamed:
+            self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
+                                             workspace_bytes=workspace, duration_s=seconds))
+            return
+        # streamed optimizer state (planner/core/states.py): the resident units' update, then each streamed
+        # unit's state through the device; the copy stream is free by now (backward waited for its copies)
+        phase, copy_end = optimizer_phase(g, self.streamed, self.bw, workspace, seconds)
+        start = max(self.now, self.copy_free)
+        for e in phase:
+            self.events.append(ScheduleEvent(e.kind, "optimizer", e.unit, None, (), e.reason, e.alloc_bytes,
+                                             e.workspace_bytes, e.free_bytes, e.duration_s, e.copy_bytes))
+        self.copy_free = start + copy_end
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def _free(self, t: int, reason: str, host_bytes: int = 0) -> None:

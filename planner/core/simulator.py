@@ -66,7 +66,8 @@ class Report(BaseModel):
     exposed_transfer_s: float = Field(description="time compute waited for prefetches")
     optimizer_time_s: float
     transfer_bytes: int = Field(description="bytes moved device->host plus host->device")
-    host_peak_bytes: int = Field(description="most host (pinned) memory held by offloaded activations")
+    host_peak_bytes: int = Field(description="most host (pinned) memory held by offloaded activations and "
+                                             "streamed optimizer state")
     fixed_bytes: int
     recomputed_ops: int = Field(description="op replays in backward")
     watched_ops: int = Field(0, description="forward ops the executor watches under the plan (planner/core/watch.py)")
@@ -121,11 +122,14 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
         raise PlanMismatch(f"schedule was lowered for graph {sched.graph_fingerprint}, but this graph is "
                            f"{graph.fingerprint} ({graph.name}): lower the plan on this graph")
     ops, tensors = graph.ops, graph.tensors
-    live = graph.fixed.resident_bytes
+    # streamed optimizer state (planner/core/states.py) starts the step in the host pool
+    fixed = graph.fixed.resident_bytes - sched.state_off_device_bytes
+    live = fixed
     peak = live
     peak_event: ScheduleEvent | None = None  # the event at the peak (None: the start); named at the end
     now = forward_s = backward_s = recompute_s = exposed_s = watch_s = optimizer_s = 0.0
-    host = host_peak = moved = replayed = watched = 0
+    moved = replayed = watched = 0
+    host = host_peak = sched.host_state_bytes
     entries: list[Event] = []
     # a step's entry stays open until an event at another position (or another step) comes:
     # (phase, at) of the step, and its timeline phase, op, start, peak candidate, note
@@ -179,13 +183,16 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
             if live > peak:
                 peak, peak_event = live, ev
             if timeline:
-                entries.append(Event(phase="prefetch", op=tensors[ev.tensor].producer, start_s=now, live_bytes=live,
-                                     peak_bytes=live, note=f"prefetch tensor {ev.tensor} ({ev.reason})"))
+                what = f"tensor {ev.tensor}" if ev.tensor is not None else f"state unit {ev.at}"
+                entries.append(Event(phase="prefetch", op=tensors[ev.tensor].producer if ev.tensor is not None
+                                     else None, start_s=now, live_bytes=live, peak_bytes=live,
+                                     note=f"prefetch {what} ({ev.reason})"))
         elif kind == "wait":
             if ev.duration_s > 0:
                 if timeline:
                     entries.append(Event(phase="wait", op=ev.at, start_s=now, live_bytes=live, peak_bytes=live,
-                                         note=f"wait for prefetch of tensor {ev.tensor}"))
+                                         note=f"wait for prefetch of tensor {ev.tensor}" if ev.tensor is not None
+                                         else f"wait for state unit {ev.at}'s copy ({ev.reason})"))
                 now += ev.duration_s
                 exposed_s += ev.duration_s
         elif kind == "watch":
@@ -208,11 +215,14 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
         # a replay event itself costs nothing: its recompute events do
     if open_key is not None:
         entries.append(_entry(*open_entry, live))
+    if timeline and sched.streamed:  # the last streamed unit's buffers went after its copy back
+        entries.append(Event(phase="optimizer", op=None, start_s=now, live_bytes=live, peak_bytes=live,
+                             note="streamed optimizer state back in the host pool"))
     phase, op, note = _peak_site(graph, peak_event)
     return Report(
         peak_bytes=peak, time_s=now, forward_time_s=forward_s + watch_s, backward_time_s=backward_s,
         recompute_time_s=recompute_s, exposed_transfer_s=exposed_s, optimizer_time_s=optimizer_s,
-        transfer_bytes=moved, host_peak_bytes=host_peak, fixed_bytes=graph.fixed.resident_bytes,
+        transfer_bytes=moved, host_peak_bytes=host_peak, fixed_bytes=fixed,
         recomputed_ops=replayed, watched_ops=watched, watch_time_s=watch_s,
         peak_phase=phase, peak_op=op, peak_note=note, timeline=entries)
 
@@ -233,6 +243,9 @@ def _peak_site(graph: Graph, ev: ScheduleEvent | None) -> tuple[str, int | None,
         return "recompute", p, f"recompute op {p} ({ops[p].name}) for op {ev.at}'s backward"
     if ev.kind == "backward":
         return "backward", ev.at, f"backward of op {ev.at} ({ops[ev.at].name})"
-    if ev.kind == "h2d":
+    if ev.kind == "h2d" and ev.tensor is not None:
         return "prefetch", ev.tensor, f"prefetch tensor {ev.tensor} ({ev.reason})"
+    if ev.phase == "optimizer" and ev.at is not None:  # a streamed state unit's
+        unit = graph.state_units[ev.at].module or "the model"
+        return "optimizer", None, f"optimizer step, {unit}'s state streamed in"
     return "optimizer", None, "optimizer step"

@@ -72,6 +72,25 @@ FALLBACK_CACHE_BYTES = 32 * 2**20  # last-level cache assumed where the device d
 FALLBACK_CORE_CACHE_BYTES = 2**20  # a core's own cache (L2) assumed where /sys does not say
 
 
+_HOST_BUFFERS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _register_host(buffer: torch.Tensor) -> torch.Tensor:
+    if buffer.numel():
+        _HOST_BUFFERS[buffer.untyped_storage().data_ptr()] = buffer
+    return buffer
+
+
+def is_host_buffer(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in a host buffer of :meth:`Device.pinned_empty` (the host pools): on a CPU, and
+    under the CUDA emulation, such memory is the host's though the tensor is a CPU tensor like the device's,
+    so the device's memory readings leave it out."""
+    try:
+        return t.untyped_storage().data_ptr() in _HOST_BUFFERS
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 class StreamUseError(MemplanError):
     """Emulated CUDA: memory a copy stream still used was freed before its work was known complete."""
 
@@ -238,8 +257,9 @@ class Device:
         return CopyStream()
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        """A host byte buffer the device copies from and to asynchronously (pinned on CUDA)."""
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """A host byte buffer the device copies from and to asynchronously (pinned on CUDA). It is host
+        memory, never the device's, whichever device type tensors on it report (:func:`is_host_buffer`)."""
+        return _register_host(torch.empty(nbytes, dtype=torch.uint8))
 
     def stopwatch(self) -> Stopwatch:
         """Times the ops of a step (or an op's runs) issued back to back, each as the device runs it; never
@@ -341,7 +361,7 @@ class CudaDevice(Device):
         return _CudaStopwatch(self.torch_device)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return _register_host(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
 
     def clock(self) -> Callable[[], float]:
         return time.perf_counter

@@ -59,6 +59,17 @@ def buckets(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
     return out, bucket_of, module_buckets
 
 
+def bucket_modules(model: nn.Module, module_buckets: dict[nn.Module, list[int]], n: int) -> list[str]:
+    """The path of the module that owns each of the ``n`` buckets :func:`buckets` made (its first owner)."""
+    names = [""] * n
+    named = [False] * n
+    for path, module in model.named_modules():
+        for b in module_buckets.get(module, ()):
+            if not named[b]:
+                names[b], named[b] = path, True
+    return names
+
+
 class FusedOptimizer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, *,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None):

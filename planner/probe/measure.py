@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from memplan.planner.core.errors import MemplanError
-from memplan.planner.probe.device import Device, device_of
+from memplan.planner.probe.device import Device, device_of, is_host_buffer
 from memplan.planner.probe.fusion import fused_training
 from memplan.planner.probe.storage import tensors_in, unique_bytes
 from memplan.planner.workloads import STEP_PHASES, LossFn, default_optimizer, training_step
@@ -68,6 +68,8 @@ def live_storage_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Opti
     tensors += tensors_in(batch)
     for state in optimizer.state.values():
         tensors += tensors_in(state)
+    # state a plan keeps in a host pool (streamed optimizer state) is the host's memory, not the device's
+    tensors = [t for t in tensors if not is_host_buffer(t)]
     return unique_bytes(tensors, set(), device.type if device is not None else None)
 
 

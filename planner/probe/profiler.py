@@ -88,6 +88,7 @@ from memplan.planner.probe.kernels import cuda_kernel_choices
 from memplan.planner.probe.measure import fused_extra_s, max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpTimer
 from memplan.planner.probe.restore import restored
+from memplan.planner.probe.states import state_units
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
 from memplan.planner.probe.tracing import forward_lifetimes, module_stack, traced_step
 from memplan.planner.workloads import LossFn, default_optimizer, refuse_compiled, training_step
@@ -198,6 +199,7 @@ def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: 
                             buffers_bytes=unique_bytes(buffers, seen, charge),
                             inputs_bytes=unique_bytes(inputs, seen, charge),
                             optimizer_state_bytes=unique_bytes(state, seen, charge))
+        units = state_units(model, optimizer, charge)
         # what the device holds beyond those storages (cuBLAS workspaces), after the warm-up created it: a
         # later step's peak includes it
         untracked = untracked_bytes(model, batch, optimizer)
@@ -258,6 +260,7 @@ def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: 
     # the allocator's view includes kernel scratch; the storages' view is the floor
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
     share_fused_step_bytes(graph, max_prefix(first.optimizer_events))
+    graph.state_units = units
     graph.measured = measured
     clock = layer.clock()
     if (measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s
@@ -397,6 +400,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                             buffers_bytes=unique_bytes(st.buffers, seen, charge),
                             inputs_bytes=unique_bytes(st.inputs, seen, charge),
                             optimizer_state_bytes=unique_bytes(state, seen, charge))
+        units = state_units(model, st.optimizer, charge)
         tracer = traced_step(model, st.batch, loss_fn, st.optimizer,
                              {"param": st.params, "buffer": st.buffers, "input": st.inputs}, lambda: None,
                              structure=True, memory="fake", charge_as=charge, shadow=shadow)
@@ -472,6 +476,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     # the storages' view (the allocator's is not there to read)
     graph.fixed.optimizer_step_bytes = max_prefix(first.optimizer_events)
     share_fused_step_bytes(graph)
+    graph.state_units = units
     # what the device's libraries hold that no tensor owns (cuBLAS workspaces): the spec's figure, or what
     # this device creates for the step's two threads (forward's and autograd's)
     graph.fixed.other_bytes += device_spec.workspace_bytes if device_spec else layer.step_workspace_bytes()

@@ -1,0 +1,180 @@
+"""Model states under a plan, at run time: the optimizer state of the plan's streamed units lives in one
+pinned host pool between steps and goes through the device for its update (the cost model is
+planner/core/states.py; the order of copies and waits below is exactly the one it scores).
+
+Between steps ``optimizer.state[p][key]`` of a streamed unit is a view of the unit's slot in the pool, so
+``optimizer.state_dict()`` (and a checkpoint saved from it) reads the real state wherever it lives; a
+``load_state_dict()`` moves a streamed unit's loaded state to its slot at once, and :meth:`remove` puts
+every state back on its parameter's device, as plain training has it. ``optimizer.step()`` steps the
+resident units together, then each streamed unit with its state copied in (the next unit's copy runs during
+its update), updated on the device by the user's optimizer (its groups narrowed to the unit: the same
+kernels and arithmetic as plain training), and copied back; the device buffers are dropped once the copy
+back is known complete. A unit's first step creates its state on the device (as plain training does),
+which then moves to the pool. A step that raises part-way (an out-of-memory error, a hook) keeps every
+state: what is on the device goes back to the pool before the error propagates.
+
+The copies are the device layer's (:mod:`memplan.planner.probe.device`): a CUDA copy stream, pinned host
+memory; under the CUDA emulation a copy completes only when waited for, its destination poisoned until
+then, so an update that read a state before its copy arrived would train wrong numbers in the CPU tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.executor.recipes import byte_view
+from memplan.planner.core.errors import PlanMismatch
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.schedule import ScheduleEvent
+from memplan.planner.core.states import STATE_ALIGN, slot_bytes
+from memplan.planner.probe.device import Device
+from memplan.planner.probe.fusion import bucket_modules, buckets, narrowed_groups
+from memplan.planner.probe.states import unit_state_tensors
+
+
+class StateStreamer:
+    """The streamed units' optimizer state: its host pool, and the optimizer step that streams it."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, graph: Graph, streamed: list[int],
+                 device: Device, copies: Any):
+        groups, _, module_buckets = buckets(model, optimizer)
+        names = bucket_modules(model, module_buckets, len(groups))
+        units = graph.state_units
+        if [(n, len(g)) for n, g in zip(names, groups, strict=True)] != [(u.module, u.params) for u in units]:
+            raise PlanMismatch(f"the plan places the optimizer state of {len(units)} units (modules "
+                               f"{', '.join(repr(u.module) for u in units[:3])}...), but this optimizer steps "
+                               f"{len(groups)} (modules {', '.join(repr(n) for n in names[:3])}...): re-profile "
+                               f"with this model and optimizer")
+        self.optimizer = optimizer
+        self.device = device
+        self.copies = copies
+        self.groups = groups
+        self.streamed = list(streamed)
+        chosen = set(streamed)
+        self.resident = [p for u, ps in enumerate(groups) if u not in chosen for p in ps]
+        self.slots: dict[int, tuple[int, int]] = {}
+        at = 0
+        for u in streamed:
+            n = slot_bytes(units[u].state_bytes, units[u].state_tensors)
+            self.slots[u] = (at, n)
+            at += n
+        self.bytes = at
+        self.pool = device.pinned_empty(at) if at else None
+        self.steps = 0
+        self.log: list = []
+        self._hook = optimizer.register_load_state_dict_post_hook(lambda _opt: self.to_host(self.streamed))
+
+    # ---- where a unit's state lives ------------------------------------------------------------------
+    def _entries(self, u: int) -> list[tuple[nn.Parameter, str]]:
+        return unit_state_tensors(self.optimizer, self.groups[u])
+
+    def _host_views(self, u: int) -> list[torch.Tensor]:
+        """Views of unit ``u``'s slot laid out like its state tensors now (each at a multiple of
+        ``STATE_ALIGN`` bytes); :class:`PlanMismatch` if they do not fit the slot the graph sized."""
+        start, n = self.slots[u]
+        views, at = [], 0
+        for p, key in self._entries(u):
+            t = self.optimizer.state[p][key]
+            nbytes = t.numel() * t.element_size()
+            if at + nbytes > n:
+                raise PlanMismatch(f"the optimizer state of {self.groups[u][0].shape}-shaped parameters in unit {u} "
+                                   f"needs more than the {n} B the graph recorded for it: re-profile")
+            chunk = self.pool[start + at:start + at + nbytes]
+            views.append(chunk.view(t.dtype).view(t.shape) if t.dim() else chunk.view(t.dtype).view(()))
+            at += -(-nbytes // STATE_ALIGN) * STATE_ALIGN
+        return views
+
+    def _on_host(self, u: int) -> bool:
+        entries = self._entries(u)
+        return bool(entries) and all(self._is_slot(self.optimizer.state[p][k]) for p, k in entries)
+
+    def _is_slot(self, t: torch.Tensor) -> bool:
+        return self.pool is not None and t.untyped_storage().data_ptr() == self.pool.untyped_storage().data_ptr()
+
+    def _fetch(self, u: int) -> list[Any]:
+        """Unit ``u``'s state from its slot into new device buffers (allocated on the compute stream, filled
+        on the copy stream); the state entries point at the buffers from now. Returns the copies."""
+        copies = []
+        if not self._on_host(u):
+            return copies  # its first step (no state yet), or already on the device (a failed step's)
+        self.log.append(ScheduleEvent("h2d", "optimizer", u, reason="optimizer state streamed in"))
+        for (p, key), host in zip(self._entries(u), self._host_views(u), strict=True):
+            dst = torch.empty_like(host, device=p.device)  # on the compute stream
+            copies.append(self.copies.to_device(_bytes_of(dst), _bytes_of(host)))
+            self.optimizer.state[p][key] = dst
+        return copies
+
+    def _store(self, u: int) -> None:
+        """Copy unit ``u``'s device state back to its slot, wait for the copy, and point the state at the slot:
+        the device buffers go with their last reference."""
+        entries = [(p, k) for p, k in self._entries(u) if not self._is_slot(self.optimizer.state[p][k])]
+        if not entries:
+            return
+        views = self._host_views(u)
+        copies = []
+        for (p, key), host in zip(self._entries(u), views, strict=True):
+            src = self.optimizer.state[p][key]
+            if self._is_slot(src):
+                continue
+            copies.append((self.copies.to_host(_bytes_of(host), _bytes_of(src)), src))
+        self.log.append(ScheduleEvent("d2h", "optimizer", u, reason="optimizer state copied back"))
+        for copy, _src in copies:
+            copy.wait()  # the source stays referenced until its copy is known complete
+        for (p, key), host in zip(self._entries(u), views, strict=True):
+            self.optimizer.state[p][key] = host
+
+    def to_host(self, units: list[int]) -> None:
+        """Move ``units``' state to their slots now (after a ``load_state_dict``)."""
+        for u in units:
+            self._store(u)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self, real_step: Any, closure: Any = None, log: list | None = None) -> Any:
+        """``optimizer.step()`` under the plan: the resident units, then each streamed unit through the device
+        (the module docstring's order). ``real_step`` is the optimizer's own step; ``log`` (the step's record)
+        receives each unit's copies as the schedule names them (a unit's first step has no copy in: its
+        state is created on the device)."""
+        self.log = log if log is not None else []
+        loss = None
+        if closure is not None:  # Lightning's: the training step and its backward, run first (as torch does)
+            with torch.enable_grad():
+                loss = closure()
+        self.steps += 1
+        if self.resident:
+            with narrowed_groups(self.optimizer, self.resident), torch.no_grad():
+                real_step()
+        todo = self.streamed
+        try:
+            pending = self._fetch(todo[0]) if todo else []
+            for i, u in enumerate(todo):
+                for c in pending:
+                    c.wait()  # compute waits for the unit's state (exposed copy time)
+                pending = self._fetch(todo[i + 1]) if i + 1 < len(todo) else []
+                with narrowed_groups(self.optimizer, self.groups[u]), torch.no_grad():
+                    real_step()
+                self._store(u)
+        finally:
+            # a step that raised part-way: every state on the device (fetched, or created) goes to its slot
+            for c in pending if todo else []:
+                c.wait()
+            self.to_host(todo)
+        return loss
+
+    def remove(self) -> None:
+        """Every streamed state back on its parameter's device (plain training from here on)."""
+        self._hook.remove()
+        for u in self.streamed:
+            for p, key in self._entries(u):
+                t = self.optimizer.state[p][key]
+                if self._is_slot(t):
+                    self.optimizer.state[p][key] = t.to(p.device, copy=True)
+        self.pool = None
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s own bytes as a uint8 view (a slot view's part of the pool, a device buffer's storage)."""
+    start = t.storage_offset() * t.element_size()
+    return byte_view(t.untyped_storage())[start:start + t.numel() * t.element_size()]

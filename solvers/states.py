@@ -1,0 +1,108 @@
+"""Model states and activations under one budget: which units' optimizer state to stream
+(planner/core/states.py), chosen with the activations' plan.
+
+A streamed unit frees its state's bytes for all of forward and backward and costs its copies in and out
+at the optimizer step (link time, twice its bytes, hidden only under the next unit's update). The search
+moves units in :func:`~memplan.planner.core.states.stream_order` (most bytes first) and solves the
+activations for a few counts of moved units on :func:`~memplan.planner.core.states.states_search_graph`
+(whose peak and time are exactly the placement's): the fewest that the budget's lower bound admits, the
+fewest with which keeping every activation fits, and counts between, each with a share of the time
+limit; every candidate is simulated with its placement and the fastest that fits the device and host
+budgets is returned. Claims are those of the activations' search at the chosen placement
+(``space`` says so): the placement itself is searched over these counts, not proven.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from memplan.planner.core.errors import Infeasible
+from memplan.planner.core.graph import Graph
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.states import states_search_graph, stream_order
+from memplan.planner.core.units import format_bytes
+from memplan.solvers.bounds import keep_all_report, memory_lower_bound
+
+CANDIDATES = 4  # placements whose activations are solved (besides the one with nothing streamed)
+
+
+def _first(n: int, ok: Any) -> int | None:
+    """The least k in 0..n with ``ok(k)`` by bisection, which assumes ok monotone in k; None if ok(n) fails.
+    It nearly is (each unit moved frees its bytes), but the streaming phase's two neighbouring units may hold
+    more after a move: a k that bisection found is checked, and n (which holds) taken where it fails."""
+    if not ok(n):
+        return None
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if ok(lo) else n
+
+
+def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time_limit_s: float,
+                      host_budget_bytes: int | None) -> Any:
+    """Search the streamed units with the activations. ``solve_activations(search_graph, time_limit_s)``
+    solves the activations on a search graph and returns a :class:`~memplan.solvers.core.SolveResult`
+    (raising :class:`Infeasible`). Returns the fastest result that fits, its plan carrying its placement;
+    raises the all-streamed search's :class:`Infeasible` when nothing fits."""
+    start = time.perf_counter()
+    order = stream_order(graph)
+    n = len(order)
+    searches: dict[int, Graph] = {}
+
+    def search(k: int) -> Graph:
+        if k not in searches:
+            searches[k] = states_search_graph(graph, order[:k])
+        return searches[k]
+
+    k_min = _first(n, lambda k: memory_lower_bound(search(k)) <= budget)
+    if k_min is None:
+        k_min = n  # nothing fits by the bound: the all-streamed search says by how much
+    k_keep = _first(n, lambda k: keep_all_report(search(k)).peak_bytes <= budget)
+    hi = k_keep if k_keep is not None else n
+    counts = sorted({k_min, hi, *(k_min + (hi - k_min) * i // CANDIDATES for i in range(1, CANDIDATES))})
+    best, best_report, refusal = None, None, None
+    for i, k in enumerate(counts):
+        left = time_limit_s - (time.perf_counter() - start)
+        if left <= 0:
+            break
+        try:
+            result = solve_activations(search(k), left / (len(counts) - i))
+        except Infeasible as e:
+            refusal = e
+            continue
+        plan = result.plan.with_states(graph, order[:k])
+        report = simulate(graph, plan)
+        if report.peak_bytes > budget:
+            continue
+        if host_budget_bytes is not None and report.host_peak_bytes > host_budget_bytes:
+            refusal = Infeasible(
+                f"the plan that fits {format_bytes(budget)} with {k} of {n} units' optimizer state streamed needs "
+                f"{format_bytes(report.host_peak_bytes)} of host memory (offloaded activations and the state "
+                f"pool), over the host budget {format_bytes(host_budget_bytes)}", budget_bytes=budget)
+            continue
+        if best_report is None or report.time_s < best_report.time_s:
+            best, best_report = (result, plan, k), report
+    if best is None:
+        raise refusal or Infeasible(f"no placement of the model states was solved within the time limit of "
+                                    f"{time_limit_s:g} s", budget_bytes=budget)
+    result, plan, k = best
+    info = plan.solver
+    info.settings = {**info.settings, "streamed_units": k, "state_units": n}
+    if k:
+        info.space = f"{info.space or 'all'} (activations, with this plan's {k} of {n} units' state streamed)"
+        info.status = "feasible" if info.status == "optimal" else info.status
+        info.lower_bound_s, info.gap = None, None
+    plan.predicted = plan.predicted.model_copy(update={
+        "peak_bytes": best_report.peak_bytes, "step_time_s": best_report.time_s,
+        "recompute_time_s": best_report.recompute_time_s, "exposed_transfer_s": best_report.exposed_transfer_s})
+    info.solve_time_s = time.perf_counter() - start
+    if not k:
+        return dataclasses.replace(result, plan=plan, report=best_report, solve_time_s=info.solve_time_s)
+    return dataclasses.replace(result, plan=plan, report=best_report, status=info.status, lower_bound_s=None,
+                               gap=None, space=info.space, solve_time_s=info.solve_time_s)
