@@ -62,11 +62,13 @@ class MaxDim:
 
 def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead: float | None = None,
             method: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
-            max_value: int = MAX_VALUE, fuse: str | None = None) -> MaxDim:
+            max_value: int = MAX_VALUE, fuse: str | None = None, host_budget_bytes: int | None = None,
+            states: bool | None = None) -> MaxDim:
     """The largest value of dimension ``dim`` (the family's other dimensions at the graph's own values)
     whose best plan fits ``budget_bytes`` within ``max_overhead`` (a fraction: 0.2 is 20%; None: any).
 
-    ``method``, ``time_limit_s`` (per candidate), ``offload`` and ``fuse`` go to :func:`memplan.solvers.solve`
+    ``method``, ``time_limit_s`` (per candidate), ``offload``, ``host_budget_bytes``, ``states`` (optimizer
+    state streamed through the host, with ``offload`` by default) and ``fuse`` go to :func:`memplan.solvers.solve`
     (``fuse="backward"`` or ``"forward"``: the step with the optimizer fused there, its peak and its overhead
     against keeping everything in that step).
     Raises :class:`GraphError` when the graph has no shape family over ``dim``, :class:`Infeasible`
@@ -101,7 +103,8 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
             p = Probe(v, False, "no plan fits the budget", least)
         else:
             try:
-                result = solve(g, budget_bytes, method, time_limit_s=time_limit_s, offload=offload, fuse=fuse)
+                result = solve(g, budget_bytes, method, time_limit_s=time_limit_s, offload=offload, fuse=fuse,
+                               host_budget_bytes=host_budget_bytes, states=states)
             except Infeasible as e:
                 p = Probe(v, False, "no plan fits the budget", e.min_feasible_bytes)
             else:

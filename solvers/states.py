@@ -26,6 +26,7 @@ from memplan.planner.core.units import format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 
 CANDIDATES = 4  # placements whose activations are solved (besides the one with nothing streamed)
+SHARE_MARGIN = 0.8  # of its share of the time left, what a candidate's activation search is given
 
 
 def _first(n: int, ok: Any) -> int | None:
@@ -72,7 +73,8 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
         if left <= 0:
             break
         try:
-            result = solve_activations(search(k), left / (len(counts) - i))
+            # a share of what is left, less a margin: a strategy may end a little past its own limit
+            result = solve_activations(search(k), SHARE_MARGIN * left / (len(counts) - i))
         except Infeasible as e:
             refusal = e
             continue
@@ -93,7 +95,7 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
                                     f"{time_limit_s:g} s", budget_bytes=budget)
     result, plan, k = best
     info = plan.solver
-    info.settings = {**info.settings, "streamed_units": k, "state_units": n}
+    info.settings = {**info.settings, "time_limit_s": time_limit_s, "streamed_units": k, "state_units": n}
     if k:
         info.space = f"{info.space or 'all'} (activations, with this plan's {k} of {n} units' state streamed)"
         info.status = "feasible" if info.status == "optimal" else info.status

@@ -386,3 +386,14 @@ def test_placements_round_trip_and_are_checked_against_the_graph(tmp_path):
         simulate(g, other)
     with pytest.raises(PlanError, match="fuse"):
         simulate(g, back, fuse="backward")
+
+
+def test_a_plan_that_streams_state_is_refused_for_another_optimizer_or_none():
+    g = graph_of("gpt2")
+    plan = Plan.keep_all(g).with_states(g, stream_order(g)[:2])
+    model = copy.deepcopy(workload("gpt2").model)
+    with pytest.raises(Exception, match="optimizer=opt"):
+        apply(model, plan, graph=g)
+    head = [p for n, p in model.named_parameters() if n.startswith("transformer.h.0")]
+    with pytest.raises(PlanMismatch, match="re-profile with this model and optimizer"):
+        apply(model, plan, graph=g, optimizer=torch.optim.AdamW(head, lr=1e-3))

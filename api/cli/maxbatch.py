@@ -10,9 +10,11 @@ import typer
 from memplan.api.cli.base import app, emit_json, guard, out, working
 from memplan.api.cli.options import (
     FakeOpt,
+    HostBudgetOpt,
     JsonOpt,
     SetOpt,
     SpecOpt,
+    StatesOpt,
     fuse_mode,
     workload_options,
 )
@@ -48,6 +50,8 @@ def maxbatch(
     solver: Annotated[str, typer.Option("--solver", "-s")] = "auto",
     time_limit: Annotated[float, typer.Option("--time-limit", help="solver seconds per candidate")] = 10.0,
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
+    host_budget: HostBudgetOpt = None,
+    states: StatesOpt = None,
     fuse: Annotated[str | None, typer.Option(help="backward or forward: the training loop steps the optimizer "
                                                   "there; size the batch for that step")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="plan file to write (for the answer)")] = Path("plan.json"),
@@ -71,6 +75,7 @@ def maxbatch(
         raise MemplanError(f"maxbatch takes a budget in bytes (e.g. 24GiB), not {budget!r}: a percentage is of "
                            f"one shape's activation memory")
     b = parse_budget(budget)
+    host = parse_budget(host_budget) if host_budget else None
     fuse = fuse_mode(fuse)  # before profiling: a typo is not found minutes later
     overhead = _fraction(max_overhead) if max_overhead is not None else None
     if workload.endswith(".json"):
@@ -91,7 +96,8 @@ def maxbatch(
             graph.save(str(family_output))
     with working(f"searching {dim}", quiet=json_out):
         answer = max_dim(graph, b, dim=dim, max_overhead=overhead, method=solver, time_limit_s=time_limit,
-                         offload=offload, max_value=max_value or MAX_VALUE, fuse=fuse)
+                         offload=offload, max_value=max_value or MAX_VALUE, fuse=fuse, host_budget_bytes=host,
+                         states=states)
     answer.result.plan.save(str(output))
     answer.graph.save(str(graph_output))
     report = answer.result.report

@@ -14,8 +14,10 @@ from memplan.api.cli.graphs import profile_workload
 from memplan.api.cli.options import (
     WORKLOAD_HELP,
     FakeOpt,
+    HostBudgetOpt,
     JsonOpt,
     SetOpt,
+    StatesOpt,
     budget_bytes,
     fuse_mode,
     workload_options,
@@ -25,7 +27,7 @@ from memplan.api.cli.tables import print_run
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
-from memplan.planner.core.units import check_budget
+from memplan.planner.core.units import check_budget, parse_budget
 
 
 # ---- run: profile, solve, train under the plan, predicted against measured ------------------------
@@ -36,6 +38,8 @@ def run_workload(
     budget: Annotated[str, typer.Option("--budget", "-b", help="e.g. 6GiB, 512MB or 50% (ignored with --plan)")] = "50%",
     solver: Annotated[str, typer.Option("--solver", "-s", help="auto, dp, ilp, greedy, ... (memplan solvers)")] = "auto",
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="allow offloading to host memory")] = False,
+    host_budget: HostBudgetOpt = None,
+    states: StatesOpt = None,
     fuse: Annotated[str | None, typer.Option(help="fuse optimizer steps into backward or forward")] = None,
     steps: Annotated[int, typer.Option(min=1, max=1000, help="timed steps (median)")] = 5,
     warmup: Annotated[int, typer.Option(min=0, max=100, help="untimed steps first")] = 1,
@@ -104,7 +108,9 @@ def run_workload(
         graph = profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out, fuse=fuse)
         b = budget_bytes(budget, graph)
         with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
-            plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse).plan
+            plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse,
+                             host_budget_bytes=parse_budget(host_budget) if host_budget else None,
+                             states=states).plan
     if save_graph is not None:
         with writing(save_graph):
             graph.save(str(save_graph))
