@@ -6,8 +6,8 @@ at the optimizer step (link time, twice its bytes, hidden only under the next un
 moves units in :func:`~memplan.planner.core.states.stream_order` (most bytes first) and solves the
 activations for a few counts of moved units on :func:`~memplan.planner.core.states.states_search_graph`
 (whose peak and time are exactly the placement's): the fewest that the budget's lower bound admits, the
-fewest with which keeping every activation fits, and counts between, each with a share of the time
-limit; every candidate is simulated with its placement and the fastest that fits the device and host
+fewest with which keeping every activation fits, and counts between, the most streamed first (it has the
+most room, so a fit is found before the time runs out), each with a share of the time limit; every candidate is simulated with its placement and the fastest that fits the device and host
 budgets is returned. Claims are those of the activations' search at the chosen placement
 (``space`` says so): the placement itself is searched over these counts, not proven.
 """
@@ -66,7 +66,9 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
         k_min = n  # nothing fits by the bound: the all-streamed search says by how much
     k_keep = _first(n, lambda k: keep_all_report(search(k)).peak_bytes <= budget)
     hi = k_keep if k_keep is not None else n
-    counts = sorted({k_min, hi, *(k_min + (hi - k_min) * i // CANDIDATES for i in range(1, CANDIDATES))})
+    # the most streamed first: it has the most room, so a fit is found before the time runs out; then fewer
+    counts = sorted({k_min, hi, *(k_min + (hi - k_min) * i // CANDIDATES for i in range(1, CANDIDATES))},
+                    reverse=True)
     best, best_report, refusal = None, None, None
     for i, k in enumerate(counts):
         left = time_limit_s - (time.perf_counter() - start)
@@ -76,7 +78,7 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
             # a share of what is left, less a margin: a strategy may end a little past its own limit
             result = solve_activations(search(k), SHARE_MARGIN * left / (len(counts) - i))
         except Infeasible as e:
-            refusal = e
+            refusal = refusal or e  # the most streamed placement's refusal says the most
             continue
         plan = result.plan.with_states(graph, order[:k])
         report = simulate(graph, plan)
