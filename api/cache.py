@@ -202,7 +202,7 @@ class PlanCache:
         return aside
 
     def describe(self) -> str:
-        return f"sqlite {self.path}"
+        return self.path
 
     def get(self, key: str) -> str | None:
         """The stored response text, or None (also when the database cannot be read: a cache that fails

@@ -9,7 +9,9 @@ under an advisory lock, so replicas starting together migrate once):
   least-recently-used eviction;
 * ``memplan_solves``: one row per request being solved: the replica that ``owner``-s it holds a lease
   (``expires_at``) that it renews while it solves (:meth:`PostgresPlanCache.renew`); the others wait for its
-  answer (``done``, kept ``retain_s``), or take the solve over once the lease has expired (its replica died);
+  answer (``done``, kept ``retain_s``: an answer the cache does not keep, a timeout or a refusal, is shared
+  with the identical requests that arrive meanwhile), or take the solve over once the lease has expired
+  (its replica died);
 * ``memplan_jobs``: ``POST /v1/jobs``'s jobs, with their request, so that any replica can answer for them,
   and adopt one whose replica died.
 
@@ -126,7 +128,7 @@ class PostgresPlanCache:
         return self.error is None
 
     def describe(self) -> str:
-        return f"postgresql {redact(self.url)}"
+        return redact(self.url)
 
     def _connect(self) -> bool:
         """A fresh pool and the schema brought up to date; False (and ``error`` set) when the database
@@ -232,7 +234,7 @@ class PostgresPlanCache:
             self._flush()
             self.renew(owner, lease_s)
             self._run(lambda c: (
-                c.execute(f"DELETE FROM memplan_solves WHERE expires_at < {_NOW} - %s", (self.retain_s,)),
+                c.execute(f"DELETE FROM memplan_solves WHERE expires_at < {_NOW}"),
                 c.execute(f"DELETE FROM memplan_jobs WHERE done AND finished_at < {_NOW} - %s", (job_ttl_s,))))
         except StoreUnavailable:
             pass
@@ -380,8 +382,8 @@ class PostgresPlanCache:
                                               (key, owner)))
             else:
                 self._run(lambda c: c.execute(
-                    f"UPDATE memplan_solves SET done = true, status_code = %s, answer = %s, expires_at = {_NOW} "
-                    "WHERE key = %s AND owner = %s", (status_code, answer, key, owner)))
+                    f"UPDATE memplan_solves SET done = true, status_code = %s, answer = %s, expires_at = {_NOW} + %s "
+                    "WHERE key = %s AND owner = %s", (status_code, answer, self.retain_s, key, owner)))
         except StoreUnavailable:
             pass  # the waiting replicas see the lease expire, and solve it themselves
 

@@ -372,7 +372,7 @@ class Health(_Out):
     status: Literal["ok", "degraded"] = Field(
         default="ok", description="degraded: the plan store cannot be reached (store_error says why); requests "
                                   "are still answered (solved), jobs get 503 with Retry-After")
-    store: str = Field(default="", description="the plan store: 'sqlite PATH' or 'postgresql URL' (no password)")
+    store: str = Field(default="", description="the plan store: a SQLite file or a postgresql:// URL (without its password)")
     store_error: str | None = None
     skipped_rows: int = Field(default=0, description="cache rows found damaged or foreign, not served")
     pending_writes: int = Field(default=0, description="store writes waiting for the database to come back")
