@@ -105,9 +105,11 @@ class PostgresPlanCache:
         import psycopg
 
         try:
-            psycopg.conninfo.conninfo_to_dict(url)
+            params = psycopg.conninfo.conninfo_to_dict(url)
         except psycopg.ProgrammingError as e:
             raise CacheError(f"plan store {redact(url)}: not a PostgreSQL URL libpq can read ({e})") from None
+        if not all(p.strip().isdigit() for p in str(params.get("port", "5432")).split(",")):
+            raise CacheError(f"plan store {redact(url)}: port {params['port']!r} is not a number")
         self.url = url
         self.max_bytes = max_bytes
         self.store_timeout_s = store_timeout_s
