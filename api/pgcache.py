@@ -39,7 +39,7 @@ from memplan.api.jobstore import JobRow, SolveState
 
 log = logging.getLogger("memplan.api")
 
-_NOW = "extract(epoch from clock_timestamp())"
+_NOW = "extract(epoch from clock_timestamp())::double precision"
 _EVICT_TO = 0.9  # as the SQLite cache: evicting stops at this share of max_bytes
 _PENDING_MAX = 1024  # writes kept for retry while the database is away; the oldest go first
 _LOCK_ID = 0x6D656D706C616E  # "memplan": the advisory lock migrations and eviction take
