@@ -115,6 +115,9 @@ class PostgresPlanCache:
         self.store_timeout_s = store_timeout_s
         self.pool_size = pool_size
         self.retain_s = retain_s
+        self.touch_every_s = 10.0
+        """A hit records its recency (for eviction) only when the last was longer ago than this: a hit is
+        then a read, not a write the database must flush, and eviction's order is right to this much."""
         self.skipped = 0
         """Rows found damaged or foreign (not served)."""
         self.error: str | None = "not connected yet"
@@ -246,10 +249,11 @@ class PostgresPlanCache:
         """The stored response text, or None: not stored, the store unreachable (a solve instead), or a
         damaged or foreign row (counted in ``skipped``)."""
         try:
-            if self.max_bytes:  # recency, for eviction, in the same round trip
+            if self.max_bytes:  # recency, for eviction, in the same round trip; written at most every touch_every_s
                 row = self._run(lambda c: c.execute(
-                    f"UPDATE memplan_plans SET used_at = {_NOW} WHERE key = %s RETURNING response, status, checksum",
-                    (key,)).fetchone())
+                    f"WITH touched AS (UPDATE memplan_plans SET used_at = {_NOW} WHERE key = %s AND "
+                    f"used_at < {_NOW} - %s) SELECT response, status, checksum FROM memplan_plans WHERE key = %s",
+                    (key, self.touch_every_s, key)).fetchone())
             else:
                 row = self._run(lambda c: c.execute(
                     "SELECT response, status, checksum FROM memplan_plans WHERE key = %s", (key,)).fetchone())

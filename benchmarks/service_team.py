@@ -97,7 +97,7 @@ def main() -> None:
         bin_dir = server_bin()
         if bin_dir is None:
             raise SystemExit("no PostgreSQL server binaries found (apt-get install postgresql), and no --pg-url")
-        cluster = Cluster(bin_dir)
+        cluster = Cluster(bin_dir, fsync=True)
         cluster.start()
         url = cluster.url
     procs = []
@@ -143,7 +143,7 @@ def main() -> None:
     lines = [f"`python benchmarks/service_team.py --rounds {args.rounds} --requests {args.requests} --concurrency "
              f"{args.concurrency}` on {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared "
              f"with the clients and the database; load average {os.getloadavg()[0]:.1f} at the end), every replica "
-             f"with 1 worker process, PostgreSQL {'a throwaway local server' if cluster else 'at --pg-url'} on "
+             f"with 1 worker process, PostgreSQL {'a throwaway local server (fsync on)' if cluster else 'at --pg-url'} on "
              f"loopback. Cache hits only (every answer checked); median [min-max] over {args.rounds} rounds. "
              f"Answers: " + ", ".join(f"{w} {sizes[w] // 1024} KiB" for w in bodies) + ".", "",
              "| setup | plan | clients | requests/s | p50 ms | p99 ms |", "|---|---|---|--:|--:|--:|"]

@@ -26,8 +26,9 @@ def server_bin() -> Path | None:
 class Cluster:
     """``start()`` / ``stop()`` a server on ``port``; ``url`` reaches it as the ``postgres`` superuser."""
 
-    def __init__(self, bin_dir: Path):
+    def __init__(self, bin_dir: Path, *, fsync: bool = False):
         self.bin = bin_dir
+        self.fsync = fsync  # off for tests (nothing to keep); on to measure as a deployment runs
         self.root = Path(tempfile.mkdtemp(prefix="memplan-pg-"))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -49,7 +50,8 @@ class Cluster:
 
     def start(self) -> None:
         self._run("pg_ctl", "-D", str(self.root / "data"), "-l", str(self.root / "server.log"), "-w", "-t", "60",
-                  "-o", f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                  "-o", f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
+                        f"-c fsync={'on' if self.fsync else 'off'} "
                         f"-c max_connections=100", "start")
 
     def stop(self) -> None:

@@ -80,6 +80,7 @@ def test_incomplete_answers_are_not_cached(make_cache):
 
 def test_the_least_recently_used_are_evicted(make_cache):
     cache = make_cache(max_bytes=10_000)
+    cache.touch_every_s = 0  # PostgreSQL's: record every hit's recency, as SQLite does (default: every 10 s)
     answer = {**ANSWER, "pad": "x" * 1900}
     for i in range(4):
         cache.put(f"k{i}", answer)
