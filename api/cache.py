@@ -1,6 +1,6 @@
 """The plan cache: SQLite (embedded, no server to run), one row per solved request; a team's replicas
 share one in PostgreSQL instead (:mod:`memplan.api.pgcache`, same keys, same answers), and
-:func:`open_cache` picks the backend from the location given.
+:func:`memplan.api.store.open_cache` picks the backend from the location given (:func:`cache_backend`).
 
 A row is keyed by :func:`plan_key`: a hash of the graph's full content, the budget as given, the solver
 and its settings, and what decides what a solver name means (memplan's version, the registered solvers).
@@ -109,18 +109,6 @@ def cache_backend(location: str) -> tuple[str, str]:
         return "sqlite", location[len("sqlite://"):]
     raise CacheError(f"plan cache {redact(location)!r}: unknown scheme {scheme!r}; give a SQLite file path, "
                      f"':memory:', sqlite:///absolute/path or a postgresql://user@host:port/dbname URL")
-
-
-def open_cache(location: str, *, max_bytes: int = 0, store_timeout_s: float = 2.0) -> Any:
-    """The plan cache at ``location`` (see :func:`cache_backend`): a :class:`PlanCache`, or a
-    :class:`memplan.api.pgcache.PostgresPlanCache` (which starts degraded, not failing, when its database
-    cannot be reached). Raises :class:`CacheError` for a location it cannot use."""
-    kind, where = cache_backend(location)
-    if kind == "sqlite":
-        return PlanCache(where, max_bytes=max_bytes)
-    from memplan.api.pgcache import PostgresPlanCache
-
-    return PostgresPlanCache(where, max_bytes=max_bytes, store_timeout_s=store_timeout_s)
 
 
 class PlanCache:

@@ -24,18 +24,22 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 
 from memplan.api import jobs
-from memplan.api.cache import content_hash, open_cache, plan_key
+from memplan.api.cache import content_hash, plan_key
 from memplan.api.errors import (
     TRANSIENT,
     JobNotFound,
+    LimitExceeded,
     Overloaded,
     SolveTimeout,
     StoredAnswer,
     WorkerLost,
     error_answer,
     error_body,
+    validation_message,
 )
 from memplan.api.jobstore import LocalJobs
 from memplan.api.pool import WorkerPool
@@ -47,8 +51,10 @@ from memplan.api.schemas import (
     ReadRequest,
     SimulateRequest,
     SimulationResponse,
+    read_request,
 )
 from memplan.api.settings import Settings
+from memplan.api.store import open_cache
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 
@@ -128,6 +134,19 @@ class Service:
         return {"status": "ok" if self.cache.available else "degraded", "store": self.cache.describe(),
                 "store_error": self.cache.error, "skipped_rows": self.cache.skipped, "pending_writes": pending,
                 "solved": self.solved, "jobs": len(self._jobs), "replica": self.replica}
+
+    async def read_body(self, model: type[BaseModel], body: bytes) -> ReadRequest[Any]:
+        """``body`` read as ``model`` by a parse worker; raises ``RequestValidationError`` (answered 422
+        like FastAPI's own) or :class:`LimitExceeded`."""
+        kind, value = await self.parsers.run(
+            read_request, model, body, self.settings, keep_graph=self.settings.pool == "thread",
+            timeout_s=self.settings.parse_timeout_s)
+        if kind == "invalid":
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in value])
+        if kind == "limit":
+            message, limit, limit_value = value
+            raise LimitExceeded(message, limit=limit, limit_value=limit_value)
+        return value
 
     @staticmethod
     def _graph_arg(req: ReadRequest[Any]) -> Graph | str:
@@ -297,19 +316,14 @@ class Service:
 
     def _adopt(self, job_id: str, request: bytes) -> None:
         """Run a job whose replica died (this server now holds its lease): read its request again, solve."""
-        from memplan.api.routes.body import read_body  # the routes import this module
-
         async def adopted() -> None:
             try:
-                read = await read_body(self, PlanRequest, request)
-            except Exception as e:  # noqa: BLE001 - this server's limits refuse it: that is the job's answer
-                from memplan.api.errors import memplan_error_response, validation_message
-
+                read = await self.read_body(PlanRequest, request)
+            except (MemplanError, RequestValidationError) as e:  # this server's limits refuse it: its answer
                 if isinstance(e, MemplanError):
-                    response = memplan_error_response(e)
-                    status, answer = response.status_code, bytes(response.body)
+                    status, answer = error_answer(e)
                 else:
-                    detail, field = validation_message(list(getattr(e, "errors", list)()))
+                    detail, field = validation_message(list(e.errors()))
                     status, answer = 422, json.dumps(error_body(detail, "invalid_request", field=field)).encode()
                 await asyncio.to_thread(self.store.finish_job, job_id, status, answer)
                 return

@@ -429,7 +429,7 @@ def test_settings_from_env():
 def test_repeated_bytes_are_answered_without_reading_them_again(monkeypatch):
     """The same request bytes again are answered from the cache without a parse worker; other bytes for
     the same plan are read, then a hit too; a remembered body whose answer left the cache is solved."""
-    from memplan.api.routes import body as body_module
+    from memplan.api import service as service_module  # where bodies are read (Service.read_body)
 
     with TestClient(create_app(FAST)) as c:
         raw = json.dumps(body(budget=700, solver="oracle")).encode()
@@ -441,7 +441,7 @@ def test_repeated_bytes_are_answered_without_reading_them_again(monkeypatch):
             raise AssertionError("read again")
 
         with monkeypatch.context() as m:
-            m.setattr(body_module, "read_request", unreachable)
+            m.setattr(service_module, "read_request", unreachable)
             again = c.post("/v1/plans", content=raw, headers=headers)
         assert again.status_code == 200 and again.json() == {**first.json(), "cache_hit": True}
         spaced = c.post("/v1/plans", content=json.dumps(json.loads(raw), indent=2).encode(), headers=headers)

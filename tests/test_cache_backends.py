@@ -11,8 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from memplan.api.cache import CacheError, PlanCache, cache_backend, content_hash, open_cache, plan_key
+from memplan.api.cache import CacheError, PlanCache, cache_backend, content_hash, plan_key
 from memplan.api.settings import Settings
+from memplan.api.store import open_cache
 from memplan.planner.core.synthetic import linear_chain
 
 ANSWER = {"graph_fingerprint": "f", "solver": {"name": "greedy", "status": "optimal"}, "pad": "x" * 5000}

@@ -33,8 +33,8 @@ def serve(
     import uvicorn
 
     from memplan.api.app import create_app
-    from memplan.api.cache import open_cache
     from memplan.api.settings import Settings, default_cache_path, is_loopback
+    from memplan.api.store import open_cache
 
     settings = Settings.from_env(cache_path=cache or default_cache_path(), workers=workers,
                                  **({"token": token} if token is not None else {}))
