@@ -13,7 +13,10 @@ under an advisory lock, so replicas starting together migrate once):
   with the identical requests that arrive meanwhile), or take the solve over once the lease has expired
   (its replica died);
 * ``memplan_jobs``: ``POST /v1/jobs``'s jobs, with their request, so that any replica can answer for them,
-  and adopt one whose replica died.
+  and adopt one whose replica died;
+* ``memplan_bodies``: the request bodies seen (their hash, scoped to the settings that decide a body's key)
+  and the plan each asks for, so that a replica answers bytes another replica read from the cache without
+  reading them.
 
 Times are the database's clock (``clock_timestamp()``), so replicas' clocks need not agree.
 
@@ -82,9 +85,14 @@ MIGRATIONS: list[list[str]] = [
             answer BYTEA,
             finished_at DOUBLE PRECISION)""",
         "CREATE INDEX memplan_jobs_open ON memplan_jobs (expires_at) WHERE NOT done",
+        """CREATE TABLE memplan_bodies (
+            body_key TEXT PRIMARY KEY,
+            plan_key TEXT NOT NULL)""",
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+TABLES = ("memplan_schema", "memplan_plans", "memplan_solves", "memplan_jobs", "memplan_bodies")
+"""Every table the store is made of (all named ``memplan_*``: a database may hold other things)."""
 
 T = TypeVar("T")
 
@@ -303,7 +311,37 @@ class PostgresPlanCache:
                 "DELETE FROM memplan_plans WHERE key IN (SELECT key FROM (SELECT key, SUM(size_bytes) OVER "
                 "(ORDER BY used_at DESC, key) AS newer FROM memplan_plans) ranked WHERE newer > %s)",
                 (int(self.max_bytes * _EVICT_TO),)).rowcount
+            conn.execute("DELETE FROM memplan_bodies b WHERE NOT EXISTS "
+                         "(SELECT 1 FROM memplan_plans p WHERE p.key = b.plan_key)")
         log.info("plan store: evicted %d least recently used plans (max_bytes %d)", doomed, self.max_bytes)
+
+    def get_for_body(self, body_key: str) -> tuple[str, str] | None:
+        """``(plan key, stored response text)`` of a request body some replica read before (``body_key``,
+        see :meth:`remember_body`), or None (also when unreachable, or the row is damaged: counted)."""
+        try:
+            row = self._run(lambda c: c.execute(
+                "WITH b AS (SELECT plan_key FROM memplan_bodies WHERE body_key = %s), touched AS ("
+                f"UPDATE memplan_plans SET used_at = {_NOW} WHERE key = (SELECT plan_key FROM b) AND "
+                f"used_at < {_NOW} - %s) SELECT p.key, p.response, p.status, p.checksum FROM memplan_plans p "
+                "JOIN b ON p.key = b.plan_key", (body_key, self.touch_every_s)).fetchone())
+        except StoreUnavailable:
+            return None
+        if row is None:
+            return None
+        if not servable(*row[1:]):
+            self.skipped += 1
+            log.warning("plan store: row %s is damaged or foreign (status %r); skipped", row[0][:12], row[2])
+            return None
+        return row[0], row[1]
+
+    def remember_body(self, body_key: str, key: str) -> None:
+        """Record that request bodies hashing to ``body_key`` ask for plan ``key`` (best effort: not retried)."""
+        try:
+            self._run(lambda c: c.execute(
+                "INSERT INTO memplan_bodies (body_key, plan_key) VALUES (%s, %s) ON CONFLICT (body_key) DO UPDATE "
+                "SET plan_key = EXCLUDED.plan_key", (body_key, key)))
+        except StoreUnavailable:
+            pass
 
     def stored_bytes(self) -> int:
         return self._run(lambda c: c.execute("SELECT COALESCE(SUM(size_bytes), 0) FROM memplan_plans").fetchone()[0])
@@ -312,7 +350,7 @@ class PostgresPlanCache:
         return self._run(lambda c: c.execute("SELECT COUNT(*) FROM memplan_plans").fetchone()[0])
 
     def clear(self) -> None:
-        self._run(lambda c: c.execute("DELETE FROM memplan_plans"))
+        self._run(lambda c: (c.execute("DELETE FROM memplan_plans"), c.execute("DELETE FROM memplan_bodies")))
 
     def close(self) -> None:
         with self._lock:

@@ -377,6 +377,7 @@ class Health(_Out):
     skipped_rows: int = Field(default=0, description="cache rows found damaged or foreign, not served")
     pending_writes: int = Field(default=0, description="store writes waiting for the database to come back")
     solved: int = Field(default=0, description="plans this replica's workers solved")
+    bodies_read: int = Field(default=0, description="request bodies this replica's parse workers read")
     jobs: int = Field(default=0, description="jobs this replica runs now")
     replica: str = Field(default="", description="this server's name in the shared store")
     version: str

@@ -93,6 +93,8 @@ class Service:
         """This server's name in the shared store (owner of its solves and jobs)."""
         self.solved = 0
         """Plans this server's workers solved (not cache hits, not answers shared from another replica)."""
+        self.bodies_read = 0
+        """Request bodies this server's parse workers read (a repeated body is answered without)."""
         self.solver_names: list[str] = []
         self._cache_context = ""
         self._inflight: dict[str, asyncio.Future[str]] = {}  # plan key -> the solve running
@@ -133,11 +135,13 @@ class Service:
         pending = getattr(self.cache, "pending", 0)
         return {"status": "ok" if self.cache.available else "degraded", "store": self.cache.describe(),
                 "store_error": self.cache.error, "skipped_rows": self.cache.skipped, "pending_writes": pending,
-                "solved": self.solved, "jobs": len(self._jobs), "replica": self.replica}
+                "solved": self.solved, "bodies_read": self.bodies_read, "jobs": len(self._jobs),
+                "replica": self.replica}
 
     async def read_body(self, model: type[BaseModel], body: bytes) -> ReadRequest[Any]:
         """``body`` read as ``model`` by a parse worker; raises ``RequestValidationError`` (answered 422
         like FastAPI's own) or :class:`LimitExceeded`."""
+        self.bodies_read += 1
         kind, value = await self.parsers.run(
             read_request, model, body, self.settings, keep_graph=self.settings.pool == "thread",
             timeout_s=self.settings.parse_timeout_s)
@@ -167,10 +171,28 @@ class Service:
         milliseconds to seconds; a client that repeats a request sends the same bytes, answered here from
         their hash alone."""
         key = self._body_keys.get(body_key)
+        if key is None and self.cache.shared:  # bytes another replica read: from the store, unread here too
+            found = await asyncio.to_thread(self.cache.get_for_body, self._shared_body_key(body_key))
+            if found is not None:
+                self._remember_locally(body_key, found[0])
+                return self._body(found[1], cache_hit=True)
+            return None
         stored = None if key is None else await asyncio.to_thread(self.cache.get, key)
         return None if stored is None else self._body(stored, cache_hit=True)
 
-    def _remember_body(self, body_key: str, key: str) -> None:
+    def _shared_body_key(self, body_key: str) -> str:
+        """A body's hash scoped to what decides the plan key it is read into (memplan's version and solvers,
+        the default and largest time limits, the largest graph): replicas set up alike share it."""
+        s = self.settings
+        return content_hash(f"{body_key};{self._cache_context};{s.default_time_limit_s};{s.max_time_limit_s};"
+                            f"{s.max_ops}")
+
+    async def _remember_body(self, body_key: str, key: str) -> None:
+        if self._body_keys.get(body_key) != key and self.cache.shared:
+            await asyncio.to_thread(self.cache.remember_body, self._shared_body_key(body_key), key)
+        self._remember_locally(body_key, key)
+
+    def _remember_locally(self, body_key: str, key: str) -> None:
         self._body_keys[body_key] = key
         self._body_keys.move_to_end(body_key)
         while len(self._body_keys) > _MAX_BODY_KEYS:  # bounded: the oldest bodies go first
@@ -193,7 +215,7 @@ class Service:
         without reading them (:meth:`cached_for_body`)."""
         key, time_limit_s = await self._key(read)
         if body_key is not None:
-            self._remember_body(body_key, key)
+            await self._remember_body(body_key, key)
         stored = await asyncio.to_thread(self.cache.get, key)
         if stored is not None:
             return self._body(stored, cache_hit=True)

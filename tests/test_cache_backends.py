@@ -18,15 +18,16 @@ from memplan.planner.core.synthetic import linear_chain
 
 ANSWER = {"graph_fingerprint": "f", "solver": {"name": "greedy", "status": "optimal"}, "pad": "x" * 5000}
 CHAIN = linear_chain(8).model_dump(mode="json")
-TABLES = "memplan_plans, memplan_solves, memplan_jobs, memplan_schema"
 
 
 def fresh_store(url: str) -> None:
     """Drop every table memplan made: each test starts from an empty database."""
     import psycopg
 
+    from memplan.api.pgcache import TABLES
+
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f"DROP TABLE IF EXISTS {TABLES}")
+        conn.execute(f"DROP TABLE IF EXISTS {', '.join(TABLES)}")
 
 
 def sql(cache, statement: str, params=()) -> list:

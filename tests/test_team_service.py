@@ -30,8 +30,10 @@ LONG = {"graph": linear_chain(14).model_dump(mode="json"), "solver": "oracle", "
 def store(postgres):
     import psycopg
 
-    with psycopg.connect(postgres.url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS memplan_plans, memplan_solves, memplan_jobs, memplan_schema")
+    from memplan.api.pgcache import TABLES
+
+    with psycopg.connect(postgres.url, autocommit=True) as conn:  # an empty database: memplan makes its tables
+        conn.execute(f"DROP TABLE IF EXISTS {', '.join(TABLES)}")
     return postgres
 
 
@@ -67,10 +69,15 @@ def test_a_plan_solved_on_one_replica_is_a_hit_on_the_other(replicas):
     before = solved(replicas)
     first = httpx.post(f"{a}/v1/plans", json=req, timeout=60)
     assert first.status_code == 200 and first.json()["cache_hit"] is False
-    second = httpx.post(f"{b}/v1/plans", json=req, timeout=60)
+    read_on_b = httpx.get(f"{b}/healthz").json()["bodies_read"]
+    second = httpx.post(f"{b}/v1/plans", content=first.request.content, timeout=60,
+                        headers={"content-type": "application/json"})
     assert second.status_code == 200
     assert second.content == first.content.replace(b'{"cache_hit":false,', b'{"cache_hit":true,', 1)
-    assert solved(replicas) == before + 1  # B answered without a solve
+    assert solved(replicas) == before + 1  # B answered without a solve...
+    assert httpx.get(f"{b}/healthz").json()["bodies_read"] == read_on_b  # ...and without reading the body
+    spaced = httpx.post(f"{b}/v1/plans", json={**req, "budget": " 75%"}, timeout=60)  # other bytes: read, a hit
+    assert spaced.json()["cache_hit"] is True and spaced.json()["plan"] == first.json()["plan"]
 
 
 def test_twenty_identical_requests_over_both_replicas_are_solved_once(replicas):
