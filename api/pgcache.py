@@ -156,6 +156,9 @@ class PostgresPlanCache:
         except (psycopg.OperationalError, PoolTimeout) as e:
             self._unavailable(e)
             return False
+        except psycopg.Error as e:  # reached, but refused: no right to create the tables, say
+            raise CacheError(f"plan store {redact(self.url)}: cannot set up memplan's tables: "
+                             f"{' '.join(str(e).split())}") from None
         pool = ConnectionPool(self.url, min_size=1, max_size=self.pool_size, open=False, name="memplan-store",
                               timeout=self.store_timeout_s, kwargs={"autocommit": True, "connect_timeout": max(
                                   1, round(self.store_timeout_s))})
@@ -209,7 +212,6 @@ class PostgresPlanCache:
         """A pooled connection; raises :class:`StoreUnavailable` (and marks the store so) when the
         database cannot be reached."""
         import psycopg
-        from psycopg_pool import PoolTimeout
 
         pool = self._pool
         if pool is None or self.error is not None:
@@ -217,7 +219,7 @@ class PostgresPlanCache:
         try:
             with pool.connection() as conn:
                 yield conn
-        except (psycopg.OperationalError, PoolTimeout) as e:
+        except psycopg.Error as e:  # unreachable, or a table gone: degraded until tick() sets it up again
             self._unavailable(e)
             raise StoreUnavailable(f"the plan store is {self.error}") from None
 
@@ -225,7 +227,6 @@ class PostgresPlanCache:
         """``fn(connection)``, once more on a fresh connection if the first was broken (the server was
         restarted since it was opened: the pool drops broken connections)."""
         import psycopg
-        from psycopg_pool import PoolTimeout
 
         pool = self._pool
         if pool is None or self.error is not None:
@@ -233,7 +234,7 @@ class PostgresPlanCache:
         try:
             with pool.connection() as conn:
                 return fn(conn)
-        except (psycopg.OperationalError, PoolTimeout):
+        except psycopg.Error:  # PoolTimeout and PoolClosed are OperationalErrors
             pass
         with self._conn() as conn:
             return fn(conn)

@@ -264,3 +264,17 @@ def wait_job(c, url: str, timeout_s: float = 30):
             return r
         assert r.headers["retry-after"] == "1" and r.json()["status"] == "running"
         time.sleep(0.05)
+
+
+def test_a_store_broken_under_a_running_replica_is_a_miss_not_an_error(postgres):
+    """Someone drops the cache's table: reads are misses (solves), writes wait, the store says why."""
+    from memplan.api.pgcache import PostgresPlanCache
+
+    fresh_store(postgres.url)
+    cache = PostgresPlanCache(postgres.url)
+    cache.put("k", ANSWER)
+    sql(cache, "DROP TABLE memplan_plans")
+    assert cache.get("k") is None and not cache.available
+    assert "memplan_plans" in cache.error
+    assert cache.put("k", ANSWER) is False and cache.pending == 1
+    cache.close()
