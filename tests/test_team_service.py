@@ -206,6 +206,9 @@ def test_submit_and_wait_from_the_command_line(replicas, tmp_path):
     gone = runner.invoke(app, ["wait", "nope", "--server", replicas[1], "-o", str(tmp_path / "p2.json")])
     assert gone.exit_code == 2
     assert gone.output.strip().startswith("error: the server answered 404: no job 'nope'")
+    away = runner.invoke(app, ["wait", "abc", "--server", "http://127.0.0.1:1", "--timeout", "1.5",
+                               "-o", str(tmp_path / "p4.json")])  # retried for 1.5 s, then one line
+    assert away.exit_code == 2 and away.output.startswith("error: cannot reach the memplan server at http://127.0.0.1:1")
     bad = runner.invoke(app, ["submit", str(graph), "-b", "1", "--server", replicas[0]])
     assert bad.exit_code == 0  # accepted; its answer is the refusal
     refused = runner.invoke(app, ["wait", bad.stdout.strip().splitlines()[0], "-o", str(tmp_path / "p3.json")])

@@ -104,10 +104,18 @@ def wait(
         server, job_id = job.split("/v1/jobs/", 1)
     else:
         job_id = job
+    import httpx
+
     deadline = time.monotonic() + timeout
     with _client(server, token) as client:
         while True:
-            r = _call(client, "GET", f"/v1/jobs/{job_id}")
+            try:
+                r = client.get(f"/v1/jobs/{job_id}")
+            except httpx.TransportError as e:  # a replica restarting: the job is in the store, ask again
+                if time.monotonic() > deadline:
+                    raise MemplanError(f"cannot reach the memplan server at {client.base_url}: {e}") from None
+                time.sleep(1)
+                continue
             if r.status_code == 200:
                 break
             if r.status_code not in (202, 503):
