@@ -72,6 +72,25 @@ def hits(urls: list[str], body: bytes, n: int, concurrency: int) -> dict[str, fl
     return {"rps": n / wall, "p50": statistics.median(latencies), "p99": q[98]}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent)
+    return done.stdout.strip() or "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -141,7 +160,7 @@ def main() -> None:
         return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
 
     lines = [f"`python benchmarks/service_team.py --rounds {args.rounds} --requests {args.requests} --concurrency "
-             f"{args.concurrency}` on {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared "
+             f"{args.concurrency}` (commit {commit()}) on {cpu_name()}, {os.cpu_count()} cores (shared "
              f"with the clients and the database; load average {os.getloadavg()[0]:.1f} at the end), every replica "
              f"with 1 worker process, PostgreSQL {'a throwaway local server (fsync on)' if cluster else 'at --pg-url'} on "
              f"loopback. Cache hits only (every answer checked); median [min-max] over {args.rounds} rounds. "
