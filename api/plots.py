@@ -145,32 +145,36 @@ def stacked_series(trace: MemoryTrace) -> tuple[list[float], dict[str, list[int]
     return times, {label: [r[label] for r in rows] for label, _, _ in STACK}
 
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
 class _RoundBytes:
-    """Ticks at round sizes in binary units: 1, 2, 2.5 or 5 times a power of ten of KiB, MiB or GiB."""
+    """Ticks at round sizes: 1, 2, 2.5 or 5 times a power of ten of one binary unit (B, KiB, MiB, GiB),
+    the unit of a sixth of the span (200 B, 20 MiB, 500 MiB)."""
+
+    @staticmethod
+    def unit(span: float, n: int = 6) -> int:
+        return 1024 ** max(0, min(4, int(math.log(max(span / n, 1), 1024))))
 
     @staticmethod
     def step(span: float, n: int = 6) -> float:
         if span <= 0:
             return 1.0
-        unit = 1024 ** max(0, min(4, int(math.log(max(span, 1), 1024))))
+        unit = _RoundBytes.unit(span, n)
         raw = span / n / unit
         mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
         nice = next((m for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), 10) * mag
-        return nice * unit
+        return max(1.0, nice * unit)
 
 
 def _round_ticks(ax: Any, vmax: float) -> None:
-    """Byte ticks on ``ax``'s y axis at round sizes, written without trailing zeros (25 MiB, 2.5 GiB)."""
+    """Byte ticks on ``ax``'s y axis at round sizes, all in the step's unit (25 MiB, 50 MiB, ...)."""
     from matplotlib.ticker import FuncFormatter, MultipleLocator
 
-    def label(v: float, _pos: int) -> str:
-        if v <= 0:
-            return "0"
-        unit = max(0, min(4, int(math.log(v, 1024))))
-        return f"{v / 1024 ** unit:g} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
-
+    unit = _RoundBytes.unit(vmax)
+    name = _UNITS[int(round(math.log(unit, 1024)))]
     ax.yaxis.set_major_locator(MultipleLocator(_RoundBytes.step(vmax)))
-    ax.yaxis.set_major_formatter(FuncFormatter(label))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: "0" if v <= 0 else f"{v / unit:g} {name}"))
 
 
 def timeline_png(path: str | Path, timeline: Sequence[Event], *, budget_bytes: int | None = None,
