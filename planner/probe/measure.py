@@ -301,18 +301,13 @@ def peak_window(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer, 
     if layer.has_allocator_counters:
         layer.synchronize()  # earlier kernels' memory is settled before the reset
         reading = PeakReading(baseline_bytes=layer.memory_allocated())
-        if snapshot:  # PyTorch's own record of every allocation and free, with stacks
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        layer.reset_peak()
-        try:
+        with layer.memory_history() if snapshot else contextlib.nullcontext() as taken:
+            layer.reset_peak()
             yield reading
             layer.synchronize()  # the block's kernels are asynchronous
             reading.peak_bytes = layer.max_memory_allocated()
-            if snapshot:
-                reading.snapshot = torch.cuda.memory._snapshot()
-        finally:
-            if snapshot:
-                torch.cuda.memory._record_memory_history(enabled=None)
+            if taken is not None:
+                reading.snapshot = taken()
         return
     reading = PeakReading(baseline_bytes=live_storage_bytes(model, batch, optimizer, layer)
                           + layer.untracked_bytes())
