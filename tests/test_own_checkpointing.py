@@ -77,8 +77,12 @@ def test_profile_says_its_step_already_recomputes_and_keeps_less():
 
 
 def test_a_bad_choice_is_one_line():
+    from memplan.api.cli.graphs import model_checkpointing
+
     with pytest.raises(MemplanError, match="own_checkpointing must be 'off' .* or 'keep'"):
         StepPlanner("50%", own_checkpointing="on")
+    with pytest.raises(MemplanError, match=r"^--own-checkpointing 'maybe': choose off or keep$"):
+        model_checkpointing(gpt2(), "maybe")
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -118,3 +122,43 @@ def test_the_trainer_callback_plans_every_activation_and_gives_the_checkpointing
     kept, _, cb_keep = _train(tmp_path, {"budget": "100%", "time_limit_s": 5.0, "own_checkpointing": "keep"})
     assert activation_bytes(cb_keep.graph) < 0.8 * activation_bytes(cb.graph)  # planned over the checkpointed step
     assert all(torch.equal(a, b) for a, b in zip(kept.parameters(), plain.parameters(), strict=True))
+
+
+WORKLOAD = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    model.activation_checkpointing_enable()
+    batch = torch.randint(0, 64, (2, 32))
+    return model, batch, lambda m, b: m(input_ids=b, labels=b).loss
+'''
+
+
+@pytest.mark.slow
+def test_the_command_line_switches_it_off_by_default_and_keeps_it_when_asked(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "ckpt.py").write_text(WORKLOAD)
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+
+    def profile_cli(*extra):
+        return subprocess.run([sys.executable, "-m", "memplan.api.cli", "profile", "ckpt.py:build", "--repeats", "1",
+                               "--json", *extra], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+
+    off = profile_cli("-o", "off.json")
+    assert off.returncode == 0, off.stderr
+    said = [line for line in off.stderr.splitlines() if "checkpoints every layer itself" in line]
+    assert len(said) == 1 and "switched off" in said[0] and "--own-checkpointing keep" in said[0]
+    keep = profile_cli("-o", "keep.json", "--own-checkpointing", "keep")
+    assert keep.returncode == 0, keep.stderr
+    assert any("activation_checkpointing_disable()" in line for line in keep.stderr.splitlines())
+    # switched off, every activation is the plan's to choose; kept, only the layers' inputs are saved
+    assert json.loads(keep.stdout)["saved_activations"] < json.loads(off.stdout)["saved_activations"] / 2

@@ -10,11 +10,12 @@ import typer
 
 from memplan.api.cli.base import app, emit_json, guard, out, working
 from memplan.api.cli.files import writable, writing
-from memplan.api.cli.graphs import profile_workload
+from memplan.api.cli.graphs import model_checkpointing, profile_workload
 from memplan.api.cli.options import (
     WORKLOAD_HELP,
     FakeOpt,
     JsonOpt,
+    OwnCheckpointingOpt,
     SetOpt,
     budget_bytes,
     fuse_mode,
@@ -62,6 +63,7 @@ def run_workload(
                                              "(FSDP2 fully_shard per block)")] = "ddp",
     options: SetOpt = None,
     fake: FakeOpt = False,
+    own_checkpointing: OwnCheckpointingOpt = "off",
     json_out: JsonOpt = False,
 ) -> None:
     """Profile WORKLOAD, solve under BUDGET, train STEPS steps under the plan, and print predicted
@@ -107,8 +109,10 @@ def run_workload(
         graph = Graph.load(str(graph_file))
         plan = Plan.load(str(plan_file))
         plan.check_against(graph)
+        model_checkpointing(w.model, own_checkpointing)  # as memplan plan profiled it
     else:
-        graph = profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out, fuse=fuse)
+        graph = profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out, fuse=fuse,
+                                 own_checkpointing=own_checkpointing)
         b = budget_bytes(budget, graph)
         with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
             plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse).plan

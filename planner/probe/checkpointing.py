@@ -78,6 +78,16 @@ def _offloads(func: object) -> bool:
     return "<locals>.checkpoint_func" in getattr(func, "__qualname__", "")
 
 
+def switch_off(model: nn.Module) -> OwnCheckpointing | None:
+    """Switch the model's own checkpointing off for good (every ``gradient_checkpointing`` flag False);
+    returns what was on (None: nothing was)."""
+    found = own_checkpointing(model)
+    if found is not None:
+        for m in _flagged(model):
+            m.gradient_checkpointing = False
+    return found
+
+
 @contextlib.contextmanager
 def checkpointing_off(model: nn.Module) -> Iterator[OwnCheckpointing | None]:
     """The block runs ``model`` with its own checkpointing switched off (every ``gradient_checkpointing``
