@@ -151,7 +151,10 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
                 alloc(t.bytes, category, f"{category} (tensor {t.id}, {t.dtype} {list(t.shape)})", tensor=t.id)
         else:
             alloc(total, category, f"{category}s")
-    alloc(fixed.optimizer_state_bytes, "optimizer state", "the optimizer's state (moments, step counts)")
+    # streamed optimizer state (planner/core/states.py) starts the step in the host pool
+    alloc(fixed.optimizer_state_bytes - sched.state_off_device_bytes, "optimizer state",
+          "the optimizer's state (moments, step counts)"
+          + (f", less the {len(sched.streamed)} streamed units' (in the host pool)" if sched.streamed else ""))
     alloc(fixed.other_bytes, "other", "live at the start of the step beyond the model's tensors (library workspaces)")
     trace.entries.append(Entry(0, 0, len(events)))
 
@@ -159,7 +162,10 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
     scratch: dict[int, list[Block]] = {}  # tensor -> scratch copies a replay made of it
     grads: list[Block] = []           # live gradient blocks, oldest first
     scratch_frees = {(e.at, e.tensor) for e in sched.events if e.kind == "free" and e.reason.startswith("scratch copy")}
-    host = 0
+    host = sched.host_state_bytes
+    if host:
+        trace.host.append((0.0, host))
+    streamed: dict[int, Block] = {}   # state unit -> its state's device block while it is streamed in
 
     def release_gradients(nbytes: int, phase: str, at: int | None) -> None:
         while nbytes > 0:
@@ -215,7 +221,11 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
             if entry_open is None and pending_start is None:
                 pending_start = len(events)
             t = ev.tensor
-            if (ev.at, t) in scratch_frees and ev.reason.startswith("scratch copy") and scratch.get(t):
+            if t is None and ev.phase == "optimizer" and ev.at in streamed:  # a streamed unit's state leaves
+                block = streamed.pop(ev.at)
+                if block is not None:
+                    free(block)
+            elif (ev.at, t) in scratch_frees and ev.reason.startswith("scratch copy") and scratch.get(t):
                 free(scratch[t].pop(0))
             elif t in resident:
                 free(resident.pop(t))
@@ -274,6 +284,12 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
                 close()  # the simulator closes an optimizer entry at once
             else:
                 open_key = (ev.phase, ev.at)
+        elif kind == "h2d" and ev.tensor is None:  # a streamed unit's optimizer state, copied in
+            open_entry()
+            unit = graph.state_units[ev.at].module or "the model"
+            streamed[ev.at] = alloc(ev.alloc_bytes, "optimizer state", f"{unit}'s optimizer state, streamed in "
+                                    f"for its update", phase="optimizer")
+            close()
         elif kind == "h2d":
             open_entry()
             t = ev.tensor
@@ -288,5 +304,8 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
         elif kind == "watch":
             now += ev.duration_s
     close()
+    if sched.streamed:  # the simulator's closing entry: the last unit's state back in the host pool
+        open_entry()
+        close()
     trace.end_s = now
     return trace
