@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch.cuda._memory_viz as memory_viz
 
-from memplan.planner.core.graph import Graph
+from memplan.planner.core.graph import Graph, StateUnit
 from memplan.planner.core.memtrace import CATEGORIES, memory_trace
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.schedule import schedule
@@ -100,6 +100,15 @@ def test_the_trace_is_the_simulators_memory_under_every_kind_of_plan(tmp_path):
     for plan in plans:
         for fuse in (None, "backward", "forward"):
             assert_trace_is_the_timeline(graph, schedule(graph, plan, fuse=fuse), plan.actions())
+    # a plan that streams optimizer state: the step starts without it, each unit's a block while streamed in
+    units = graph.model_copy(deep=True)
+    units.fixed.optimizer_state_bytes += 600
+    units.state_units = [StateUnit(module=f"m{i}", params=1, param_bytes=100, state_bytes=200, state_tensors=2)
+                         for i in range(3)]
+    streamed = Plan.keep_all(units).with_states(units, [2, 0])
+    trace, report = assert_trace_is_the_timeline(units, schedule(units, streamed), {})
+    assert trace.host[0][1] == report.host_peak_bytes > 0
+    assert sum(e.block.bytes for e in trace.events if e.action == "alloc" and "streamed in" in e.block.note) == 400
     trace, report = assert_trace_is_the_timeline(graph, schedule(graph, plans[2]), plans[2].actions())
     assert max(b for _, b in trace.host) == report.host_peak_bytes > 0 and trace.host[-1][1] == 0
     snap = predicted_snapshot(graph, trace)
