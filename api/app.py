@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memplan.api import errors
 from memplan.api.errors import error_body
-from memplan.api.routes import frontier, health, maxbatch, plans, simulate, solvers
+from memplan.api.routes import frontier, health, maxbatch, plan_jobs, plans, simulate, solvers
 from memplan.api.schemas import FrontierRequest, PlanRequest, SimulateRequest
 from memplan.api.service import Service, memplan_version
 from memplan.api.settings import Settings
@@ -48,7 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     "Graphs and plans travel in memplan's file formats (memplan.graph/1, memplan.plan/1).")
     app.state.settings = settings
     errors.install(app)
-    for module in (plans, simulate, frontier, solvers, health, maxbatch):
+    for module in (plans, plan_jobs, simulate, frontier, solvers, health, maxbatch):
         app.include_router(module.router)
     app.openapi = functools.partial(_openapi, app, settings)  # type: ignore[method-assign]
     # Added last runs first: the Host check, then the token, then the body's size.

@@ -1,4 +1,6 @@
-"""The plan cache: SQLite (embedded, no server to run), one row per solved request.
+"""The plan cache: SQLite (embedded, no server to run), one row per solved request; a team's replicas
+share one in PostgreSQL instead (:mod:`memplan.api.pgcache`, same keys, same answers), and
+:func:`memplan.api.store.open_cache` picks the backend from the location given (:func:`cache_backend`).
 
 A row is keyed by :func:`plan_key`: a hash of the graph's full content, the budget as given, the solver
 and its settings, and what decides what a solver name means (memplan's version, the registered solvers).
@@ -11,7 +13,9 @@ how busy the machine was, so the next identical request solves again.
 
 The cache looks after itself: a file that is not a readable SQLite database (garbage, cut short, a
 damaged header) is moved aside with a warning and a fresh one is started; past ``max_bytes`` of stored
-answers the least recently used are evicted.
+answers the least recently used are evicted. Each row carries the sha256 of its answer: a row whose answer
+does not match it, or whose status is not a complete one (damaged, or written by something else), is
+skipped and counted (``skipped``), never served.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -36,7 +41,8 @@ CREATE TABLE IF NOT EXISTS plans (
     status TEXT NOT NULL,
     response TEXT NOT NULL,
     created_at REAL NOT NULL,
-    used_at REAL NOT NULL DEFAULT 0
+    used_at REAL NOT NULL DEFAULT 0,
+    checksum TEXT
 )
 """
 _EVICT_TO = 0.9  # evicting stops at this share of max_bytes, so that not every put evicts
@@ -66,7 +72,43 @@ def plan_key(*, graph_sha256: str, budget: int | str | None, solver: str, time_l
 
 
 class CacheError(MemplanError):
-    """The plan cache file cannot be opened or created (its folder is not writable, it is a folder)."""
+    """The plan cache cannot be opened or created (its folder is not writable, it is a folder), or its
+    location is not one memplan understands (a URL scheme it does not know)."""
+
+
+def servable(text: str | None, status: str, checksum: str | None) -> bool:
+    """Whether a stored row may be served: a complete status and an answer whose sha256 is the one
+    written with it (a row without one, from a cache written before checksums, must at least be a JSON
+    object's text)."""
+    if text is None or status not in CACHEABLE_STATUSES:
+        return False
+    if checksum is None:
+        return text.startswith("{") and text.endswith("}")
+    return content_hash(text) == checksum
+
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def redact(location: str) -> str:
+    """``location`` with a URL's password replaced by ``***`` (for messages and ``/healthz``)."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.\-]*://[^:/@]*):[^@/]*@", r"\1:***@", location)
+
+
+def cache_backend(location: str) -> tuple[str, str]:
+    """``("sqlite", path)`` or ``("postgresql", url)`` for a cache location: a file path, ``":memory:"``,
+    ``sqlite:///abs/path``, or ``postgresql://`` (``postgres://``) URL. Any other ``scheme://`` is refused
+    (:class:`CacheError`), never taken as a path."""
+    m = _URL.match(location)
+    if m is None:
+        return "sqlite", location
+    scheme = m.group(1).lower()
+    if scheme in ("postgresql", "postgres"):
+        return "postgresql", location
+    if scheme == "sqlite" and location[len("sqlite://"):].startswith("/"):
+        return "sqlite", location[len("sqlite://"):]
+    raise CacheError(f"plan cache {redact(location)!r}: unknown scheme {scheme!r}; give a SQLite file path, "
+                     f"':memory:', sqlite:///absolute/path or a postgresql://user@host:port/dbname URL")
 
 
 class PlanCache:
@@ -76,11 +118,18 @@ class PlanCache:
     Raises :class:`CacheError` when ``path`` cannot be opened or created at all.
     """
 
+    shared = False
+    """One server's cache: replicas do not coordinate through it (:mod:`memplan.api.pgcache` does)."""
+    available = True
+    error: str | None = None
+
     def __init__(self, path: str = ":memory:", *, max_bytes: int = 0):
         if path != ":memory:":
             path = str(Path(path).expanduser())
         self.path = path
         self.max_bytes = max_bytes
+        self.skipped = 0
+        """Rows found damaged or foreign (not served)."""
         self._lock = threading.Lock()
         try:
             self._db = self._open()
@@ -114,6 +163,8 @@ class PlanCache:
             columns = {row[1] for row in db.execute("PRAGMA table_info(plans)")}
             if "used_at" not in columns:  # a cache written before eviction existed
                 db.execute("ALTER TABLE plans ADD COLUMN used_at REAL NOT NULL DEFAULT 0")
+            if "checksum" not in columns:  # ... before checksums
+                db.execute("ALTER TABLE plans ADD COLUMN checksum TEXT")
         except sqlite3.OperationalError as e:
             db.close()
             if "unable to open" in str(e) or "readonly" in str(e):
@@ -138,18 +189,29 @@ class PlanCache:
                              f"{e.strerror}") from None
         return aside
 
+    def describe(self) -> str:
+        return self.path
+
     def get(self, key: str) -> str | None:
         """The stored response text, or None (also when the database cannot be read: a cache that fails
-        costs a solve, never an answer)."""
+        costs a solve, never an answer; and for a damaged or foreign row, counted in ``skipped``)."""
         try:
             with self._lock:
-                row = self._db.execute("SELECT response FROM plans WHERE key = ?", (key,)).fetchone()
+                row = self._db.execute("SELECT response, status, checksum FROM plans WHERE key = ?",
+                                       (key,)).fetchone()
                 if row is not None and self.max_bytes:  # recency, for eviction
                     self._db.execute("UPDATE plans SET used_at = ? WHERE key = ?", (time.time(), key))
         except sqlite3.Error as e:
             log.warning("plan cache %s: read failed (%s); solving instead", self.path, e)
             return None
-        return row[0] if row else None
+        if row is None:
+            return None
+        if not servable(*row):
+            self.skipped += 1
+            log.warning("plan cache %s: row %s is damaged or foreign (status %r); skipped, solving instead",
+                        self.path, key[:12], row[1])
+            return None
+        return row[0]
 
     def put(self, key: str, response: dict[str, Any], *, text: str | None = None) -> bool:
         """Store ``response`` (a ``PlanResponse`` without ``cache_hit``) unless its status is not
@@ -165,8 +227,9 @@ class PlanCache:
                 now = time.time()
                 self._db.execute(
                     "INSERT OR REPLACE INTO plans (key, graph_fingerprint, solver, status, response, created_at, "
-                    "used_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (key, response["graph_fingerprint"], response["solver"]["name"], status, text, now, now))
+                    "used_at, checksum) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (key, response["graph_fingerprint"], response["solver"]["name"], status, text, now, now,
+                     content_hash(text)))
                 if self.max_bytes:
                     self._evict()
         except sqlite3.Error as e:  # full disk, a locked file: the answer still goes out, uncached

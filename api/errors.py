@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memplan.planner.core.errors import (
@@ -55,6 +55,24 @@ class OutOfMemory(LimitExceeded):
     """A job needed more memory than a worker may use (``worker_memory_bytes``)."""
 
 
+class StoreUnavailable(MemplanError):
+    """The shared plan store (PostgreSQL) cannot be reached now; retry later."""
+
+
+class JobNotFound(MemplanError):
+    """No job has this id (never submitted, or finished longer ago than ``job_ttl_s``)."""
+
+
+class StoredAnswer(MemplanError):
+    """An answer decided elsewhere (another replica's solve, a job's end), as the HTTP status and body it was
+    given there: served as it is."""
+
+    def __init__(self, status_code: int, body: bytes):
+        super().__init__(f"HTTP {status_code}")
+        self.status_code = status_code
+        self.body = body
+
+
 # ---- one table: error class -> (status, code), most specific first ----------------------------
 _STATUS: list[tuple[type[BaseException], int, str]] = [
     (GraphError, 422, "graph_error"),
@@ -66,6 +84,8 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (Overloaded, 503, "overloaded"),
     (SolveTimeout, 504, "solve_timeout"),
     (WorkerLost, 503, "worker_lost"),
+    (StoreUnavailable, 503, "store_unavailable"),
+    (JobNotFound, 404, "not_found"),
     (MemplanError, 422, "invalid_request"),
 ]
 
@@ -74,7 +94,14 @@ def error_body(detail: str, error: str, **extra: Any) -> dict[str, Any]:
     return {"detail": detail, "error": error, **{k: v for k, v in extra.items() if v is not None}}
 
 
-def memplan_error_response(e: MemplanError) -> JSONResponse:
+TRANSIENT = (Overloaded, WorkerLost, StoreUnavailable, SolveTimeout)
+"""Errors of the moment, not of the request: another try may succeed (not shared between replicas)."""
+
+
+def memplan_error_response(e: MemplanError) -> Response:
+    if isinstance(e, StoredAnswer):
+        return Response(e.body, status_code=e.status_code, media_type="application/json",
+                        headers={"Retry-After": "5"} if e.status_code == 503 else None)
     if isinstance(e, LimitExceeded):
         return JSONResponse(error_body(str(e), "limit_exceeded", limit=e.limit, limit_value=e.limit_value),
                             status_code=422)
@@ -82,8 +109,14 @@ def memplan_error_response(e: MemplanError) -> JSONResponse:
     extra: dict[str, Any] = {}
     if isinstance(e, Infeasible):
         extra = {"budget_bytes": e.budget_bytes, "min_feasible_bytes": e.min_feasible_bytes}
-    headers = {"Retry-After": "5"} if isinstance(e, (Overloaded, WorkerLost)) else None
+    headers = {"Retry-After": "5"} if isinstance(e, (Overloaded, WorkerLost, StoreUnavailable)) else None
     return JSONResponse(error_body(str(e), code, **extra), status_code=status, headers=headers)
+
+
+def error_answer(e: MemplanError) -> tuple[int, bytes]:
+    """The HTTP status and body ``e`` is answered with (to store it for another replica, or a job)."""
+    response = memplan_error_response(e)
+    return response.status_code, bytes(response.body)
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -112,7 +145,7 @@ def install(app: FastAPI) -> None:
     """Register the handlers on ``app``."""
 
     @app.exception_handler(MemplanError)
-    async def _memplan(_: Request, e: MemplanError) -> JSONResponse:
+    async def _memplan(_: Request, e: MemplanError) -> Response:
         return memplan_error_response(e)
 
     @app.exception_handler(RequestValidationError)

@@ -369,7 +369,17 @@ class SolversResponse(_Out):
 
 
 class Health(_Out):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "degraded"] = Field(
+        default="ok", description="degraded: the plan store cannot be reached (store_error says why); requests "
+                                  "are still answered (solved), jobs get 503 with Retry-After")
+    store: str = Field(default="", description="the plan store: a SQLite file or a postgresql:// URL (without its password)")
+    store_error: str | None = None
+    skipped_rows: int = Field(default=0, description="cache rows found damaged or foreign, not served")
+    pending_writes: int = Field(default=0, description="store writes waiting for the database to come back")
+    solved: int = Field(default=0, description="plans this replica's workers solved")
+    bodies_read: int = Field(default=0, description="request bodies this replica's parse workers read")
+    jobs: int = Field(default=0, description="jobs this replica runs now")
+    replica: str = Field(default="", description="this server's name in the shared store")
     version: str
     pool: str
     workers: int

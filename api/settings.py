@@ -26,7 +26,10 @@ class Settings:
     """Every knob of the service, with the limit it enforces and the status a request over it gets."""
 
     cache_path: str = ":memory:"
-    """SQLite file of the plan cache; ``":memory:"`` keeps it for the life of the process only."""
+    """Where the plan cache lives: a SQLite file (``":memory:"`` keeps it for the life of the process
+    only), or a ``postgresql://user@host:port/dbname`` URL: a store several replicas share (they then
+    solve a request once, and answer each other's jobs). ``MEMPLAN_CACHE_URL`` sets it too. Any other
+    ``scheme://`` is refused."""
     workers: int = 2
     """Solves that run at once (worker processes or threads); more requests wait in a queue."""
     pool: Literal["process", "thread"] = "process"
@@ -62,6 +65,14 @@ class Settings:
     """Most (budget, solver) pairs one frontier request may ask for."""
     cache_max_bytes: int = 256 * 2**20
     """Size the plan cache file may reach; past it the least recently used plans are evicted. 0: no cap."""
+    lease_s: float = 10.0
+    """Shared store: a replica renews its lease on a solve or a job every third of this; one that stops
+    (killed, cut off) loses it this long after, and another replica takes the work over."""
+    job_ttl_s: float = 3600.0
+    """How long a finished job's answer stays readable at ``GET /v1/jobs/{id}`` (then 404)."""
+    store_timeout_s: float = 2.0
+    """Shared store: how long an operation waits for the database before the service goes on without it
+    (a cache read becomes a solve; ``/healthz`` says ``degraded``)."""
     token: str = ""
     """When set, every route but ``/healthz`` requires ``Authorization: Bearer <token>`` (401 without)."""
     allowed_hosts: str = ""
@@ -80,7 +91,7 @@ class Settings:
             if getattr(self, name) < 0:
                 raise MemplanError(f"settings: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_time_limit_s", "default_time_limit_s", "grace_s", "queue_timeout_s",
-                     "parse_timeout_s"):
+                     "parse_timeout_s", "lease_s", "job_ttl_s", "store_timeout_s"):
             if not getattr(self, name) > 0:
                 raise MemplanError(f"settings: {name} must be > 0 seconds, got {getattr(self, name)}")
 
@@ -89,6 +100,8 @@ class Settings:
         """Settings from ``MEMPLAN_<FIELD>`` variables (e.g. ``MEMPLAN_MAX_OPS=5000``), then ``overrides``."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        if env.get("MEMPLAN_CACHE_URL"):  # the name a database URL is looked for under
+            values["cache_path"] = env["MEMPLAN_CACHE_URL"]
         for f in fields(cls):
             raw = env.get(f"MEMPLAN_{f.name.upper()}")
             if raw is None:

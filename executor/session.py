@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from memplan.planner.core.plan import Plan
 from memplan.planner.core.simulator import simulate
 from memplan.planner.probe.device import cuda_available, device_of
 from memplan.planner.probe.materialize import materialize
-from memplan.planner.probe.measure import measure_step, step_peak
+from memplan.planner.probe.measure import PeakReading, measure_step, step_peak
 from memplan.planner.probe.storage import move_batch
 from memplan.planner.workloads import LossFn, default_optimizer, training_step
 
@@ -77,6 +77,7 @@ class RunReport:
     host_pool_bytes: int
     timeline: tuple[tuple[float, int], ...] = ()
     profile_peak_bytes: int | None = None
+    memory_snapshot: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_error(self) -> float:
@@ -107,6 +108,7 @@ class RunReport:
     def as_dict(self) -> dict[str, Any]:
         """The run report file (``memplan.run/1``); ``memplan show --run`` reads it."""
         d = asdict(self)
+        d.pop("memory_snapshot")  # its own file (``memplan run --snapshot``), not the report's
         d["timeline"] = [{"time_s": t, "bytes": b} for t, b in self.timeline]
         d["step_times_s"] = list(self.step_times_s)
         d["losses"] = list(self.losses)
@@ -138,7 +140,17 @@ def peak_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.op
     before the profiler started, so the gradients that forward fusion holds from the previous step (applied
     and freed during this step's forward) are re-allocated inside the window: their frees are then seen.
     """
-    reading, loss = step_peak(model, batch, loss_fn, optimizer, cpu_setup=lambda: _reallocate_held(executor))
+    reading, timeline, loss = measured_step(model, batch, loss_fn, optimizer, executor)
+    return reading.peak_bytes, reading.baseline_bytes, timeline, loss
+
+
+def measured_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+                  executor: Executor | None = None, *, snapshot: bool = False,
+                  ) -> tuple[PeakReading, list[tuple[float, int]], torch.Tensor]:
+    """:func:`peak_step`'s step: ``(reading, timeline, loss)``, the reading with the step's PyTorch memory
+    snapshot when ``snapshot`` (:func:`memplan.planner.probe.measure.peak_window`)."""
+    reading, loss = step_peak(model, batch, loss_fn, optimizer, cpu_setup=lambda: _reallocate_held(executor),
+                              snapshot=snapshot)
     start_ns = reading.reports[0][0] if reading.reports else 0
     reports = not device_of(model).has_allocator_counters  # CUDA's counters give no timeline
     timeline = [(0.0, reading.baseline_bytes)] if reports else []
@@ -146,7 +158,7 @@ def peak_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.op
     for t_ns, size in reading.reports:
         running += size
         timeline.append(((t_ns - start_ns) * 1e-9, reading.baseline_bytes + running))
-    return reading.peak_bytes, reading.baseline_bytes, _thin(timeline, MAX_TIMELINE_POINTS), loss
+    return reading, _thin(timeline, MAX_TIMELINE_POINTS), loss
 
 
 def _reallocate_held(executor: Executor | None) -> list[torch.Tensor]:
@@ -166,7 +178,8 @@ def _reallocate_held(executor: Executor | None) -> list[torch.Tensor]:
 
 def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
              plan: Plan, graph: Graph, *, steps: int = 5, warmup: int = 1, fuse: str | None = None,
-             max_grad_norm: float | None = None, keep_all: bool = True, name: str | None = None) -> RunReport:
+             max_grad_norm: float | None = None, keep_all: bool = True, name: str | None = None,
+             snapshot: bool = False) -> RunReport:
     """Train ``warmup + 1 + steps`` steps of ``model`` under ``plan`` and return predicted against measured.
 
     ``model``, ``batch`` and ``loss_fn`` as for the profiler; they are moved to the graph's device (a graph
@@ -175,7 +188,8 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
     defaults to AdamW (foreach), as profiled; it must be built over ``model``'s parameters. ``fuse`` (None, "backward", "forward") and ``max_grad_norm`` go to
     :func:`memplan.executor.apply`. With ``keep_all``, ``warmup + 1 + steps`` more steps are then run
     without the plan (:func:`memplan.planner.probe.measure.measure_step`) for the keep-everything figures.
-    The model is trained by all of these steps.
+    The model is trained by all of these steps. ``snapshot``: the measured step is also recorded as a
+    PyTorch memory snapshot (``report.memory_snapshot``; ``memplan run --snapshot`` writes it).
 
     Raises :class:`PlanMismatch` if the plan is for another graph or model (before any step runs), and
     :class:`MemplanError` for ``steps < 1``, ``warmup < 0`` or a CUDA graph without a GPU.
@@ -210,7 +224,8 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
         for _ in range(warmup + settle):
             losses.append(step())
         # the memory step: the allocator's view, as planner/probe/measure.py takes it
-        peak, baseline, timeline, loss = peak_step(model, batch, loss_fn, optimizer, ex)
+        reading, timeline, loss = measured_step(model, batch, loss_fn, optimizer, ex, snapshot=snapshot)
+        peak, baseline, memory_snapshot = reading.peak_bytes, reading.baseline_bytes, reading.snapshot
         losses.append(loss)
         replays = ex.last_step.replays if ex.last_step is not None else 0
         events = Counter("late" if e.reason.startswith("late") else e.kind
@@ -244,4 +259,5 @@ def run_plan(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.opt
         replays_per_step=replays, late_fetches_per_step=events.get("late", 0), host_pool_bytes=host_pool_bytes,
         timeline=tuple(timeline),
         profile_peak_bytes=graph.meta.get("profile_peak_bytes", graph.measured.peak_bytes),
+        memory_snapshot=memory_snapshot,
     )

@@ -188,3 +188,18 @@ def quick_timer(tmp_path_factory):
     from memplan.planner.probe.optime import OpTimer
 
     return OpTimer(torch.device("cpu"), cache_dir=tmp_path_factory.mktemp("optimes"), min_runs=1, target_s=0.0)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A running throwaway PostgreSQL server (tests/pgcluster.py): its ``url``, ``stop()`` and ``start()``;
+    skipped, saying so, where no server binaries are installed (``apt-get install postgresql``)."""
+    from pgcluster import Cluster, server_bin
+
+    bin_dir = server_bin()
+    if bin_dir is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) found: apt-get install postgresql")
+    cluster = Cluster(bin_dir)
+    cluster.start()
+    yield cluster
+    cluster.remove()

@@ -4,8 +4,9 @@ must be refused (``negative_data_rejection``) and schema-valid ones not refused 
 
 ``positive_data_acceptance`` also counts 422 as accepting: a request can be well formed and still be
 refused for what no JSON Schema expresses (a graph with a cycle or a dangling edge, a budget below the
-minimum, a plan made for another graph); those refusals are each tested in test_api.py. A longer run by
-hand is reported in docs/benchmarks.md.
+minimum, a plan made for another graph); those refusals are each tested in test_api.py. And 404: a
+well-formed job id that no job has (``GET /v1/jobs/{job_id}``, tested in test_cache_backends.py). A longer
+run by hand is reported in docs/benchmarks.md.
 """
 
 import pytest
@@ -21,7 +22,7 @@ from memplan.api.settings import Settings  # noqa: E402
 APP = create_app(Settings(pool="thread", workers=2, max_ops=200, max_time_limit_s=2.0, default_time_limit_s=0.5,
                           grace_s=60.0, max_body_bytes=512 * 1024, max_frontier_points=16))
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
-schema.config.checks.positive_data_acceptance.expected_statuses = ["2xx", "422"]
+schema.config.checks.positive_data_acceptance.expected_statuses = ["2xx", "404", "422"]
 
 
 @schema.parametrize()

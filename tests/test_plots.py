@@ -139,3 +139,39 @@ def test_run_report_forms():
     assert read_run_report({"measured": {"peak_bytes": 7}}).peak_bytes == 7
     run_ = read_run_report({"timeline": [{"start_s": 1, "allocated_bytes": 5}]})
     assert run_ == MeasuredRun(None, [(1.0, 5)])
+
+
+def _purple_pixels(path, rows=slice(None)):
+    """Pixels of the host axis's fill (#af7aa1 at alpha 0.7 on white)."""
+    pixels = imread(path)[rows, :, :3] * 255
+    return int(np.count_nonzero(np.all(np.abs(pixels - np.array([199, 162, 189])) < 14, axis=2)))
+
+
+def test_the_timeline_stacks_the_memory_by_what_holds_it(tmp_path):
+    from memplan.api.plots import _RoundBytes, stacked_series
+    from memplan.planner.core.memtrace import memory_trace
+    from memplan.planner.core.schedule import schedule
+    from memplan.solvers import solve
+
+    keep_all = simulate(CHAIN, None)
+    drawn = {}
+    for name, offload in (("recompute", False), ("offload", True)):
+        plan = solve(CHAIN, int(keep_all.peak_bytes * 0.7), "greedy", offload=offload).plan
+        sched = schedule(CHAIN, plan)
+        report = simulate(CHAIN, plan)
+        trace = memory_trace(CHAIN, sched, plan.actions())
+        times, series = stacked_series(trace)
+        totals = [sum(col) for col in zip(*series.values(), strict=True)]
+        assert len(times) == len(totals) and times == sorted(times)
+        assert max(totals) == report.peak_bytes  # the stack's top is the simulator's memory, its peak kept
+        held = {label for label, ys in series.items() if any(ys)}
+        assert {"batch", "gradients", "kept activations"} <= held  # the synthetic chain has no parameters
+        assert ("offloaded / fetched back" in held) == offload and ("replay transients" in held) == (not offload)
+        drawn[name] = timeline_png(tmp_path / f"{name}.png", report.timeline, budget_bytes=plan.budget_bytes,
+                                   trace=trace, keep_all=keep_all.timeline, measured=MeasuredRun(report.peak_bytes))
+        assert_drawn(drawn[name], 1200, 600)
+    bottom = slice(480, None)  # the host axis, drawn below only where the plan offloads
+    assert _purple_pixels(drawn["offload"], bottom) > 2000 and _purple_pixels(drawn["recompute"], bottom) == 0
+    # ticks at round sizes in binary units
+    assert _RoundBytes.step(100 * 2**20) == 20 * 2**20 and _RoundBytes.step(3 * 2**30) == 1000 * 2**20
+    assert _RoundBytes.step(1080) == 200 and _RoundBytes.step(13 * 2**30) == 2.5 * 2**30

@@ -7,7 +7,7 @@ anything else exits 1 with one line (set ``MEMPLAN_DEBUG=1`` for the traceback).
 Read from :mod:`.base` (the app, the consoles, errors to exit codes), :mod:`.options` (shared options and
 their parsing), :mod:`.files` and :mod:`.tables`, then one module per command group: :mod:`.graphs`
 (profile, simulate, schema), :mod:`.planning` (solve, frontier, solvers, plan), :mod:`.maxbatch`,
-:mod:`.run` (with :mod:`.ranks` for ``--nproc``), :mod:`.show`, :mod:`.serve`.
+:mod:`.run` (with :mod:`.ranks` for ``--nproc``), :mod:`.show`, :mod:`.serve`, :mod:`.remote` (submit, wait).
 """
 
 import warnings
@@ -17,7 +17,7 @@ from memplan.planner.core.errors import MemplanWarning
 # the command modules register their commands on the app when imported; the import is the registration,
 # and its order is the order of ``memplan --help``
 # isort: off
-from memplan.api.cli import graphs, planning, maxbatch, run, show, serve  # noqa: F401
+from memplan.api.cli import graphs, planning, maxbatch, run, show, serve, remote  # noqa: F401
 # isort: on
 from memplan.api.cli.base import app, err
 from memplan.api.cli.options import WORKLOAD_HELP

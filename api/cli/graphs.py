@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from memplan.api.cli.base import app, emit_json, guard, out
+from memplan.api.cli.base import app, emit_json, err, guard, out
 from memplan.api.cli.files import writable, writing
 from memplan.api.cli.options import (
     WORKLOAD_HELP,
@@ -17,6 +17,7 @@ from memplan.api.cli.options import (
     FuseOpt,
     JsonOpt,
     NprocOpt,
+    OwnCheckpointingOpt,
     SetOpt,
     SpecOpt,
     fuse_mode,
@@ -31,13 +32,32 @@ from memplan.planner.core.plan import Plan
 from memplan.planner.core.units import format_bytes
 
 
+def model_checkpointing(model: Any, choice: str) -> None:
+    """``--own-checkpointing``: for a model that checkpoints itself (planner/probe/checkpointing.py), ``off``
+    switches that off for good (the workload's model is this process's: ``run`` trains it so, under the
+    plan) and says so in one line; ``keep`` leaves it (the profile warns)."""
+    from memplan.planner.probe.checkpointing import switch_off
+
+    if choice not in ("off", "keep"):
+        raise MemplanError(f"--own-checkpointing {choice!r}: choose off or keep")
+    if choice == "off":
+        found = switch_off(model)
+        if found is not None:
+            err.print(f"warning: {found.line()}; switched off: memplan plans every activation itself "
+                      f"(--own-checkpointing keep plans over the model's checkpointed step)",
+                      markup=False, highlight=False, soft_wrap=True)
+
+
 def profile_workload(w: Any, *, fake: bool, device_spec: str | None, device: str | None = None,
-                      repeats: int = 3, json_out: bool = False, fuse: str | None = None) -> Graph:
+                      repeats: int = 3, json_out: bool = False, fuse: str | None = None,
+                      own_checkpointing: str = "off") -> Graph:
     """The graph of workload ``w``: a real profile, or a fake one (``--fake``, ``--device-spec``); a real one
-    also measures what fusing the optimizer into ``fuse`` costs (``Graph.fused_extra_s``)."""
+    also measures what fusing the optimizer into ``fuse`` costs (``Graph.fused_extra_s``).
+    ``own_checkpointing``: :func:`model_checkpointing`'s choice, taken before the profile."""
     from memplan.planner.core.devicespec import load_device_spec
     from memplan.planner.probe.profiler import profile as run_profile
 
+    model_checkpointing(w.model, own_checkpointing)
     spec = load_device_spec(device_spec) if device_spec else None
     return run_profile(w.model, w.batch, w.loss_fn, device=device, repeats=repeats, name=w.name,
                        progress=not json_out, fake=fake, device_spec=spec, fuse=fuse)
@@ -57,6 +77,7 @@ def profile(
     nproc: NprocOpt = 1,
     engine: EngineOpt = "ddp",
     fuse: FuseOpt = None,
+    own_checkpointing: OwnCheckpointingOpt = "off",
     json_out: JsonOpt = False,
 ) -> None:
     """Profile a training step of WORKLOAD (real, or under fake tensors) and write its graph. With --fake
@@ -74,7 +95,7 @@ def profile(
     writable(output)
     w = load_workload(workload, **workload_options(options))
     graph = profile_workload(w, fake=fake, device_spec=device_spec, device=device, repeats=repeats,
-                              json_out=json_out, fuse=fuse)
+                              json_out=json_out, fuse=fuse, own_checkpointing=own_checkpointing)
     with writing(output):
         graph.save(str(output))
     summary = {"graph": str(output), "name": graph.name, "ops": len(graph.ops), "tensors": len(graph.tensors),

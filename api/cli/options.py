@@ -72,6 +72,10 @@ StatesOpt = Annotated[bool | None, typer.Option(
 FakeOpt = Annotated[bool, typer.Option(
     "--fake", help="trace the step under fake tensors: no activation, gradient or optimizer state is "
                    "allocated; each op is timed alone on this device (cached) instead")]
+OwnCheckpointingOpt = Annotated[str, typer.Option(
+    "--own-checkpointing", metavar="off|keep",
+    help="a model that checkpoints itself (transformers' activation_checkpointing_enable): off (default) "
+         "switches that off so the plan covers every activation; keep plans over its checkpointed step")]
 SpecOpt = Annotated[str | None, typer.Option(
     "--device-spec", metavar="NAME|FILE", help="plan for another device: time the ops analytically from its "
                                                "spec (implies --fake): a100-80gb, h100-80gb, l4, rtx-4090 or a "

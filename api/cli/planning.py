@@ -21,6 +21,7 @@ from memplan.api.cli.options import (
     HostBudgetOpt,
     JsonOpt,
     NprocOpt,
+    OwnCheckpointingOpt,
     SetOpt,
     SpecOpt,
     StatesOpt,
@@ -253,6 +254,7 @@ def plan_workload(
     nproc: NprocOpt = 1,
     engine: EngineOpt = "ddp",
     fuse: FuseOpt = None,
+    own_checkpointing: OwnCheckpointingOpt = "off",
     json_out: JsonOpt = False,
 ) -> None:
     """Profile WORKLOAD, solve under BUDGET and write the graph and the plan. With --fake --nproc N, print
@@ -272,7 +274,8 @@ def plan_workload(
     host = parse_budget(host_budget) if host_budget else None
     writable(output, graph_output)
     w = load_workload(workload, **workload_options(options))
-    graph = profile_workload(w, fake=fake, device_spec=device_spec, json_out=json_out, fuse=fuse)
+    graph = profile_workload(w, fake=fake, device_spec=device_spec, json_out=json_out, fuse=fuse,
+                             own_checkpointing=own_checkpointing)
     with writing(graph_output):
         graph.save(str(graph_output))
     b = budget_bytes(budget, graph)

@@ -10,12 +10,13 @@ import typer
 
 from memplan.api.cli.base import app, emit_json, guard, out, working
 from memplan.api.cli.files import writable, writing
-from memplan.api.cli.graphs import profile_workload
+from memplan.api.cli.graphs import model_checkpointing, profile_workload
 from memplan.api.cli.options import (
     WORKLOAD_HELP,
     FakeOpt,
     HostBudgetOpt,
     JsonOpt,
+    OwnCheckpointingOpt,
     SetOpt,
     StatesOpt,
     budget_bytes,
@@ -51,6 +52,10 @@ def run_workload(
     save_graph: Annotated[Path | None, typer.Option(help="write the profiled graph here")] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="run report (JSON) to write; "
                                                                        "memplan show --run reads it")] = None,
+    snapshot: Annotated[Path | None, typer.Option(
+        "--snapshot", help="record the measured step as a PyTorch memory snapshot (pickle) for "
+                           "pytorch.org/memory_viz: on CUDA PyTorch's own record, on a CPU from the allocator's "
+                           "reports; memplan show --snapshot writes the predicted one")] = None,
     keep_all: Annotated[bool | None, typer.Option("--keep-all/--no-keep-all",
                                                   help="also measure the step without the plan (default: "
                                                        "yes, but not with --fake)")] = None,
@@ -62,6 +67,7 @@ def run_workload(
                                              "(FSDP2 fully_shard per block)")] = "ddp",
     options: SetOpt = None,
     fake: FakeOpt = False,
+    own_checkpointing: OwnCheckpointingOpt = "off",
     json_out: JsonOpt = False,
 ) -> None:
     """Profile WORKLOAD, solve under BUDGET, train STEPS steps under the plan, and print predicted
@@ -72,6 +78,8 @@ def run_workload(
         keep_all = not fake
     if nproc < 1:
         raise MemplanError(f"--nproc {nproc}: need at least 1 rank")
+    if nproc > 1 and fake and snapshot is not None:
+        raise MemplanError(f"--snapshot records a trained step; memplan run --fake --nproc {nproc} trains none")
     if nproc > 1 and fake:  # every rank's plan in this process, nothing trained
         ranks_fake(workload, nproc=nproc, engine=engine, budget=budget, solver=solver, time_limit=time_limit,
                     options=options, json_out=json_out)
@@ -82,6 +90,7 @@ def run_workload(
                          unsupported={"--offload": offload, "--plan": plan_file is not None,
                                       "--graph": graph_file is not None, "--save-plan": save_plan is not None,
                                       "--save-graph": save_graph is not None, "-o/--output": output is not None,
+                                      "--snapshot": snapshot is not None,
                                       "--device": device is not None})
         return
     from memplan.executor.session import run_plan
@@ -94,7 +103,7 @@ def run_workload(
         raise MemplanError("--graph is the graph of a --plan: give --plan too (without --plan, run profiles)")
     if plan_file is None:
         check_budget(budget)  # before profiling: a typo is not found a minute later
-    writable(save_plan, save_graph, output)
+    writable(save_plan, save_graph, output, snapshot)
     w = load_workload(workload, **workload_options(options))
     if plan_file is not None:
         graph_file = graph_file or plan_file.with_name("graph.json")
@@ -104,8 +113,10 @@ def run_workload(
         graph = Graph.load(str(graph_file))
         plan = Plan.load(str(plan_file))
         plan.check_against(graph)
+        model_checkpointing(w.model, own_checkpointing)  # as memplan plan profiled it
     else:
-        graph = profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out, fuse=fuse)
+        graph = profile_workload(w, fake=fake, device_spec=None, device=device, json_out=json_out, fuse=fuse,
+                                 own_checkpointing=own_checkpointing)
         b = budget_bytes(budget, graph)
         with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
             plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse,
@@ -120,15 +131,25 @@ def run_workload(
     with working(f"training {warmup + 1 + steps} steps under the plan"
                   + (" and as many keeping everything" if keep_all else ""), quiet=json_out):
         report = run_plan(w.model, w.batch, w.loss_fn, None, plan, graph, steps=steps, warmup=warmup, fuse=fuse,
-                          keep_all=keep_all, name=w.name)
+                          keep_all=keep_all, name=w.name, snapshot=snapshot is not None)
     doc = report.as_dict()
+    written = None
+    if snapshot is not None:
+        from memplan.planner.core.snapshot import write_snapshot
+
+        with writing(snapshot):
+            written = write_snapshot(snapshot, report.memory_snapshot)
+        doc_snapshot = {"path": written.path, "allocations": written.allocations, "merged": written.merged}
     if output is not None:
         with writing(output):
             output.write_text(json.dumps(doc, indent=1) + "\n")
     if json_out:
-        emit_json({k: v for k, v in doc.items() if k != "timeline"} | ({"report": str(output)} if output else {}))
+        emit_json({k: v for k, v in doc.items() if k != "timeline"} | ({"report": str(output)} if output else {})
+                  | ({"snapshot": doc_snapshot} if written else {}))
         return
     print_run(report)
+    if written is not None:
+        out.print(f"wrote [bold]{written.line()}[/bold]", soft_wrap=True, highlight=False)
     written = [str(p) for p in (output, save_plan, save_graph) if p is not None]
     if written:
         out.print(f"wrote [bold]{', '.join(written)}[/bold]", soft_wrap=True)

@@ -29,26 +29,41 @@ def show(
     run_file: Annotated[Path | None, typer.Option("--run", help="a run report with a measured peak / timeline")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="PNG of the memory timeline to write")] = Path("timeline.png"),
     top: Annotated[int, typer.Option(min=0, help="largest non-kept activations to list")] = 10,
+    snapshot: Annotated[Path | None, typer.Option(
+        "--snapshot", help="also write the predicted step as a PyTorch memory snapshot (pickle): open it at "
+                           "pytorch.org/memory_viz or with python -m torch.cuda._memory_viz trace_plot")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Summarise a plan (what it keeps, recomputes, offloads; predicted peak and time) and plot its
-    memory timeline, against the measured one when a run report is given."""
+    memory timeline by what holds the memory, against keeping everything and the measured run when a run
+    report is given; optionally write the predicted step as a PyTorch memory snapshot."""
     from memplan.api.plots import load_run_report, timeline_png
-    from memplan.planner.core.simulator import simulate as run_sim
+    from memplan.planner.core.memtrace import memory_trace
+    from memplan.planner.core.schedule import schedule
+    from memplan.planner.core.simulator import score
+    from memplan.planner.core.snapshot import predicted_snapshot, write_snapshot
     from memplan.solvers import keep_all_report
 
-    writable(output)
+    writable(output, snapshot)
     graph = Graph.load(str(graph_file))
     plan = Plan.load(str(plan_file))
-    report = run_sim(graph, plan)  # checks the plan against the graph (fingerprint, tensor ids)
+    sched = schedule(graph, plan)  # checks the plan against the graph (fingerprint, tensor ids)
+    report = score(graph, sched)
+    trace = memory_trace(graph, sched, plan.actions())
     base = keep_all_report(graph)
+    keep_all = score(graph, schedule(graph, None))
     measured = load_run_report(run_file) if run_file else None
     if measured and measured.graph_fingerprint and measured.graph_fingerprint != graph.fingerprint:
         raise PlanMismatch(f"run report {run_file} is of graph {measured.graph_fingerprint}, not of "
                            f"{graph_file} ({graph.fingerprint}); give the run of this graph")
     with writing(output):
         timeline_png(output, report.timeline, budget_bytes=plan.budget_bytes, measured=measured,
-                     title=f"{graph.name}: {plan.solver.name} plan ({plan.solver.status})")
+                     title=f"{graph.name}: {plan.solver.name} plan ({plan.solver.status})", trace=trace,
+                     keep_all=keep_all.timeline)
+    written = None
+    if snapshot is not None:
+        with writing(snapshot):
+            written = write_snapshot(snapshot, predicted_snapshot(graph, trace))
     tensors = graph.tensors
     by_action: dict[str, dict[str, int]] = {}
     for d in plan.decisions:
@@ -69,6 +84,9 @@ def show(
         "measured_peak_bytes": measured.peak_bytes if measured else None,
         "measured_step_s": measured.step_time_s if measured else None,
         "timeline_png": str(output),
+        "snapshot": None if written is None else {"path": written.path, "allocations": written.allocations,
+                                                  "peak_bytes": written.peak_bytes, "merged": written.merged,
+                                                  "merged_max_bytes": written.merged_max_bytes},
         "largest_moved": [{"tensor": d.tensor, "action": d.action.value, "bytes": tensors[d.tensor].bytes,
                            "producer": graph.ops[tensors[d.tensor].producer].name,
                            "module": graph.ops[tensors[d.tensor].producer].module} for d in moved[:top]],
@@ -104,3 +122,5 @@ def show(
             t.add_row(str(r["tensor"]), r["action"], format_bytes(r["bytes"]), r["producer"], r["module"])
         out.print(t)
     out.print(f"wrote [bold]{output}[/bold]", soft_wrap=True)
+    if written is not None:
+        out.print(f"wrote [bold]{written.line()}[/bold]", soft_wrap=True, highlight=False)

@@ -9,6 +9,8 @@ optimizer in their framework and call :class:`StepPlanner`.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.core.units import format_bytes, parse_budget
+from memplan.planner.probe.checkpointing import OwnCheckpointing, checkpointing_off, own_checkpointing
 from memplan.planner.probe.family import profile_family, twin_optimizer
 from memplan.planner.probe.measure import PeakReading, peak_window
 from memplan.planner.probe.profiler import profile
@@ -27,6 +30,8 @@ from memplan.planner.workloads import LossFn
 from memplan.solvers import activation_bytes, keep_all_report, solve
 
 FUSE_CHOICES = (None, "backward", "forward")
+OWN_CHECKPOINTING = ("off", "keep")
+log = logging.getLogger("memplan")
 
 
 @dataclass(frozen=True)
@@ -123,11 +128,27 @@ class StepPlanner:
     up to this: the plan is made for a shape family over ``seq`` (:func:`sequence_family`), so every
     step up to that length runs under it; without it, steps longer than the first batch are refused. A budget string that cannot be read and an unknown ``fuse`` raise
     :class:`MemplanError` here, before training starts.
+
+    ``own_checkpointing``: what to do with the model's own activation checkpointing
+    (:mod:`memplan.planner.probe.checkpointing`: transformers' ``activation_checkpointing_enable`` /
+    ``gradient_checkpointing_enable``, ``offload=True`` included), said in one warning line when found.
+    ``"off"`` (the default) switches it off for the profile and the training under the plan, and back on at
+    :meth:`remove`: memplan then plans every activation (a layer it recomputes is one the plan chose; it may
+    keep more where the budget allows, or offload with prefetch), and ``"100%"`` keeps everything. The
+    profile then runs one step without the model's checkpointing: where that step does not fit the device,
+    ``"keep"`` plans over the model's own checkpointed step instead (its percentages are of what that step
+    saves: the layers' inputs; a plan can keep no more).
     """
 
     def __init__(self, budget: str | int = "50%", solver: str = "auto", fuse: str | None = None, *,
                  time_limit_s: float = 60.0, offload: bool = False, repeats: int = 2,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, own_checkpointing: str = "off"):
+        if own_checkpointing not in OWN_CHECKPOINTING:
+            raise MemplanError(f"own_checkpointing must be 'off' (plan every activation) or 'keep' (plan over the "
+                               f"model's checkpointed step); got {own_checkpointing!r}")
+        self.own_checkpointing = own_checkpointing
+        self.checkpointing: OwnCheckpointing | None = None  # the model's own, once found
+        self._checkpointing_off = contextlib.ExitStack()
         if fuse not in FUSE_CHOICES:
             raise MemplanError(f"fuse must be one of None, 'backward', 'forward'; got {fuse!r}")
         if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 4):
@@ -159,7 +180,23 @@ class StepPlanner:
         is trained."""
         device = next(model.parameters()).device
         name = type(model).__name__
+        found = self.checkpointing = own_checkpointing(model)
+        if found is not None and self.own_checkpointing == "off":  # back on at remove()
+            self._checkpointing_off.enter_context(checkpointing_off(model))
+            log.warning("memplan: %s; switched off: memplan plans every activation itself "
+                        "(own_checkpointing='keep' plans over the model's checkpointed step)", found.line())
+        elif found is not None:
+            log.warning("memplan: %s; kept (own_checkpointing='keep'): the plan is over that step, and a "
+                        "percentage budget is of what it saves", found.line())
         # the profile puts the model, gradients and random streams back; the twin leaves ``optimizer`` untouched
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*checkpoints .* itself.*")  # said above, once
+            graph = self._profile(model, batch, loss_fn, optimizer, device, name)
+        return self._solve_and_apply(model, graph, optimizer, accumulation_steps=accumulation_steps,
+                                     max_grad_norm=max_grad_norm, gradients_held=gradients_held)
+
+    def _profile(self, model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+                 device: torch.device, name: str) -> Graph:
         if self.max_seq_len is None:
             graph = profile(model, batch, loss_fn, optimizer=twin_optimizer(optimizer), warmup=1,
                             repeats=self.repeats, device=device, progress=False, measure=False, name=name)
@@ -167,6 +204,10 @@ class StepPlanner:
             graph = profile_family(model, sequence_family(batch, self.max_seq_len), loss_fn,
                                    optimizer=twin_optimizer(optimizer), repeats=self.repeats, device=device,
                                    progress=False, measure=False, name=name)
+        return graph
+
+    def _solve_and_apply(self, model: nn.Module, graph: Graph, optimizer: torch.optim.Optimizer, *,
+                         accumulation_steps: int, max_grad_norm: float | None, gradients_held: bool) -> Executor:
         # The profiled step starts without gradients. A later micro-batch starts with those the earlier
         # ones accumulated (and a loop that zeroes them after the forward, with the last step's), and they
         # stay into backward: the step's peak is at most the plan's plus them, so the plan is solved for
@@ -226,6 +267,7 @@ class StepPlanner:
         if self.executor is not None:
             self.executor.remove()
             self.executor = None
+        self._checkpointing_off.close()  # the model's own checkpointing, as it was
 
 
 class PlannedCallback:

@@ -36,6 +36,12 @@ scheduler would run on gradients the executor still holds). A model whose output
 ``compute_loss_func`` or an overridden ``compute_loss``) is refused in one line: the loss must be part of
 the profiled step.
 
+**The model's own checkpointing.** A model whose checkpointing is on (``activation_checkpointing_enable``,
+``gradient_checkpointing_enable``, ``TrainingArguments(activation_checkpointing=True)``, ``offload=True``
+or not) is said so in one warning line; by default the callback switches it off for the profile and the
+training under the plan and back on at the end, so that memplan plans every activation
+(``own_checkpointing="keep"`` plans over the checkpointed step instead).
+
 Requires the ``hf`` extra (``pip install memplan[hf]``: transformers, accelerate).
 """
 
@@ -83,7 +89,11 @@ class MemplanCallback(PlannedCallback, TrainerCallback):
     and ``offload`` as for ``memplan solve``; ``max_seq_len``: with dynamic padding, the longest sequence a
     batch may have (the plan then covers a shape family over the sequence length, see
     :func:`memplan.api.integrations.common.sequence_family`; without it a batch longer than the first is
-    refused in one line). A budget below what any plan reaches raises
+    refused in one line); ``own_checkpointing``: ``"off"`` (the default) or ``"keep"``, what to do with the
+    model's own activation checkpointing (``activation_checkpointing_enable`` in transformers 5.24 on,
+    ``gradient_checkpointing_enable`` before, or ``TrainingArguments(activation_checkpointing=True)``,
+    ``offload=True`` included; :class:`memplan.api.integrations.common.StepPlanner` says why off is the
+    default). A budget below what any plan reaches raises
     :class:`memplan.planner.core.errors.Infeasible` (the line ``memplan solve`` prints, naming the minimum
     feasible budget) in the first forward, before any parameter is updated.
 
@@ -94,12 +104,13 @@ class MemplanCallback(PlannedCallback, TrainerCallback):
     """
 
     def __init__(self, budget: str | int = "50%", solver: str = "auto", fuse: str | None = None, *,
-                 time_limit_s: float = 60.0, offload: bool = False, max_seq_len: int | None = None):
+                 time_limit_s: float = 60.0, offload: bool = False, max_seq_len: int | None = None,
+                 own_checkpointing: str = "off"):
         if fuse == "forward":
             raise MemplanError("MemplanCallback takes fuse=None or 'backward': with forward fusion the Trainer "
                                "would clip and schedule gradients the executor still holds")
         self.planner = StepPlanner(budget, solver, fuse, time_limit_s=time_limit_s, offload=offload,
-                                   max_seq_len=max_seq_len)
+                                   max_seq_len=max_seq_len, own_checkpointing=own_checkpointing)
         self.measured_peak_bytes: int | None = None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None

@@ -88,18 +88,21 @@ class MemplanCallback(PlannedCallback, pl.Callback):
 
     ``budget``: bytes or a string (``"6GiB"``, ``"50%"`` of the activation memory); ``solver``: a memplan
     solver or ``"auto"``; ``fuse``: None or ``"backward"`` (refused with ``gradient_clip_val``);
-    ``max_seq_len``: batches vary in sequence length up to this (a shape family over ``seq``). A budget
-    below what any plan reaches raises :class:`memplan.planner.core.errors.Infeasible` (the line ``memplan
+    ``max_seq_len``: batches vary in sequence length up to this (a shape family over ``seq``);
+    ``own_checkpointing``: ``"off"`` (the default: switched off under the plan, back on after) or ``"keep"``,
+    for a module whose model checkpoints itself (transformers' ``activation_checkpointing_enable``; see
+    :class:`memplan.api.integrations.common.StepPlanner`). A budget below what any plan reaches raises :class:`memplan.planner.core.errors.Infeasible` (the line ``memplan
     solve`` prints) at the first batch, before any parameter is updated.
     """
 
     def __init__(self, budget: str | int = "50%", solver: str = "auto", fuse: str | None = None, *,
-                 time_limit_s: float = 60.0, offload: bool = False, max_seq_len: int | None = None):
+                 time_limit_s: float = 60.0, offload: bool = False, max_seq_len: int | None = None,
+                 own_checkpointing: str = "off"):
         if fuse == "forward":
             raise MemplanError("MemplanCallback takes fuse=None or 'backward' under Lightning: its clipping and "
                                "schedulers would act on gradients forward fusion still holds")
         self.planner = StepPlanner(budget, solver, fuse, time_limit_s=time_limit_s, offload=offload,
-                                   max_seq_len=max_seq_len)
+                                   max_seq_len=max_seq_len, own_checkpointing=own_checkpointing)
         self.measured_peak_bytes: int | None = None
         self.wrapper: StepModule | None = None
         self._measuring = False

@@ -16,28 +16,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 
-from memplan.api.errors import LimitExceeded
-from memplan.api.schemas import ReadRequest, read_request
+from memplan.api.schemas import ReadRequest
 from memplan.api.service import Service, get_service
 
 M = TypeVar("M", bound=BaseModel)
 
 
 async def read_body(service: Service, model: type[M], body: bytes) -> ReadRequest[M]:
-    """``body`` read as ``model`` by a parse worker; raises ``RequestValidationError`` (answered 422 like
-    FastAPI's own) or :class:`LimitExceeded`."""
-    kind, value = await service.parsers.run(
-        read_request, model, body, service.settings, keep_graph=service.settings.pool == "thread",
-        timeout_s=service.settings.parse_timeout_s)
-    if kind == "invalid":
-        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in value])
-    if kind == "limit":
-        message, limit, limit_value = value
-        raise LimitExceeded(message, limit=limit, limit_value=limit_value)
-    return value
+    """``body`` read as ``model`` by a parse worker (:meth:`Service.read_body`); raises
+    ``RequestValidationError`` (answered 422 like FastAPI's own) or :class:`LimitExceeded`."""
+    return await service.read_body(model, body)
 
 
 def json_body(model: type[M]) -> Callable[[Request], Awaitable[ReadRequest[M]]]:

@@ -1,4 +1,4 @@
-"""GET /healthz: answers at once, even while every worker is solving."""
+"""GET /healthz: answers at once, even while every worker is solving; ``degraded`` while the plan store is away."""
 
 from fastapi import APIRouter
 
@@ -12,4 +12,4 @@ router = APIRouter(tags=["health"])
 async def healthz(service: ServiceDep) -> Health:
     pool = service.pool
     return Health(version=service.version, pool=pool.kind, workers=pool.workers, busy=pool.busy,
-                  ready=pool.ready, queued=pool.queued)
+                  ready=pool.ready, queued=pool.queued, **service.health())

@@ -249,6 +249,14 @@ class Device:
     def reset_peak(self) -> None:
         raise MemplanError(f"{self}: no allocator counters; read the allocator's reports")
 
+    @contextlib.contextmanager
+    def memory_history(self) -> Iterator[Callable[[], dict]]:
+        """The allocator's own record of every allocation and free over the block (CUDA's
+        ``_record_memory_history``); yields a function returning its memory snapshot
+        (``torch.cuda.memory._snapshot()``). None here: build one from the allocator's reports."""
+        raise MemplanError(f"{self}: its allocator keeps no history; read the allocator's reports")
+        yield  # pragma: no cover
+
     # ---- execution -------------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for the device's queued work (CUDA kernels are asynchronous)."""
@@ -328,6 +336,14 @@ class CudaDevice(Device):
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    @contextlib.contextmanager
+    def memory_history(self) -> Iterator[Callable[[], dict]]:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, clear_history=True, device=self.torch_device)
+        try:
+            yield torch.cuda.memory._snapshot
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None, device=self.torch_device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

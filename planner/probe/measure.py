@@ -35,10 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.snapshot import Report as SnapshotReport
+from memplan.planner.core.snapshot import Storage, measured_snapshot
 from memplan.planner.probe.device import Device, device_of, is_host_buffer
 from memplan.planner.probe.fusion import fused_training
-from memplan.planner.probe.storage import tensors_in, unique_bytes
+from memplan.planner.probe.storage import storage_of, tensors_in, unique_bytes
 from memplan.planner.workloads import STEP_PHASES, LossFn, default_optimizer, training_step
 
 
@@ -136,7 +139,8 @@ def allocator_events() -> Iterator[Any]:
 class AllocatorReport:
     """One report of an allocator inside an :func:`allocator_events` block: ``bytes`` positive for an
     allocation, negative for a free; ``scope``: the ``memplan:*`` range around it (None: none);
-    ``collective_end_ns``: the end of the innermost ``c10d::`` range around it (None: none)."""
+    ``collective_end_ns``: the end of the innermost ``c10d::`` range around it (None: none); ``ops``: the
+    names of the events around it, innermost first (filled by ``allocator_walk(prof, ops=True)``)."""
 
     time_ns: int
     bytes: int
@@ -144,6 +148,7 @@ class AllocatorReport:
     device_type: str
     scope: str | None
     collective_end_ns: int | None
+    ops: tuple[str, ...] = ()
 
 
 @dataclass
@@ -156,13 +161,16 @@ class AllocatorWalk:
     ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def allocator_walk(prof: Any) -> AllocatorWalk:
+def allocator_walk(prof: Any, *, ops: bool = False) -> AllocatorWalk:
     """The one walk of a finished :func:`allocator_events` profiler's event tree. ``memplan:*`` ranges do
     not nest (the profiler's and the measurement's ranges are opened with every mode off): a report's
-    scope is the outermost one around it."""
+    scope is the outermost one around it. ``ops``: also record each report's enclosing events' names
+    (:attr:`AllocatorReport.ops`: what a memory snapshot's frames show)."""
     from torch._C._profiler import _EventType
 
     walk = AllocatorWalk()
+    if ops:
+        return _walk_with_ops(prof, walk, _EventType.Allocation)
     stack = [(e, None, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         e, scope, c10d_end = stack.pop()
@@ -176,6 +184,25 @@ def allocator_walk(prof: Any) -> AllocatorWalk:
         if e.name.startswith("c10d::"):
             c10d_end = e.end_time_ns
         stack.extend((c, scope, c10d_end) for c in e.children)
+    return walk
+
+
+def _walk_with_ops(prof: Any, walk: AllocatorWalk, allocation: Any) -> AllocatorWalk:
+    """:func:`allocator_walk` that also names each report's enclosing events (innermost first)."""
+    stack = [(e, None, None, ()) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        e, scope, c10d_end, names = stack.pop()
+        if e.tag == allocation:
+            walk.reports.append(AllocatorReport(e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr,
+                                                e.extra_fields.device.type, scope, c10d_end, names))
+            continue
+        if scope is None and e.name.startswith("memplan:"):
+            walk.ranges.setdefault(e.name, (e.start_time_ns, e.end_time_ns))
+            scope = e.name
+        if e.name.startswith("c10d::"):
+            c10d_end = e.end_time_ns
+        inner = (e.name, *names)
+        stack.extend((c, scope, c10d_end, inner) for c in e.children)
     return walk
 
 
@@ -230,15 +257,44 @@ class PeakReading:
     baseline_bytes: int = 0
     peak_bytes: int = 0
     reports: list[tuple[int, int]] = field(default_factory=list)
+    snapshot: dict[str, Any] | None = None  # with ``peak_window(..., snapshot=True)``: the step's memory snapshot
+
+
+def start_storages(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer,
+                   device: Device | None = None) -> list[Storage]:
+    """The distinct storages a step starts with, as :func:`live_storage_bytes` counts them, each with what
+    it is (parameter, gradient, buffer, input, optimizer state) and its name where it has one."""
+    named = [(t, "parameter", n) for n, t in model.named_parameters()]
+    named += [(t.grad, "gradient", f"{n}.grad") for n, t in model.named_parameters() if t.grad is not None]
+    named += [(t, "buffer", n) for n, t in model.named_buffers()]
+    named += [(t, "input", "the batch") for t in tensors_in(batch)]
+    for state in optimizer.state.values():
+        named += [(t, "optimizer state", "the optimizer's state") for t in tensors_in(state)]
+    seen: set[int] = set()
+    out = []
+    for t, category, name in named:
+        s = storage_of(t)
+        if s is None or s._cdata in seen or is_host_buffer(t):  # a host pool's state is not the device's
+            continue
+        seen.add(s._cdata)
+        nbytes = round_allocation(s.nbytes(), device.type if device is not None else t.device.type)
+        out.append(Storage(s.data_ptr(), nbytes, category, f"{category}: {name} ({t.dtype}, {list(t.shape)})"))
+    return out
 
 
 @contextlib.contextmanager
-def peak_window(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> Iterator[PeakReading]:
+def peak_window(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer, *,
+                snapshot: bool = False) -> Iterator[PeakReading]:
     """The allocator's peak over the block, on the device of ``model``'s parameters: CUDA's
     ``max_memory_allocated`` after a reset (baseline: ``memory_allocated``); on CPU (and emulated CUDA) the
     allocator's reports, charged as the device charges them, on top of :func:`live_storage_bytes` of
     ``model``, ``batch`` and ``optimizer`` and the device's untracked bytes. The CPU allocator reports no
-    free of a block allocated before the window: what the block frees must be allocated in it."""
+    free of a block allocated before the window: what the block frees must be allocated in it.
+
+    ``snapshot``: also record the block as a PyTorch memory snapshot (``reading.snapshot``): on CUDA
+    PyTorch's own (``torch.cuda.memory._record_memory_history`` over the block, then ``_snapshot()``); on
+    a CPU from the allocator's reports (:func:`memplan.planner.core.snapshot.measured_snapshot`), the
+    storages live when it opened allocated first."""
     layer = device_of(model)
     # garbage from before the window (objects in reference cycles: an earlier executor, its model and
     # optimizer) freed by a collection inside it would read as this block's frees, below its true peak (a
@@ -247,28 +303,42 @@ def peak_window(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) 
     if layer.has_allocator_counters:
         layer.synchronize()  # earlier kernels' memory is settled before the reset
         reading = PeakReading(baseline_bytes=layer.memory_allocated())
-        layer.reset_peak()
-        yield reading
-        layer.synchronize()  # the block's kernels are asynchronous
-        reading.peak_bytes = layer.max_memory_allocated()
+        with layer.memory_history() if snapshot else contextlib.nullcontext() as taken:
+            layer.reset_peak()
+            yield reading
+            layer.synchronize()  # the block's kernels are asynchronous
+            reading.peak_bytes = layer.max_memory_allocated()
+            if taken is not None:
+                reading.snapshot = taken()
         return
     reading = PeakReading(baseline_bytes=live_storage_bytes(model, batch, optimizer, layer)
                           + layer.untracked_bytes())
+    storages = start_storages(model, batch, optimizer, layer) if snapshot else []
     with allocator_events() as prof:
         yield reading
-    reading.reports = cpu_allocations(prof, layer.charged_bytes if layer.emulated else None)
+    charge = layer.charged_bytes if layer.emulated else None
+    if snapshot:
+        walk = allocator_walk(prof, ops=True)
+        cpu = sorted((r for r in walk.reports if r.device_type == "cpu"), key=lambda r: r.time_ns)
+        reading.reports = [(r.time_ns, _charged(r.bytes, charge)) for r in cpu]
+        reading.snapshot = measured_snapshot(
+            storages, [SnapshotReport(r.time_ns, _charged(r.bytes, charge), r.address, r.ops) for r in cpu],
+            name=type(model).__name__)
+    else:
+        reading.reports = cpu_allocations(prof, charge)
     reading.peak_bytes = reading.baseline_bytes + max_prefix([size for _, size in reading.reports])
 
 
 def step_peak(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, *,
-              cpu_setup: Callable[[], Any] | None = None) -> tuple[PeakReading, torch.Tensor]:
+              cpu_setup: Callable[[], Any] | None = None, snapshot: bool = False) -> tuple[PeakReading, torch.Tensor]:
     """One :func:`memplan.planner.workloads.training_step` inside a :func:`peak_window` (the gradients
     released first, outside it); returns the reading and the step's loss (detached). ``cpu_setup`` runs
     first inside a CPU window; what it returns is held until the window has closed (the executor's
-    re-allocation of held gradients, so that their frees are reported)."""
+    re-allocation of held gradients, so that their frees are reported). ``snapshot``: as for
+    :func:`peak_window`."""
     optimizer.zero_grad(set_to_none=True)
     reads_reports = not device_of(model).has_allocator_counters
-    with peak_window(model, batch, optimizer) as reading:
+    with peak_window(model, batch, optimizer, snapshot=snapshot) as reading:
         held = cpu_setup() if cpu_setup is not None and reads_reports else None
         loss = training_step(model, batch, loss_fn, optimizer)
     del held  # freed outside the window: neither in the baseline nor in the reports

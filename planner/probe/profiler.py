@@ -73,6 +73,7 @@ from memplan.planner.core.errors import MemplanError, MemplanWarning, WorkloadEr
 from memplan.planner.core.graph import FUSE_MODES, FixedMemory, Graph, Measured
 from memplan.planner.core.schedule import overlapped_s
 from memplan.planner.probe import hostheap
+from memplan.planner.probe.checkpointing import own_checkpointing
 from memplan.planner.probe.device import (
     Device,
     current_gpus,
@@ -162,6 +163,12 @@ def profile(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     with restored(model, optimizer) if restore else contextlib.nullcontext():
         graph = _profile_real(model, example_batch, loss_fn, layer, optimizer=optimizer, warmup=warmup,
                               repeats=repeats, progress=progress, measure=measure, name=name, modes=modes)
+    own = own_checkpointing(model)
+    if own is not None:  # planner/probe/checkpointing.py
+        graph.meta["own_checkpointing"] = own.line()
+        warnings.warn(f"{own.line()}: the graph saves only what that checkpointing keeps, so a plan can keep no "
+                      f"more ('100%' still recomputes them); call model.{own.switch}() before profiling to let "
+                      f"memplan plan every activation", MemplanWarning, stacklevel=2)
     branches = graph.meta.get("draw_branches")
     if branches:  # planner/probe/draws.py
         warnings.warn(f"{', '.join(branches[:3])}{' ...' if len(branches) > 3 else ''} branched on a random draw "
