@@ -1,0 +1,444 @@
+"""torch.compile under a budget in bytes on the compiled step's measured peak.
+
+``compile_with_budget(model, batch, loss_fn, budget_bytes)`` returns a compiled module (``module(batch)``
+is the loss) whose training step (forward, backward, ``optimizer.step()``) was measured within the budget.
+
+How: torch's min-cut partitioner, given ``activation_memory_budget`` strictly between 0 and 1, hands a
+0-1 knapsack to ``torch._functorch.config.activation_memory_budget_solver``: which of its candidate
+nodes (forward values it would otherwise ban from recomputation) to save and which to let its min-cut
+recompute. :class:`MemplanKnapsack` is that solver (a ``torch._inductor.custom_graph_pass.
+CustomKnapsackSolver``): it turns the joint graph's forward into a memplan :class:`Graph`
+(:func:`graph_from_joint`: ops, storages, what backward reads, each op timed by memplan's op timer), and
+asks memplan's :func:`~memplan.solvers.solve` for the fastest keep / recompute plan under a budget in
+bytes; the candidates the plan keeps are saved, the others recomputed. The budget handed to the solver is
+the user's less an offset the simulator of that graph does not see (optimizer state, gradients, inductor's
+buffers: the measured peak less the simulated one), measured: each attempt compiles, measures the step's
+peak with the allocator (:func:`memplan.planner.probe.measure.measure_step`) and, while it is over the
+budget, lowers the solver's budget by the overshoot and compiles again.
+
+What the partitioner lets it decide, and what not: only saved-or-recomputed among the candidates (the
+min-cut then places the cut; what it saves besides them, and the backward's order, are its own); one
+budget per compiled graph (a graph break would split the step into graphs that each get the whole budget:
+refused, the model is compiled with ``fullgraph=True``); no offload (compile offloads only tagged nodes).
+The measured peak is not monotonic in what is saved (recomputing every candidate can peak above saving
+them all), so a budget is met by measurement, never by the prediction alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
+from memplan.planner.core.plan import Action
+from memplan.planner.core.simulator import simulate
+from memplan.planner.core.units import format_bytes
+from memplan.planner.probe.measure import measure_step
+from memplan.planner.probe.optime import OpTimer, record_call
+from memplan.planner.workloads import LossFn, compute_loss, default_optimizer, refuse_compiled
+from memplan.solvers import solve
+
+#: the fraction handed to the partitioner: above 0 (0 saves only the inputs and never asks the knapsack)
+#: and below every saving its more aggressive min-cuts reach, so that the knapsack is always asked
+KNAPSACK_FRACTION = 1e-9
+#: compiles per call at most, before the budget is refused
+DEFAULT_TRIES = 4
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One compile: the byte budget handed to memplan's solver, the simulated peak of its plan on the
+    compiled graph, the measured peak and step time of the compiled step, and the knapsack's split."""
+
+    solver_budget_bytes: int | None
+    simulated_peak_bytes: int | None
+    measured_peak_bytes: int
+    step_time_s: float
+    saved: int
+    recomputed: int
+    note: str = ""
+
+
+@dataclass
+class BudgetedCompile:
+    """What :func:`compile_with_budget` returns: ``module`` (compiled; ``module(batch)`` returns the loss;
+    train it with ``loss.backward()`` and the optimizer's step), the budget, the accepted attempt's
+    measured peak and step time, every attempt in order, and the compiled graph as memplan saw it."""
+
+    module: nn.Module
+    budget_bytes: int
+    measured_peak_bytes: int
+    step_time_s: float
+    attempts: list[Attempt]
+    graph: Graph | None = None
+
+
+class LossModule(nn.Module):
+    """``loss_fn(model, batch)`` as a module, so that the model and its loss head compile as one graph."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, batch)
+
+
+def _step_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    return module(batch)
+
+
+# ---- the joint graph as a memplan graph ------------------------------------------------------------------
+
+def _tensor_val(node: torch.fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.numel()) * t.element_size()
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """An ATen view (its output aliases its first argument's storage): no storage of its own."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _node_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return node.all_input_nodes
+
+
+@dataclass
+class JointGraph:
+    """:func:`graph_from_joint`'s result: the memplan graph and, per knapsack candidate (by its index in
+    the partitioner's list), the tensor ids that stand for it (its storages; empty: none of its own)."""
+
+    graph: Graph
+    candidate_tensors: list[tuple[int, ...]]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def graph_from_joint(joint_graph: torch.fx.Graph, node_info: Any, candidates: list[torch.fx.Node], *,
+                     timer: OpTimer | None = None) -> JointGraph:
+    """The forward half of the partitioner's joint graph as a memplan :class:`Graph`.
+
+    Storages: each primal input (``param`` for the partitioner's static-lifetime inputs, else ``input``)
+    and each forward node's tensor result (``activation``); a view is its base's storage, a ``getitem`` of
+    a tuple result the storage its producer made. Ops: the forward nodes that make storages, in forward
+    order, each timed alone by memplan's op timer on tensors of its shapes (``timer``; warm, cached).
+    What backward reads of a storage is saved by the op that made it. Only the knapsack's candidates
+    are ``recomputable``: every other saved value is the min-cut's to place, held here as kept. Backward
+    times are left at 0: the graph prices recomputation, not the whole step."""
+    fw_nodes = list(node_info.required_fw_nodes)
+    fw_set = set(fw_nodes)
+    tensors: list[TensorInfo] = []
+    ops: list[Op] = []
+    tid_of: dict[torch.fx.Node, int] = {}
+    fixed = FixedMemory()
+    for node in joint_graph.nodes:
+        if node.op != "placeholder" or node not in node_info.inputs:
+            continue
+        val = _tensor_val(node)
+        if val is None:
+            continue
+        param = node in node_info.static_lifetime_input_nodes
+        tid_of[node] = len(tensors)
+        tensors.append(TensorInfo(id=len(tensors), kind="param" if param else "input", bytes=_nbytes(val),
+                                  dtype=str(val.dtype).removeprefix("torch."), shape=list(val.shape),
+                                  requires_grad=bool(val.requires_grad)))
+        if param:
+            fixed.params_bytes += _nbytes(val)
+        else:
+            fixed.inputs_bytes += _nbytes(val)
+    timed: list[tuple[int, torch.fx.Node]] = []
+    for node in fw_nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            continue  # made by its producer (below)
+        val = node.meta.get("val")
+        inputs = list(dict.fromkeys(tid_of[a] for a in _node_args(node) if a in tid_of))
+        if isinstance(val, torch.Tensor) and _is_view(node) and inputs:
+            tid_of[node] = inputs[0]
+            continue
+        results: list[tuple[torch.fx.Node, torch.Tensor]] = []
+        if isinstance(val, torch.Tensor):
+            results.append((node, val))
+        elif isinstance(val, (tuple, list)):
+            results += [(u, u.meta["val"]) for u in node.users
+                        if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
+        if not results:
+            continue
+        op_id = len(ops)
+        outputs = []
+        for k, (owner, v) in enumerate(results):
+            tid_of[owner] = len(tensors)
+            outputs.append(len(tensors))
+            tensors.append(TensorInfo(id=len(tensors), kind="activation", producer=op_id, output_index=k,
+                                      bytes=_nbytes(v), dtype=str(v.dtype).removeprefix("torch."),
+                                      shape=list(v.shape), requires_grad=bool(v.requires_grad),
+                                      recomputable=False))
+        ops.append(Op(id=op_id, name=str(node.target), inputs=inputs, outputs=outputs, time_source="isolated"))
+        timed.append((op_id, node))
+    # what backward reads, saved by the op that made it; the rest freed after its last forward read
+    read_by_bw: set[int] = set()
+    for node in node_info.required_bw_nodes:
+        for a in _node_args(node):
+            if a in tid_of and (a in fw_set or a.op == "placeholder"):
+                read_by_bw.add(tid_of[a])
+    # a candidate is what the min-cut saves when it is banned from recomputing it (backward reads it
+    # through views and cheap pointwise values the min-cut rebuilds from it): saved by the op that made
+    # it, and the only recomputable storage; what backward reads besides is held as kept (the same in
+    # every plan: the measured offset carries it)
+    candidate_tensors: list[tuple[int, ...]] = []
+    for c in candidates:
+        owners = [c] if c in tid_of else [u for u in c.users if u.target is operator.getitem]
+        ts = tuple(dict.fromkeys(tid_of[o] for o in owners if o in tid_of))
+        candidate_tensors.append(ts if ts and all(tensors[t].kind == "activation" for t in ts) else ())
+    saved = set(read_by_bw) | {t for ts in candidate_tensors for t in ts}
+    last_read: dict[int, int] = {}
+    for op in ops:
+        for t in op.inputs:
+            last_read[t] = op.id
+    for t in tensors:
+        if t.kind != "activation":
+            continue
+        if t.id in saved:
+            ops[t.producer].saved.append(t.id)
+            ops[t.producer].has_backward = True
+        else:
+            t.freed_after = last_read.get(t.id, t.producer)
+    for ts in candidate_tensors:
+        for t in ts:
+            tensors[t].recomputable = True
+    _time_ops(ops, timed, timer)
+    graph = Graph(name="compiled", device="cpu", tensors=tensors, ops=ops, fixed=fixed)
+    return JointGraph(graph=graph, candidate_tensors=candidate_tensors,
+                      stats={"ops": len(ops), "candidates": len(candidates),
+                             "mapped": sum(bool(ts) for ts in candidate_tensors)})
+
+
+def _fake_args(node: torch.fx.Node) -> tuple[tuple, dict]:
+    def val(a: Any) -> Any:
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    return torch.fx.node.map_aggregate(node.args, val), torch.fx.node.map_aggregate(node.kwargs, val)
+
+
+def _time_ops(ops: list[Op], timed: list[tuple[int, torch.fx.Node]], timer: OpTimer | None) -> None:
+    timer = timer or OpTimer(torch.device("cpu"), cold=False, sweeps=1)
+    calls, owners = [], []
+    for op_id, node in timed:
+        args, kwargs = _fake_args(node)
+        if any(isinstance(v, torch.SymInt) for v in torch.utils._pytree.tree_leaves((args, kwargs))):
+            raise MemplanError(f"compile_with_budget: the compiled graph has dynamic shapes ({node.name}); "
+                               "compile for one shape (dynamic=False)")
+        calls.append(record_call(node.target, tuple(args), dict(kwargs), node.meta.get("val")))
+        owners.append(op_id)
+    for op_id, timing in zip(owners, timer.time(calls), strict=True):
+        ops[op_id].time_s = float(timing.time_s)
+
+
+# ---- the knapsack -----------------------------------------------------------------------------------------
+
+def _custom_knapsack_base() -> type:
+    try:
+        from torch._inductor.custom_graph_pass import CustomKnapsackSolver
+    except ImportError as e:  # torch before the hook existed
+        raise MemplanError(f"compile_with_budget needs torch._inductor.custom_graph_pass.CustomKnapsackSolver "
+                           f"(torch >= 2.8); this torch is {torch.__version__}") from e
+    return CustomKnapsackSolver
+
+
+class MemplanKnapsack(_custom_knapsack_base()):  # type: ignore[misc]
+    """The partitioner's knapsack, answered by memplan's solver on the compiled graph.
+
+    ``solver_budget_bytes``: the budget for memplan's :func:`solve` on :func:`graph_from_joint`'s graph
+    (None: keep every candidate); ``force``: ``"save"`` / ``"recompute"`` every candidate instead.
+    Each call (one per compiled graph) is recorded in ``calls``: the graph, the plan's simulated peak and
+    the split, or why the solver found no plan (then every candidate is recomputed)."""
+
+    def __init__(self, solver_budget_bytes: int | None = None, *, method: str = "auto",
+                 time_limit_s: float = 20.0, force: str | None = None, timer: OpTimer | None = None):
+        self.solver_budget_bytes = solver_budget_bytes
+        self.method = method
+        self.time_limit_s = time_limit_s
+        self.force = force
+        self.timer = timer
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, memory: list[float], joint_graph: torch.fx.Graph, max_memory: float, node_info: Any,
+                 all_recomputable_banned_nodes: list[torch.fx.Node]) -> tuple[list[int], list[int]]:
+        joint = graph_from_joint(joint_graph, node_info, all_recomputable_banned_nodes, timer=self.timer)
+        graph = joint.graph
+        everything = list(range(len(all_recomputable_banned_nodes)))
+        record: dict[str, Any] = {"joint": joint, "note": ""}
+        if self.force == "save" or (self.force is None and self.solver_budget_bytes is None):
+            saved = everything
+            record["simulated_peak_bytes"] = simulate(graph, timeline=False).peak_bytes
+        elif self.force == "recompute":
+            saved = []
+            record["simulated_peak_bytes"] = None
+        else:
+            try:
+                result = solve(graph, self.solver_budget_bytes, self.method, time_limit_s=self.time_limit_s)
+            except Infeasible as e:
+                saved = []
+                record["note"] = f"solver: {e}"
+                record["simulated_peak_bytes"] = None
+            else:
+                actions = result.plan.actions()
+                saved = [i for i, ts in enumerate(joint.candidate_tensors)
+                         if all(actions.get(t, Action.KEEP) == Action.KEEP for t in ts)]
+                record["simulated_peak_bytes"] = result.report.peak_bytes
+        recompute = [i for i in everything if i not in set(saved)]
+        record.update(saved=len(saved), recomputed=len(recompute))
+        self.calls.append(record)
+        return saved, recompute
+
+    def uuid(self) -> Any:
+        return None  # the answer depends on the budget: never served from inductor's cache
+
+
+# ---- the one call -----------------------------------------------------------------------------------------
+
+def _grad_bytes(model: nn.Module) -> int:
+    return sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
+
+
+def _batch_bytes(batch: Any) -> int:
+    return sum(_nbytes(t) for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor))
+
+
+def _compile(module: nn.Module, knapsack: MemplanKnapsack) -> nn.Module:
+    return torch.compile(module, fullgraph=True, dynamic=False)
+
+
+def _measure(model: nn.Module, module: nn.Module, batch: Any, knapsack: MemplanKnapsack,
+             optimizer: torch.optim.Optimizer, steps: int) -> tuple[nn.Module, Any]:
+    """Compile ``module`` with ``knapsack`` and measure its step; model and optimizer restored after."""
+    from torch._functorch import config as functorch_config
+
+    torch.compiler.reset()  # a new compile reads the knapsack again (dynamo would reuse the last one)
+    compiled = _compile(module, knapsack)
+    model_state = copy.deepcopy(model.state_dict())
+    optim_state = copy.deepcopy(optimizer.state_dict())
+    try:
+        with functorch_config.patch(activation_memory_budget=KNAPSACK_FRACTION,
+                                    activation_memory_budget_solver=knapsack):
+            try:
+                m = measure_step(compiled, batch, _step_loss, optimizer, steps=steps, warmup=1)
+            except torch._dynamo.exc.Unsupported as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise MemplanError(f"compile_with_budget: the model does not compile as one graph (a graph "
+                                   f"break: {first}); the byte budget holds for one compiled graph") from None
+    finally:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+    return compiled, m
+
+
+def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_bytes: int, *,
+                        optimizer: torch.optim.Optimizer | None = None, tries: int = DEFAULT_TRIES,
+                        method: str = "auto", time_limit_s: float = 20.0, steps: int = 3) -> BudgetedCompile:
+    """Compile ``loss_fn(model, batch)`` (model and loss as one graph) so that its training step peaks
+    within ``budget_bytes`` as the allocator measures it (parameters, gradients, optimizer state and batch
+    included), recomputing the least memplan's cost model finds.
+
+    Each attempt compiles with :class:`MemplanKnapsack` and measures one step (the model and optimizer
+    are restored afterwards); the first attempt's solver budget is ``budget_bytes`` less what the compiled
+    graph's simulator does not hold (gradients, optimizer state: measured before compiling), each next one
+    lower by the last attempt's overshoot and by the offset between measured and simulated peak. At most
+    ``tries`` compiles, then a second-to-last resort: every candidate saved and every candidate
+    recomputed, each measured. ``optimizer`` (default AdamW, foreach) is the one the step is measured
+    with: train with it. Raises :class:`MemplanError` for a budget that is not a positive byte count, a
+    compiled model, or a graph break; :class:`Infeasible` (with ``min_feasible_bytes``: the least peak
+    measured) when no attempt fits. Resets dynamo's caches (``torch.compiler.reset()``) per attempt."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise MemplanError(f"compile_with_budget: budget_bytes must be a positive number of bytes, "
+                           f"got {budget_bytes!r}")
+    if tries < 1:
+        raise MemplanError(f"compile_with_budget: tries must be >= 1, got {tries}")
+    refuse_compiled(model)
+    optimizer = optimizer or default_optimizer(model)
+    # below the parameters, their gradients and the batch nothing fits, whatever is recomputed
+    floor = sum(_nbytes(p) for p in model.parameters()) + _grad_bytes(model) + _batch_bytes(batch)
+    if budget_bytes < floor:
+        raise Infeasible(f"compile_with_budget: budget {format_bytes(budget_bytes)} is below the parameters, "
+                         f"their gradients and the batch ({format_bytes(floor)}), which every step holds",
+                         budget_bytes=budget_bytes, min_feasible_bytes=None)
+    compute_loss(model, batch, loss_fn)  # the user's loss checked eagerly: one clear error, not inductor's
+    module = LossModule(model, loss_fn)
+    attempts: list[Attempt] = []
+    # attempt 0 saves every candidate (the partitioner's fastest split): where it fits, it is the answer;
+    # else its measured peak less its simulated one is what the simulation of the compiled graph misses
+    # (gradients, optimizer state, inductor's fusions and buffers), the first offset
+    knapsack = MemplanKnapsack(force="save", method=method, time_limit_s=time_limit_s)
+    for k in range(tries):
+        compiled, m = _measure(model, module, batch, knapsack, optimizer, steps)
+        attempt = _attempt(knapsack, m, note="every candidate saved" if k == 0 else "")
+        attempts.append(attempt)
+        graph = knapsack.calls[0]["joint"].graph if knapsack.calls else None
+        if m.peak_bytes <= budget_bytes:
+            return BudgetedCompile(compiled, budget_bytes, m.peak_bytes, m.step_time_s, attempts, graph)
+        if not knapsack.calls or attempt.simulated_peak_bytes is None:
+            break  # the partitioner asked nothing, or the solver found no plan: a lower budget changes nothing
+        offset = m.peak_bytes - attempt.simulated_peak_bytes
+        lower = budget_bytes - offset
+        if knapsack.solver_budget_bytes is not None:  # and below the last budget by at least its overshoot
+            lower = min(lower, knapsack.solver_budget_bytes - (m.peak_bytes - budget_bytes))
+        knapsack = MemplanKnapsack(lower, method=method, time_limit_s=time_limit_s)
+    knapsack = MemplanKnapsack(force="recompute")
+    if not any(a.recomputed and not a.saved for a in attempts) and attempts[0].saved:
+        compiled, m = _measure(model, module, batch, knapsack, optimizer, steps)
+        attempts.append(_attempt(knapsack, m, note="every candidate recomputed"))
+        if m.peak_bytes <= budget_bytes:
+            return BudgetedCompile(compiled, budget_bytes, m.peak_bytes, m.step_time_s, attempts, graph)
+    least = min(a.measured_peak_bytes for a in attempts)
+    raise Infeasible(f"compile_with_budget: budget {format_bytes(budget_bytes)} is below every compiled step "
+                     f"the partitioner reached: the least measured peak was {format_bytes(least)} "
+                     f"({len(attempts)} compiles)", budget_bytes=budget_bytes, min_feasible_bytes=least)
+
+
+def _attempt(knapsack: MemplanKnapsack, m: Any, note: str = "") -> Attempt:
+    call = knapsack.calls[0] if knapsack.calls else {}
+    return Attempt(solver_budget_bytes=knapsack.solver_budget_bytes if knapsack.force is None else None,
+                   simulated_peak_bytes=call.get("simulated_peak_bytes"), measured_peak_bytes=m.peak_bytes,
+                   step_time_s=m.step_time_s, saved=call.get("saved", 0), recomputed=call.get("recomputed", 0),
+                   note=note or call.get("note", ""))
+
+
+def compile_with_fraction(model: nn.Module, batch: Any, loss_fn: LossFn, fraction: float, *,
+                          optimizer: torch.optim.Optimizer | None = None, steps: int = 3) -> tuple[nn.Module, Any]:
+    """torch's own ``activation_memory_budget`` (a 0-1 fraction) on the same step, measured as
+    :func:`compile_with_budget` measures: the compiled module and its :class:`StepMeasurement`. For side
+    by side comparisons (benchmarks/compile_budget.py)."""
+    from torch._functorch import config as functorch_config
+
+    if not 0.0 <= fraction <= 1.0 or math.isnan(fraction):
+        raise MemplanError(f"compile_with_fraction: fraction must be within [0, 1], got {fraction!r}")
+    refuse_compiled(model)
+    optimizer = optimizer or default_optimizer(model)
+    torch.compiler.reset()
+    compiled = torch.compile(LossModule(model, loss_fn), fullgraph=True, dynamic=False)
+    model_state = copy.deepcopy(model.state_dict())
+    optim_state = copy.deepcopy(optimizer.state_dict())
+    try:
+        with functorch_config.patch(activation_memory_budget=fraction):
+            m = measure_step(compiled, batch, _step_loss, optimizer, steps=steps, warmup=1)
+    finally:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+    return compiled, m
