@@ -26,6 +26,7 @@ them all), so a budget is met by measurement, never by the prediction alone.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import operator
@@ -39,6 +40,7 @@ from memplan.planner.core.errors import Infeasible, MemplanError
 from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import simulate
+from memplan.planner.core.synthetic import fill_structural_grads
 from memplan.planner.core.units import format_bytes
 from memplan.planner.probe.measure import measure_step
 from memplan.planner.probe.optime import OpTimer, record_call
@@ -64,6 +66,7 @@ class Attempt:
     saved: int
     recomputed: int
     note: str = ""
+    least_plan: bool = False  # the solver's budget was below its least plan on the graph, which was taken
 
 
 @dataclass
@@ -157,7 +160,7 @@ def graph_from_joint(joint_graph: torch.fx.Graph, node_info: Any, candidates: li
         tid_of[node] = len(tensors)
         tensors.append(TensorInfo(id=len(tensors), kind="param" if param else "input", bytes=_nbytes(val),
                                   dtype=str(val.dtype).removeprefix("torch."), shape=list(val.shape),
-                                  requires_grad=bool(val.requires_grad)))
+                                  requires_grad=param))
         if param:
             fixed.params_bytes += _nbytes(val)
         else:
@@ -188,8 +191,9 @@ def graph_from_joint(joint_graph: torch.fx.Graph, node_info: Any, candidates: li
             outputs.append(len(tensors))
             tensors.append(TensorInfo(id=len(tensors), kind="activation", producer=op_id, output_index=k,
                                       bytes=_nbytes(v), dtype=str(v.dtype).removeprefix("torch."),
-                                      shape=list(v.shape), requires_grad=bool(v.requires_grad),
-                                      recomputable=False))
+                                      shape=list(v.shape), recomputable=False,
+                                      requires_grad=v.dtype.is_floating_point
+                                      and any(tensors[t].requires_grad for t in inputs)))
         ops.append(Op(id=op_id, name=str(node.target), inputs=inputs, outputs=outputs, time_source="isolated"))
         timed.append((op_id, node))
     # what backward reads, saved by the op that made it; the rest freed after its last forward read
@@ -224,7 +228,9 @@ def graph_from_joint(joint_graph: torch.fx.Graph, node_info: Any, candidates: li
         for t in ts:
             tensors[t].recomputable = True
     _time_ops(ops, timed, timer)
-    graph = Graph(name="compiled", device="cpu", tensors=tensors, ops=ops, fixed=fixed)
+    for op in ops:  # an op whose output needs a gradient has a backward step (its gradients, below)
+        op.has_backward = op.has_backward or any(tensors[t].requires_grad for t in op.outputs)
+    graph = fill_structural_grads(Graph(name="compiled", device="cpu", tensors=tensors, ops=ops, fixed=fixed))
     return JointGraph(graph=graph, candidate_tensors=candidate_tensors,
                       stats={"ops": len(ops), "candidates": len(candidates),
                              "mapped": sum(bool(ts) for ts in candidate_tensors)})
@@ -295,8 +301,16 @@ class MemplanKnapsack(_custom_knapsack_base()):  # type: ignore[misc]
             try:
                 result = solve(graph, self.solver_budget_bytes, self.method, time_limit_s=self.time_limit_s)
             except Infeasible as e:
+                # below the least peak memplan knows on this graph: that least plan (recomputing every
+                # candidate can peak higher), or every candidate recomputed when none is known
+                result = None
+                if e.min_feasible_bytes is not None:
+                    with contextlib.suppress(Infeasible):
+                        result = solve(graph, e.min_feasible_bytes, self.method, time_limit_s=self.time_limit_s)
+                record["note"] = f"solver: {e}" + ("; its least plan taken" if result is not None else "")
+                record["least_plan"] = result is not None
+            if result is None:
                 saved = []
-                record["note"] = f"solver: {e}"
                 record["simulated_peak_bytes"] = None
             else:
                 actions = result.plan.actions()
@@ -393,8 +407,8 @@ def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_by
         graph = knapsack.calls[0]["joint"].graph if knapsack.calls else None
         if m.peak_bytes <= budget_bytes:
             return BudgetedCompile(compiled, budget_bytes, m.peak_bytes, m.step_time_s, attempts, graph)
-        if not knapsack.calls or attempt.simulated_peak_bytes is None:
-            break  # the partitioner asked nothing, or the solver found no plan: a lower budget changes nothing
+        if not knapsack.calls or attempt.simulated_peak_bytes is None or attempt.least_plan:
+            break  # the partitioner asked nothing, or memplan's least plan was tried: lower changes nothing
         offset = m.peak_bytes - attempt.simulated_peak_bytes
         lower = budget_bytes - offset
         if knapsack.solver_budget_bytes is not None:  # and below the last budget by at least its overshoot
@@ -407,9 +421,17 @@ def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_by
         if m.peak_bytes <= budget_bytes:
             return BudgetedCompile(compiled, budget_bytes, m.peak_bytes, m.step_time_s, attempts, graph)
     least = min(a.measured_peak_bytes for a in attempts)
-    raise Infeasible(f"compile_with_budget: budget {format_bytes(budget_bytes)} is below every compiled step "
+    raise CompileInfeasible(attempts, f"compile_with_budget: budget {format_bytes(budget_bytes)} is below every compiled step "
                      f"the partitioner reached: the least measured peak was {format_bytes(least)} "
                      f"({len(attempts)} compiles)", budget_bytes=budget_bytes, min_feasible_bytes=least)
+
+
+class CompileInfeasible(Infeasible):
+    """:class:`Infeasible` from :func:`compile_with_budget`, with its ``attempts`` (each compile measured)."""
+
+    def __init__(self, attempts: list[Attempt], message: str, **kw: Any):
+        super().__init__(message, **kw)
+        self.attempts = attempts
 
 
 def _attempt(knapsack: MemplanKnapsack, m: Any, note: str = "") -> Attempt:
@@ -417,7 +439,7 @@ def _attempt(knapsack: MemplanKnapsack, m: Any, note: str = "") -> Attempt:
     return Attempt(solver_budget_bytes=knapsack.solver_budget_bytes if knapsack.force is None else None,
                    simulated_peak_bytes=call.get("simulated_peak_bytes"), measured_peak_bytes=m.peak_bytes,
                    step_time_s=m.step_time_s, saved=call.get("saved", 0), recomputed=call.get("recomputed", 0),
-                   note=note or call.get("note", ""))
+                   note=note or call.get("note", ""), least_plan=call.get("least_plan", False))
 
 
 def compile_with_fraction(model: nn.Module, batch: Any, loss_fn: LossFn, fraction: float, *,
