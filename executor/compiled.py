@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.planner.core.errors import Infeasible, MemplanError
+from memplan.planner.core.errors import Infeasible, MemplanError, WorkloadError
 from memplan.planner.core.graph import FixedMemory, Graph, Op, TensorInfo
 from memplan.planner.core.plan import Action
 from memplan.planner.core.simulator import simulate
@@ -354,10 +354,15 @@ def _measure(model: nn.Module, module: nn.Module, batch: Any, knapsack: MemplanK
                                     activation_memory_budget_solver=knapsack):
             try:
                 m = measure_step(compiled, batch, _step_loss, optimizer, steps=steps, warmup=1)
-            except torch._dynamo.exc.Unsupported as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            except (WorkloadError, torch._dynamo.exc.TorchDynamoException) as e:
+                cause = e.__cause__ if isinstance(e, WorkloadError) else e
+                if not isinstance(cause, torch._dynamo.exc.TorchDynamoException):
+                    raise
+                text = str(cause).strip()
+                first = text.splitlines()[0][:200] if text else type(cause).__name__
                 raise MemplanError(f"compile_with_budget: the model does not compile as one graph (a graph "
-                                   f"break: {first}); the byte budget holds for one compiled graph") from None
+                                   f"break, {type(cause).__name__}: {first}); the byte budget holds for one "
+                                   "compiled graph (torch.compile(fullgraph=True) must succeed)") from None
     finally:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
