@@ -326,6 +326,30 @@ class MemplanKnapsack(_custom_knapsack_base()):  # type: ignore[misc]
         return None  # the answer depends on the budget: never served from inductor's cache
 
 
+def _custom_runtime_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomRuntimeEstimator
+
+    return CustomRuntimeEstimator
+
+
+class MemplanRuntimeEstimator(_custom_runtime_base()):  # type: ignore[misc]
+    """memplan's op timer as torch's ``activation_memory_budget_runtime_estimator``: a node's seconds, its
+    ATen call run alone on tensors of its shapes on this machine (warm, cached as the fake profile caches
+    them), for torch's own knapsacks (its default counts FLOPs). :class:`MemplanKnapsack` does not need it:
+    it times the whole forward itself (the partitioner hands a custom knapsack no runtimes)."""
+
+    def __init__(self, timer: OpTimer | None = None):
+        self.timer = timer or OpTimer(torch.device("cpu"), cold=False, sweeps=1)
+
+    def __call__(self, node: torch.fx.Node) -> float:
+        args, kwargs = _fake_args(node)
+        call = record_call(node.target, tuple(args), dict(kwargs), node.meta.get("val"))
+        return float(self.timer.time([call])[0].time_s)
+
+    def uuid(self) -> Any:
+        return None  # times are this machine's: never served from inductor's cache
+
+
 # ---- the one call -----------------------------------------------------------------------------------------
 
 def _grad_bytes(model: nn.Module) -> int:

@@ -115,3 +115,27 @@ def test_a_graph_break_is_refused_in_one_line():
     with pytest.raises(MemplanError, match=r"does not compile as one graph \(a graph break") as e:
         compile_with_budget(model, x, lambda m, b: m(b).square().mean(), 10**9)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_memplans_op_times_serve_torchs_own_knapsack():
+    from torch._functorch import config as functorch_config
+
+    from memplan.executor.compiled import MemplanRuntimeEstimator
+
+    timed = []
+
+    class Recording(MemplanRuntimeEstimator):
+        def __call__(self, node):
+            seconds = super().__call__(node)
+            timed.append((str(node.target), seconds))
+            return seconds
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))
+    x = torch.randn(128, 64)
+    torch.compiler.reset()
+    with functorch_config.patch(activation_memory_budget=0.3, activation_memory_budget_runtime_estimator=Recording()):
+        torch.compile(model, fullgraph=True)(x).sum().backward()
+    assert timed and all(seconds > 0 for _, seconds in timed)  # the candidates torch's knapsack priced
+    assert any("mm" in name for name, _ in timed)
