@@ -1,5 +1,5 @@
 """torch.compile under its own ``activation_memory_budget`` (a 0-1 fraction) against memplan's byte budget
-(:func:`memplan.executor.compiled.compile_with_budget`), at equal measured peak, on this machine's CPU
+(:func:`memplan.api.integrations.torch_compile.compile_with_budget`), at equal measured peak, on this machine's CPU
 (inductor's C++ backend).
 
 For each model and each fraction: compile with torch's fraction and its own knapsack, measure the step's
@@ -23,7 +23,7 @@ import time
 import torch
 from _doc import publish  # benchmarks/_doc.py (the scripts run from this folder)
 
-from memplan.executor.compiled import compile_with_budget, compile_with_fraction
+from memplan.api.integrations.torch_compile import compile_with_budget, compile_with_fraction
 from memplan.planner.core.errors import Infeasible
 from memplan.planner.core.units import format_bytes
 from memplan.planner.probe.measure import time_steps

@@ -1,4 +1,4 @@
-"""torch.compile under a byte budget (memplan.executor.compiled): a real compiled GPT-2 step measured within
+"""torch.compile under a byte budget (memplan.api.integrations.torch_compile): a real compiled GPT-2 step measured within
 the budget by the CPU allocator, memplan's solver answering the partitioner's knapsack, and the refusals.
 
 Compiles are slow on a CPU: the module's fixture compiles once (every candidate saved) and each slow test
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.executor.compiled import (
+from memplan.api.integrations.torch_compile import (
     CompileInfeasible,
     compile_with_budget,
 )
@@ -121,7 +121,7 @@ def test_a_graph_break_is_refused_in_one_line():
 def test_memplans_op_times_serve_torchs_own_knapsack():
     from torch._functorch import config as functorch_config
 
-    from memplan.executor.compiled import MemplanRuntimeEstimator
+    from memplan.api.integrations.torch_compile import MemplanRuntimeEstimator
 
     timed = []
 
