@@ -37,14 +37,22 @@ MODELS = {
 FRACTIONS = (1.0, 0.5, 0.2, 0.05)
 
 
-def timed(module: torch.nn.Module, batch, optimizer, rounds: int, steps: int) -> list[float]:
-    """The median step time of each of ``rounds`` rounds of ``steps`` steps (after one warm-up step)."""
+def timed(module: torch.nn.Module, batch, optimizer, rounds: int, steps: int) -> tuple[list[float], list[float]]:
+    """The median step of each of ``rounds`` rounds of ``steps`` steps (after one warm-up step), in the
+    thread's CPU time (one torch thread: what the step costs, whatever else runs on the machine) and in
+    wall time."""
     time_steps(module, batch, lambda m, b: m(b), optimizer, steps=1)
-    return [time_steps(module, batch, lambda m, b: m(b), optimizer, steps=steps).step_s for _ in range(rounds)]
+    cpu, wall = [], []
+    for _ in range(rounds):
+        cpu.append(time_steps(module, batch, lambda m, b: m(b), optimizer, steps=steps, clock=time.thread_time).step_s)
+        wall.append(time_steps(module, batch, lambda m, b: m(b), optimizer, steps=steps).step_s)
+    return cpu, wall
 
 
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs) * 1e3:.1f} ms ({min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})"
+def spread(times: tuple[list[float], list[float]]) -> str:
+    cpu, wall = times
+    return (f"{statistics.median(cpu) * 1e3:.0f} ms ({min(cpu) * 1e3:.0f}-{max(cpu) * 1e3:.0f}); "
+            f"wall {statistics.median(wall) * 1e3:.0f} ms")
 
 
 def run_model(name: str, fractions: tuple[float, ...], rounds: int, steps: int) -> list[str]:
@@ -97,9 +105,10 @@ def main() -> None:
         "Per row: torch.compile with `activation_memory_budget` = the fraction and torch's own knapsack, its "
         "step's measured peak (CPU allocator: forward, backward and AdamW's step, parameters, gradients, "
         "optimizer state and batch included) and step time; then `compile_with_budget` given that peak in "
-        "bytes, its measured peak and step time. Step times: the median of "
-        f"{args.rounds} rounds of {args.steps} steps (each round's median step), the rounds' range in brackets; "
-        "both in one process, one after the other. Compiles: how many `compile_with_budget` measured "
+        "bytes, its measured peak and step time. Step times: the thread's CPU time (one torch thread), the "
+        f"median of {args.rounds} rounds of {args.steps} steps (each round's median step), the rounds' range in "
+        "brackets, and the median round's wall time (other jobs share this machine's 2 cores: wall reads "
+        "above CPU); both in one process, one after the other. Compiles: how many `compile_with_budget` measured "
         "(and the knapsack's split in the one it returned); seconds: torch's compile-and-measure / "
         "memplan's whole call.",
         "",

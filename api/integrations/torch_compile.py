@@ -360,17 +360,13 @@ def _batch_bytes(batch: Any) -> int:
     return sum(_nbytes(t) for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 
-def _compile(module: nn.Module, knapsack: MemplanKnapsack) -> nn.Module:
-    return torch.compile(module, fullgraph=True, dynamic=False)
-
-
 def _measure(model: nn.Module, module: nn.Module, batch: Any, knapsack: MemplanKnapsack,
              optimizer: torch.optim.Optimizer, steps: int) -> tuple[nn.Module, Any]:
     """Compile ``module`` with ``knapsack`` and measure its step; model and optimizer restored after."""
     from torch._functorch import config as functorch_config
 
     torch.compiler.reset()  # a new compile reads the knapsack again (dynamo would reuse the last one)
-    compiled = _compile(module, knapsack)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
     model_state = copy.deepcopy(model.state_dict())
     optim_state = copy.deepcopy(optimizer.state_dict())
     try:
@@ -401,14 +397,16 @@ def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_by
     included), recomputing the least memplan's cost model finds.
 
     Each attempt compiles with :class:`MemplanKnapsack` and measures one step (the model and optimizer
-    are restored afterwards); the first attempt's solver budget is ``budget_bytes`` less what the compiled
-    graph's simulator does not hold (gradients, optimizer state: measured before compiling), each next one
-    lower by the last attempt's overshoot and by the offset between measured and simulated peak. At most
-    ``tries`` compiles, then a second-to-last resort: every candidate saved and every candidate
-    recomputed, each measured. ``optimizer`` (default AdamW, foreach) is the one the step is measured
-    with: train with it. Raises :class:`MemplanError` for a budget that is not a positive byte count, a
-    compiled model, or a graph break; :class:`Infeasible` (with ``min_feasible_bytes``: the least peak
-    measured) when no attempt fits. Resets dynamo's caches (``torch.compiler.reset()``) per attempt."""
+    are restored afterwards). The first saves every candidate and is returned where it fits; else memplan's
+    solver gets ``budget_bytes`` less the offset between that compile's measured and simulated peak, each
+    next attempt less again by the last one's overshoot (and its own offset), at most ``tries`` compiles in
+    all; the last resort is every candidate recomputed. ``optimizer`` (default AdamW, foreach) is the one
+    the step is measured with: train with it. ``method`` and ``time_limit_s`` go to :func:`solve` per
+    compile; ``steps``: timed steps per measurement. Raises :class:`MemplanError` for a budget that is not a
+    positive byte count or a graph break, :class:`WorkloadError` for a compiled model or a failing
+    ``loss_fn``, :class:`Infeasible` below the parameters, gradients and batch, and
+    :class:`CompileInfeasible` (``min_feasible_bytes``: the least peak measured; ``attempts``) when no
+    compile fits. Resets dynamo's caches (``torch.compiler.reset()``) before each compile."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise MemplanError(f"compile_with_budget: budget_bytes must be a positive number of bytes, "
                            f"got {budget_bytes!r}")
@@ -450,9 +448,10 @@ def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_by
         if m.peak_bytes <= budget_bytes:
             return BudgetedCompile(compiled, budget_bytes, m.peak_bytes, m.step_time_s, attempts, graph)
     least = min(a.measured_peak_bytes for a in attempts)
-    raise CompileInfeasible(attempts, f"compile_with_budget: budget {format_bytes(budget_bytes)} is below every compiled step "
-                     f"the partitioner reached: the least measured peak was {format_bytes(least)} "
-                     f"({len(attempts)} compiles)", budget_bytes=budget_bytes, min_feasible_bytes=least)
+    raise CompileInfeasible(attempts, f"compile_with_budget: budget {format_bytes(budget_bytes)} is below every "
+                            f"compiled step the partitioner reached: the least measured peak was "
+                            f"{format_bytes(least)} ({len(attempts)} compiles)",
+                            budget_bytes=budget_bytes, min_feasible_bytes=least)
 
 
 class CompileInfeasible(Infeasible):
