@@ -227,10 +227,10 @@ def graph_from_joint(joint_graph: torch.fx.Graph, node_info: Any, candidates: li
     for ts in candidate_tensors:
         for t in ts:
             tensors[t].recomputable = True
-    _time_ops(ops, timed, timer)
+    _time_ops(ops, timed, timer, _device_of(fw_nodes))
     for op in ops:  # an op whose output needs a gradient has a backward step (its gradients, below)
         op.has_backward = op.has_backward or any(tensors[t].requires_grad for t in op.outputs)
-    graph = fill_structural_grads(Graph(name="compiled", device="cpu", tensors=tensors, ops=ops, fixed=fixed))
+    graph = fill_structural_grads(Graph(name="compiled", device=str(_device_of(fw_nodes)), tensors=tensors, ops=ops, fixed=fixed))
     return JointGraph(graph=graph, candidate_tensors=candidate_tensors,
                       stats={"ops": len(ops), "candidates": len(candidates),
                              "mapped": sum(bool(ts) for ts in candidate_tensors)})
@@ -243,8 +243,14 @@ def _fake_args(node: torch.fx.Node) -> tuple[tuple, dict]:
     return torch.fx.node.map_aggregate(node.args, val), torch.fx.node.map_aggregate(node.kwargs, val)
 
 
-def _time_ops(ops: list[Op], timed: list[tuple[int, torch.fx.Node]], timer: OpTimer | None) -> None:
-    timer = timer or OpTimer(torch.device("cpu"), cold=False, sweeps=1)
+def _device_of(nodes: list[torch.fx.Node]) -> torch.device:
+    """Where the compiled step runs: the device of its first tensor value."""
+    return next((v.device for n in nodes if (v := _tensor_val(n)) is not None), torch.device("cpu"))
+
+
+def _time_ops(ops: list[Op], timed: list[tuple[int, torch.fx.Node]], timer: OpTimer | None,
+              device: torch.device) -> None:
+    timer = timer or OpTimer(device, cold=False, sweeps=1)
     calls, owners = [], []
     for op_id, node in timed:
         args, kwargs = _fake_args(node)
@@ -339,9 +345,11 @@ class MemplanRuntimeEstimator(_custom_runtime_base()):  # type: ignore[misc]
     it times the whole forward itself (the partitioner hands a custom knapsack no runtimes)."""
 
     def __init__(self, timer: OpTimer | None = None):
-        self.timer = timer or OpTimer(torch.device("cpu"), cold=False, sweeps=1)
+        self.timer = timer
 
     def __call__(self, node: torch.fx.Node) -> float:
+        if self.timer is None:
+            self.timer = OpTimer(_device_of([node]), cold=False, sweeps=1)
         args, kwargs = _fake_args(node)
         call = record_call(node.target, tuple(args), dict(kwargs), node.meta.get("val"))
         return float(self.timer.time([call])[0].time_s)
