@@ -30,6 +30,7 @@ import contextlib
 import copy
 import math
 import operator
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,11 +57,13 @@ DEFAULT_TRIES = 4
 
 @dataclass(frozen=True)
 class Attempt:
-    """One compile: the byte budget handed to memplan's solver, the simulated peak of its plan on the
-    compiled graph, the measured peak and step time of the compiled step, and the knapsack's split."""
+    """One compile: the byte budget memplan's solver was given (None: a forced split), the simulated peak
+    and step time of its plan on the compiled graph, the measured peak and step time of the compiled step,
+    and the knapsack's split (candidates saved, recomputed)."""
 
     solver_budget_bytes: int | None
     simulated_peak_bytes: int | None
+    simulated_time_s: float | None
     measured_peak_bytes: int
     step_time_s: float
     saved: int
@@ -274,59 +277,82 @@ def _custom_knapsack_base() -> type:
     return CustomKnapsackSolver
 
 
+@dataclass(frozen=True)
+class Split:
+    """A knapsack answer: the candidates saved (indices into the partitioner's list), with memplan's
+    simulated peak and step time of the plan on the compiled graph (None: not simulated), and whether it
+    is the least plan memplan knows there (asked below it)."""
+
+    saved: tuple[int, ...]
+    simulated_peak_bytes: int | None = None
+    simulated_time_s: float | None = None
+    least_plan: bool = False
+    note: str = ""
+
+
+def plan_split(joint: JointGraph, budget_bytes: int, *, method: str = "auto", time_limit_s: float = 20.0) -> Split:
+    """memplan's fastest keep / recompute plan on ``joint``'s graph within ``budget_bytes`` (its simulated
+    peak) as a knapsack answer: a candidate is saved when the plan keeps every storage standing for it.
+    Below the least peak memplan knows there, that least plan (``least_plan``); below every plan, every
+    candidate recomputed (no simulated figures)."""
+    graph = joint.graph
+    try:
+        result = solve(graph, budget_bytes, method, time_limit_s=time_limit_s)
+        least, note = False, ""
+    except Infeasible as e:
+        # recomputing every candidate can peak higher than memplan's least plan: that plan, where known
+        least, note, result = True, f"solver: {e}", None
+        if e.min_feasible_bytes is not None:
+            with contextlib.suppress(Infeasible):
+                result = solve(graph, e.min_feasible_bytes, method, time_limit_s=time_limit_s)
+        if result is None:
+            return Split((), least_plan=True, note=note + "; every candidate recomputed")
+        note += "; its least plan taken"
+    actions = result.plan.actions()
+    saved = tuple(i for i, ts in enumerate(joint.candidate_tensors)
+                  if all(actions.get(t, Action.KEEP) == Action.KEEP for t in ts))
+    return Split(saved, result.report.peak_bytes, result.report.time_s, least, note)
+
+
 class MemplanKnapsack(_custom_knapsack_base()):  # type: ignore[misc]
-    """The partitioner's knapsack, answered by memplan's solver on the compiled graph.
+    """The partitioner's knapsack, answered by memplan on the compiled graph.
 
-    ``solver_budget_bytes``: the budget for memplan's :func:`solve` on :func:`graph_from_joint`'s graph
-    (None: keep every candidate); ``force``: ``"save"`` / ``"recompute"`` every candidate instead.
-    Each call (one per compiled graph) is recorded in ``calls``: the graph, the plan's simulated peak and
-    the split, or why the solver found no plan (then every candidate is recomputed)."""
+    ``solver_budget_bytes``: memplan's :func:`plan_split` within that budget on :func:`graph_from_joint`'s
+    graph; or ``split``: that answer, given (the candidates saved); or ``force``: ``"save"`` /
+    ``"recompute"`` every candidate. Each call (one per compiled graph) is recorded in ``calls``: the
+    joint graph and the :class:`Split` answered."""
 
-    def __init__(self, solver_budget_bytes: int | None = None, *, method: str = "auto",
-                 time_limit_s: float = 20.0, force: str | None = None, timer: OpTimer | None = None):
+    def __init__(self, solver_budget_bytes: int | None = None, *, split: Split | None = None,
+                 force: str | None = None, method: str = "auto", time_limit_s: float = 20.0,
+                 timer: OpTimer | None = None):
+        if sum(x is not None for x in (solver_budget_bytes, split, force)) != 1:
+            raise MemplanError("MemplanKnapsack: give one of solver_budget_bytes, split or force")
+        if force not in (None, "save", "recompute"):
+            raise MemplanError(f"MemplanKnapsack: force must be 'save' or 'recompute', got {force!r}")
         self.solver_budget_bytes = solver_budget_bytes
+        self.split = split
+        self.force = force
         self.method = method
         self.time_limit_s = time_limit_s
-        self.force = force
         self.timer = timer
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[tuple[JointGraph, Split]] = []
 
     def __call__(self, memory: list[float], joint_graph: torch.fx.Graph, max_memory: float, node_info: Any,
                  all_recomputable_banned_nodes: list[torch.fx.Node]) -> tuple[list[int], list[int]]:
         joint = graph_from_joint(joint_graph, node_info, all_recomputable_banned_nodes, timer=self.timer)
-        graph = joint.graph
-        everything = list(range(len(all_recomputable_banned_nodes)))
-        record: dict[str, Any] = {"joint": joint, "note": ""}
-        if self.force == "save" or (self.force is None and self.solver_budget_bytes is None):
-            saved = everything
-            record["simulated_peak_bytes"] = simulate(graph, timeline=False).peak_bytes
+        everything = range(len(all_recomputable_banned_nodes))
+        if self.force == "save":
+            report = simulate(joint.graph, timeline=False)
+            split = Split(tuple(everything), report.peak_bytes, report.time_s, note="every candidate saved")
         elif self.force == "recompute":
-            saved = []
-            record["simulated_peak_bytes"] = None
+            split = Split((), note="every candidate recomputed")
+        elif self.split is not None:
+            split = self.split
         else:
-            try:
-                result = solve(graph, self.solver_budget_bytes, self.method, time_limit_s=self.time_limit_s)
-            except Infeasible as e:
-                # below the least peak memplan knows on this graph: that least plan (recomputing every
-                # candidate can peak higher), or every candidate recomputed when none is known
-                result = None
-                if e.min_feasible_bytes is not None:
-                    with contextlib.suppress(Infeasible):
-                        result = solve(graph, e.min_feasible_bytes, self.method, time_limit_s=self.time_limit_s)
-                record["note"] = f"solver: {e}" + ("; its least plan taken" if result is not None else "")
-                record["least_plan"] = result is not None
-            if result is None:
-                saved = []
-                record["simulated_peak_bytes"] = None
-            else:
-                actions = result.plan.actions()
-                saved = [i for i, ts in enumerate(joint.candidate_tensors)
-                         if all(actions.get(t, Action.KEEP) == Action.KEEP for t in ts)]
-                record["simulated_peak_bytes"] = result.report.peak_bytes
-        recompute = [i for i in everything if i not in set(saved)]
-        record.update(saved=len(saved), recomputed=len(recompute))
-        self.calls.append(record)
-        return saved, recompute
+            split = plan_split(joint, self.solver_budget_bytes, method=self.method, time_limit_s=self.time_limit_s)
+        self.calls.append((joint, split))
+        saved = set(split.saved)
+        return sorted(saved), [i for i in everything if i not in saved]
 
     def uuid(self) -> Any:
         return None  # the answer depends on the budget: never served from inductor's cache
@@ -405,16 +431,22 @@ def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_by
     included), recomputing the least memplan's cost model finds.
 
     Each attempt compiles with :class:`MemplanKnapsack` and measures one step (the model and optimizer
-    are restored afterwards). The first saves every candidate and is returned where it fits; else memplan's
-    solver gets ``budget_bytes`` less the offset between that compile's measured and simulated peak, each
-    next attempt less again by the last one's overshoot (and its own offset), at most ``tries`` compiles in
-    all; the last resort is every candidate recomputed. ``optimizer`` (default AdamW, foreach) is the one
-    the step is measured with: train with it. ``method`` and ``time_limit_s`` go to :func:`solve` per
-    compile; ``steps``: timed steps per measurement. Raises :class:`MemplanError` for a budget that is not a
-    positive byte count or a graph break, :class:`WorkloadError` for a compiled model or a failing
-    ``loss_fn``, :class:`Infeasible` below the parameters, gradients and batch, and
-    :class:`CompileInfeasible` (``min_feasible_bytes``: the least peak measured; ``attempts``) when no
-    compile fits. Resets dynamo's caches (``torch.compiler.reset()``) before each compile."""
+    are restored afterwards). The first saves every candidate and is returned where it fits. Else memplan's
+    solver (:func:`plan_split`, ``method``, ``time_limit_s``) is searched on its budget on the compiled
+    graph: first ``budget_bytes`` less the offset between that compile's measured and simulated peak;
+    over the budget, lower by the overshoot (and the new offset); within it, halfway back up towards the
+    lowest solver budget that measured over, for a plan that recomputes less, until the two are within 1%
+    of the budget. ``tries`` compiles in all for the first and the search (a split already measured is not
+    compiled again); the fastest split that measured within the budget (by memplan's simulated time) is
+    returned, compiled once more if another was compiled after it; with none, every candidate recomputed
+    is the last resort. ``attempts[-1]`` is the compile returned. ``optimizer`` (default AdamW, foreach)
+    is the one the step is measured with: train with it; ``steps``: timed steps per measurement.
+
+    Raises :class:`MemplanError` for a budget that is not a positive byte count or a graph break,
+    :class:`WorkloadError` for a compiled model or a failing ``loss_fn``, :class:`Infeasible` below the
+    parameters, gradients and batch, and :class:`CompileInfeasible` (``min_feasible_bytes``: the least
+    peak measured; ``attempts``) when no compile fits. Resets dynamo's caches (``torch.compiler.reset()``)
+    before each compile."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise MemplanError(f"compile_with_budget: budget_bytes must be a positive number of bytes, "
                            f"got {budget_bytes!r}")
@@ -431,30 +463,78 @@ def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_by
     compute_loss(model, batch, loss_fn)  # the user's loss checked eagerly: one clear error, not inductor's
     module = LossModule(model, loss_fn)
     attempts: list[Attempt] = []
-    # attempt 0 saves every candidate (the partitioner's fastest split): where it fits, it is the answer;
-    # else its measured peak less its simulated one is what the simulation of the compiled graph misses
-    # (gradients, optimizer state, inductor's fusions and buffers), the first offset
-    knapsack = MemplanKnapsack(force="save", method=method, time_limit_s=time_limit_s)
-    for k in range(tries):
+
+    def attempt(knapsack: MemplanKnapsack, solver_budget: int | None) -> tuple[nn.Module, Attempt]:
         compiled, m = _measure(model, module, batch, knapsack, optimizer, steps)
-        attempt = _attempt(knapsack, m, note="every candidate saved" if k == 0 else "")
-        attempts.append(attempt)
-        graph = knapsack.calls[0]["joint"].graph if knapsack.calls else None
-        if m.peak_bytes <= budget_bytes:
-            return BudgetedCompile(compiled, budget_bytes, m.peak_bytes, m.step_time_s, attempts, graph)
-        if not knapsack.calls or attempt.simulated_peak_bytes is None or attempt.least_plan:
-            break  # the partitioner asked nothing, or memplan's least plan was tried: lower changes nothing
-        offset = m.peak_bytes - attempt.simulated_peak_bytes
-        lower = budget_bytes - offset
-        if knapsack.solver_budget_bytes is not None:  # and below the last budget by at least its overshoot
-            lower = min(lower, knapsack.solver_budget_bytes - (m.peak_bytes - budget_bytes))
-        knapsack = MemplanKnapsack(lower, method=method, time_limit_s=time_limit_s)
-    knapsack = MemplanKnapsack(force="recompute")
-    if not any(a.recomputed and not a.saved for a in attempts) and attempts[0].saved:
-        compiled, m = _measure(model, module, batch, knapsack, optimizer, steps)
-        attempts.append(_attempt(knapsack, m, note="every candidate recomputed"))
-        if m.peak_bytes <= budget_bytes:
-            return BudgetedCompile(compiled, budget_bytes, m.peak_bytes, m.step_time_s, attempts, graph)
+        joint, split = knapsack.calls[0] if knapsack.calls else (None, Split(()))
+        candidates = len(joint.candidate_tensors) if joint is not None else 0
+        a = Attempt(solver_budget, split.simulated_peak_bytes, split.simulated_time_s, m.peak_bytes,
+                    m.step_time_s, len(split.saved), candidates - len(split.saved), split.note, split.least_plan)
+        attempts.append(a)
+        return compiled, a
+
+    # attempt 0 saves every candidate (the partitioner's fastest split): where it fits, it is the answer
+    first = MemplanKnapsack(force="save")
+    compiled, a0 = attempt(first, None)
+    if not first.calls:  # the partitioner asked nothing: there is no choice to make
+        if a0.measured_peak_bytes <= budget_bytes:
+            return BudgetedCompile(compiled, budget_bytes, a0.measured_peak_bytes, a0.step_time_s, attempts, None)
+        _refuse(budget_bytes, attempts)
+    joint = first.calls[0][0]
+    if a0.measured_peak_bytes <= budget_bytes:
+        return BudgetedCompile(compiled, budget_bytes, a0.measured_peak_bytes, a0.step_time_s, attempts, joint.graph)
+    # memplan's plans on the compiled graph, searched on the solver's budget: the first is the user's less
+    # what the simulation misses (attempt 0's measured peak less its simulated one: gradients, optimizer
+    # state, inductor's fusions and buffers); over the budget, lower by the overshoot and by the new
+    # offset; within it, back up halfway to the lowest solver budget that measured over (a faster plan)
+    over = a0.simulated_peak_bytes  # the least solver budget known to measure over the budget
+    fit: int | None = None          # the highest solver budget known to measure within it
+    best: tuple[Attempt, Split] | None = None
+    last: tuple[nn.Module, Split] | None = None
+    measured: dict[tuple[int, ...], Attempt] = {}
+    solver_budget = budget_bytes - (a0.measured_peak_bytes - a0.simulated_peak_bytes)
+    for _ in range(tries - 1):
+        split = plan_split(joint, solver_budget, method=method, time_limit_s=time_limit_s)
+        a = measured.get(split.saved)
+        if a is None:  # a split already measured is not compiled again
+            compiled, a = attempt(MemplanKnapsack(split=split), solver_budget)
+            measured[split.saved] = a
+            last = (compiled, split)
+        if a.measured_peak_bytes <= budget_bytes:
+            if best is None or (a.simulated_time_s or 0.0) < (best[0].simulated_time_s or 0.0):
+                best = (a, split)
+            fit = solver_budget
+            solver_budget = (fit + over) // 2
+            if over - fit <= max(1, budget_bytes // 100):
+                break  # within 1% of the budget of a plan that measured over: close enough
+        else:
+            if best is None and split.least_plan:
+                break  # memplan's least plan measured over: lower budgets change nothing
+            over = solver_budget
+            if fit is None:
+                overshoot = a.measured_peak_bytes - budget_bytes
+                solver_budget = min(solver_budget - overshoot,
+                                    budget_bytes - (a.measured_peak_bytes - (a.simulated_peak_bytes or 0)))
+            else:
+                solver_budget = (fit + over) // 2
+                if over - fit <= max(1, budget_bytes // 100):
+                    break
+    if best is not None:
+        a, split = best
+        if last is None or last[1] != split:  # compiled last is another split: compile the best again
+            compiled, a = attempt(MemplanKnapsack(split=split), a.solver_budget_bytes)
+        else:
+            compiled = last[0]
+        if a.measured_peak_bytes <= budget_bytes:
+            return BudgetedCompile(compiled, budget_bytes, a.measured_peak_bytes, a.step_time_s, attempts, joint.graph)
+    if not any(x.saved == 0 for x in attempts):
+        compiled, a = attempt(MemplanKnapsack(force="recompute"), None)
+        if a.measured_peak_bytes <= budget_bytes:
+            return BudgetedCompile(compiled, budget_bytes, a.measured_peak_bytes, a.step_time_s, attempts, joint.graph)
+    _refuse(budget_bytes, attempts)
+
+
+def _refuse(budget_bytes: int, attempts: list[Attempt]) -> typing.NoReturn:
     least = min(a.measured_peak_bytes for a in attempts)
     raise CompileInfeasible(attempts, f"compile_with_budget: budget {format_bytes(budget_bytes)} is below every "
                             f"compiled step the partitioner reached: the least measured peak was "
@@ -468,14 +548,6 @@ class CompileInfeasible(Infeasible):
     def __init__(self, attempts: list[Attempt], message: str, **kw: Any):
         super().__init__(message, **kw)
         self.attempts = attempts
-
-
-def _attempt(knapsack: MemplanKnapsack, m: Any, note: str = "") -> Attempt:
-    call = knapsack.calls[0] if knapsack.calls else {}
-    return Attempt(solver_budget_bytes=knapsack.solver_budget_bytes if knapsack.force is None else None,
-                   simulated_peak_bytes=call.get("simulated_peak_bytes"), measured_peak_bytes=m.peak_bytes,
-                   step_time_s=m.step_time_s, saved=call.get("saved", 0), recomputed=call.get("recomputed", 0),
-                   note=note or call.get("note", ""), least_plan=call.get("least_plan", False))
 
 
 def compile_with_fraction(model: nn.Module, batch: Any, loss_fn: LossFn, fraction: float, *,
