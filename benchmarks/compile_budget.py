@@ -55,34 +55,39 @@ def spread(times: tuple[list[float], list[float]]) -> str:
             f"wall {statistics.median(wall) * 1e3:.0f} ms")
 
 
+def memplan_row(name: str, label: str, torch_cells: str, budget: int, rounds: int, steps: int) -> str:
+    w = load_workload(name, **MODELS[name])
+    opt = default_optimizer(w.model)
+    start = time.perf_counter()
+    try:
+        r = compile_with_budget(w.model, w.batch, w.loss_fn, budget, optimizer=opt)
+    except Infeasible as e:
+        return (f"| {name} | {label} | {torch_cells} | {format_bytes(budget)}: refused, least measured "
+                f"{format_bytes(e.min_feasible_bytes or 0)} | | {len(getattr(e, 'attempts', []))} | "
+                f"{time.perf_counter() - start:.0f} s |")
+    plan_s = time.perf_counter() - start
+    ours = timed(r.module, w.batch, opt, rounds, steps)
+    last = r.attempts[-1]
+    return (f"| {name} | {label} | {torch_cells} | {format_bytes(r.measured_peak_bytes)} | {spread(ours)} | "
+            f"{len(r.attempts)} ({last.saved} saved, {last.recomputed} recomputed) | {plan_s:.0f} s |")
+
+
 def run_model(name: str, fractions: tuple[float, ...], rounds: int, steps: int) -> list[str]:
-    rows = []
+    rows, peaks = [], []
     for fraction in fractions:
         w = load_workload(name, **MODELS[name])
         opt = default_optimizer(w.model)
         start = time.perf_counter()
         compiled, m = compile_with_fraction(w.model, w.batch, w.loss_fn, fraction, optimizer=opt)
         torch_s = time.perf_counter() - start
-        torch_times = timed(compiled, w.batch, opt, rounds, steps)
-        w = load_workload(name, **MODELS[name])
-        opt = default_optimizer(w.model)
-        start = time.perf_counter()
-        try:
-            r = compile_with_budget(w.model, w.batch, w.loss_fn, m.peak_bytes, optimizer=opt)
-        except Infeasible as e:
-            plan_s = time.perf_counter() - start
-            rows.append(f"| {name} | {fraction:g} | {format_bytes(m.peak_bytes)} | {spread(torch_times)} | "
-                        f"refused: least measured {format_bytes(e.min_feasible_bytes or 0)} | | "
-                        f"{len(getattr(e, 'attempts', []))} | {torch_s:.0f} s / {plan_s:.0f} s |")
-            print(rows[-1], flush=True)
-            continue
-        plan_s = time.perf_counter() - start
-        ours = timed(r.module, w.batch, opt, rounds, steps)
-        last = r.attempts[-1]
-        rows.append(f"| {name} | {fraction:g} | {format_bytes(m.peak_bytes)} | {spread(torch_times)} | "
-                    f"{format_bytes(r.measured_peak_bytes)} | {spread(ours)} | {len(r.attempts)} "
-                    f"({last.saved} saved, {last.recomputed} recomputed) | {torch_s:.0f} s / {plan_s:.0f} s |")
+        cells = f"{format_bytes(m.peak_bytes)} | {spread(timed(compiled, w.batch, opt, rounds, steps))} | {torch_s:.0f} s"
+        peaks.append(m.peak_bytes)
+        rows.append(memplan_row(name, f"{fraction:g}", cells, m.peak_bytes, rounds, steps))
         print(rows[-1], flush=True)
+    # below every peak torch's fractions reached: how far memplan's splits go
+    rows.append(memplan_row(name, f"none (budget 95% of {format_bytes(min(peaks))})", " | | ",
+                            int(0.95 * min(peaks)), rounds, steps))
+    print(rows[-1], flush=True)
     return rows
 
 
@@ -109,12 +114,13 @@ def main() -> None:
         f"median of {args.rounds} rounds of {args.steps} steps (each round's median step), the rounds' range in "
         "brackets, and the median round's wall time (other jobs share this machine's 2 cores: wall reads "
         "above CPU); both in one process, one after the other. Compiles: how many `compile_with_budget` measured "
-        "(and the knapsack's split in the one it returned); seconds: torch's compile-and-measure / "
-        "memplan's whole call.",
+        "(and the knapsack's split in the one it returned); seconds: torch's compile-and-measure, "
+        "memplan's whole call. The last row per model asks memplan for 95% of the least peak torch's "
+        "fractions reached.",
         "",
-        "| model | torch fraction | torch peak | torch step | memplan peak (budget: torch's peak) | memplan step "
-        "| compiles | seconds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | torch fraction | torch peak | torch step | torch s | memplan peak (budget: torch's peak) "
+        "| memplan step | compiles | memplan s |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ])
     publish(text, args.update_doc, "compile_budget", "torch.compile: its fraction against a byte budget")
