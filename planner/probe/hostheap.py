@@ -30,6 +30,12 @@ settings). So a fake profile on a CPU takes them apart:
   resident when the account begins, read with ``mincore``, count as written: a long-lived process reuses
   them without faults, also where its main arena has gone on in mapped segments because another mapping
   sat above its heap). The pages a block finds unwritten are its faults.
+  A kernel's own scratch (blocks it allocates and frees inside the call, which no storage of the step
+  owns: oneDNN's blocked copies of a convolution's input and output) is replayed at each call from what
+  one real run of the call allocated (:meth:`Shadow.kernel_scratch`, found by
+  :func:`memplan.planner.probe.optime.kernel_scratch`): above glibc's mmap threshold such a block faults
+  at every call of a step, and before it was shadowed a DenseNet-style step (issue 37) was charged for
+  none of its ~590k faults of its convolutions' and batch norms' scratch, half its time.
   Steady state needs a few steps (the first ones grow the heap): the profile shadows its warm-up steps
   and averages the last ones (:data:`COUNTED_STEPS`), and charges that mean, in the traced step's
   proportions, to the ops whose allocations take the faults (forward op, backward step, optimizer),

@@ -27,8 +27,8 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
   the step; timed all cold (everything flushed, code included), a tiny op looked 20 times slower.
   On a CPU each timed run is taken net of the page faults it took (``getrusage``, at the cost of a fresh
   page measured here): an output above glibc's mmap threshold is mapped afresh every run and one below
-  it never is, while the step's own faults are charged apart where the step takes them
-  (:mod:`memplan.planner.probe.hostheap`).
+  it never is, while the step's own faults, its kernels' in-call scratch included (:func:`kernel_scratch`),
+  are charged apart where the step takes them (:mod:`memplan.planner.probe.hostheap`).
   A second pass runs each call once more under the allocator's eye (CPU: ``torch.profiler`` allocation
   events in a ``memplan:<n>`` range; CUDA: ``max_memory_allocated``) for its high-water mark, which the
   profiler turns into workspace as it does for a real step. Results go to an on-disk cache keyed by the
