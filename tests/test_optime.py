@@ -325,3 +325,19 @@ def test_a_cores_own_cache_is_the_largest_it_shares_only_with_its_own_hardware_t
         (index / "shared_cpu_list").write_text(shared + "\n")
     assert _cpu_cache_bytes(private=True, root=tmp_path) == core
     assert _cpu_cache_bytes(root=tmp_path) == 32 * 2**20
+
+
+def test_kernel_scratch_lists_the_blocks_a_kernel_frees_inside_the_call_not_its_outputs():
+    from memplan.planner.probe.optime import kernel_scratch, record_call
+
+    x, w = torch.rand(2, 131, 16, 16), torch.rand(32, 131, 3, 3)
+    conv = torch.ops.aten.convolution.default
+    conv_args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    calls = [record_call(conv, conv_args, {}, conv(*conv_args)),
+             record_call(torch.ops.aten.add.Tensor, (x, x), {}, x + x)]
+    found = kernel_scratch(calls, torch.device("cpu"))
+    assert found[calls[1].key] == ()  # its one allocation is its output
+    events = found[calls[0].key]
+    allocated = [e for e in events if e > 0]
+    assert allocated  # oneDNN's reorders of the input and the output into its blocked layouts
+    assert sorted(-e - 1 for e in events if e < 0) == list(range(len(allocated)))  # each freed once

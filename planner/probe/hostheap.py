@@ -30,6 +30,12 @@ settings). So a fake profile on a CPU takes them apart:
   resident when the account begins, read with ``mincore``, count as written: a long-lived process reuses
   them without faults, also where its main arena has gone on in mapped segments because another mapping
   sat above its heap). The pages a block finds unwritten are its faults.
+  A kernel's own scratch (blocks it allocates and frees inside the call, which no storage of the step
+  owns: oneDNN's blocked copies of a convolution's input and output) is replayed at each call from what
+  one real run of the call allocated (:meth:`Shadow.kernel_scratch`, found by
+  :func:`memplan.planner.probe.optime.kernel_scratch`): above glibc's mmap threshold such a block faults
+  at every call of a step, and before it was shadowed a DenseNet-style step (issue 37) was charged for
+  none of its ~590k faults of its convolutions' and batch norms' scratch, half its time.
   Steady state needs a few steps (the first ones grow the heap): the profile shadows its warm-up steps
   and averages the last ones (:data:`COUNTED_STEPS`), and charges that mean, in the traced step's
   proportions, to the ops whose allocations take the faults (forward op, backward step, optimizer),
@@ -239,6 +245,8 @@ class Shadow:
         self.count = False
         self.failed: str | None = None
         self.step_totals: list[int] = []
+        # call key -> its kernel's scratch, as optime.kernel_scratch gives it (+n allocated, -(i+1) freed)
+        self.scratch: dict[str, tuple[int, ...]] = {}
 
     def born(self, storage: torch.UntypedStorage, where: Hashable) -> None:
         if self.failed is not None:
@@ -257,6 +265,34 @@ class Shadow:
         self.live[key] = (address, nbytes, ref)
         if self.count and fresh:
             self.pages[where] = self.pages.get(where, 0) + fresh
+
+    def kernel_scratch(self, key: str, where: Hashable) -> None:
+        """Replay the blocks call ``key``'s kernel allocates and frees inside the call (:attr:`scratch`),
+        its fresh pages added to ``pages[where]`` while :meth:`counting`: a convolution's reorder buffer
+        above the mmap threshold faults in the step, every call."""
+        events = self.scratch.get(key)
+        if not events or self.failed is not None:
+            return
+        held: dict[int, tuple[int, int]] = {}
+        try:
+            for e in events:
+                if e > 0:
+                    address, fresh = self.heap.alloc(e)
+                    held[len(held)] = (address, e)
+                    if self.count and fresh:
+                        self.pages[where] = self.pages.get(where, 0) + fresh
+                else:
+                    block = held.get(-e - 1)
+                    if block is not None:
+                        self.heap.free(*block)
+                        held[-e - 1] = (0, 0)
+        except ShadowError as e:
+            self.failed = str(e)
+        for address, nbytes in held.values():  # a block the call keeps is none of its scratch: freed here
+            if address:
+                self.heap.free(address, nbytes)
+        if self.failed is not None:
+            self.close()
 
     def _died(self, key: int) -> None:
         block = self.live.pop(key, None)
@@ -280,14 +316,20 @@ class Shadow:
 
 class ShadowMode(TorchDispatchMode):
     """Gives every new storage among each call's outputs its shadow block, counted under ``None`` (the
-    traced step's are given theirs by the tracer, counted under their op)."""
+    traced step's are given theirs by the tracer, counted under their op), then replays the call's kernel
+    scratch (:meth:`Shadow.kernel_scratch`). ``record(func, args, kwargs, out)`` gives a call's
+    :class:`memplan.planner.probe.optime.OpCall` (its key names its scratch); ``calls``, when given,
+    receives each one (the calls whose scratch the profile then finds)."""
 
-    def __init__(self, shadow: Shadow):
+    def __init__(self, shadow: Shadow, record: Any = None, calls: list | None = None):
         super().__init__()
         self.shadow = shadow
+        self.record = record
+        self.calls = calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if self.shadow.failed is None:
             stack = [out]
             while stack:
@@ -300,6 +342,11 @@ class ShadowMode(TorchDispatchMode):
                     self.shadow.born(s, None)
                 elif isinstance(x, (list, tuple)):
                     stack.extend(x)
+        if self.record is not None and isinstance(func, torch._ops.OpOverload) and func.namespace != "profiler":
+            call = self.record(func, args, kwargs, out)
+            if self.calls is not None:
+                self.calls.append(call)
+            self.shadow.kernel_scratch(call.key, None)
         return out
 
 

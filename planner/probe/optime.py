@@ -27,8 +27,8 @@ every call's operator and the shapes, dtypes, strides and aliasing of its argume
   the step; timed all cold (everything flushed, code included), a tiny op looked 20 times slower.
   On a CPU each timed run is taken net of the page faults it took (``getrusage``, at the cost of a fresh
   page measured here): an output above glibc's mmap threshold is mapped afresh every run and one below
-  it never is, while the step's own faults are charged apart where the step takes them
-  (:mod:`memplan.planner.probe.hostheap`).
+  it never is, while the step's own faults, its kernels' in-call scratch included (:func:`kernel_scratch`),
+  are charged apart where the step takes them (:mod:`memplan.planner.probe.hostheap`).
   A second pass runs each call once more under the allocator's eye (CPU: ``torch.profiler`` allocation
   events in a ``memplan:<n>`` range; CUDA: ``max_memory_allocated``) for its high-water mark, which the
   profiler turns into workspace as it does for a real step. Results go to an on-disk cache keyed by the
@@ -69,7 +69,13 @@ from memplan.planner.core.opclass import op_class
 from memplan.planner.probe.device import Device, device_here, device_of
 from memplan.planner.probe.grouped import TIMING_VALUES, fill_offsets, grouped_mm_flops, is_grouped_mm
 from memplan.planner.probe.hostheap import fresh_page_cost_s, process_faults
-from memplan.planner.probe.measure import allocation_highs, allocator_events, cpu_allocations
+from memplan.planner.probe.measure import (
+    AllocatorReport,
+    allocation_highs,
+    allocator_events,
+    allocator_walk,
+    cpu_allocations,
+)
 from memplan.planner.probe.workspaces import fill_workspaces
 
 TIME_SOURCES = ("measured", "isolated", "analytic")
@@ -857,6 +863,52 @@ class OpTimer:
             running += size
             self.stats.peak_bytes = max(self.stats.peak_bytes, running)
         return highs, outputs, failed
+
+
+def kernel_scratch(calls: list[OpCall], device: torch.device) -> dict[str, tuple[int, ...]]:
+    """Per distinct call (by :attr:`OpCall.key`), the blocks its kernel allocates and frees inside the call
+    (oneDNN's reorders of a convolution's input and output into its blocked layouts, its backward's
+    gradient copies), from one run on real arguments under the allocator's eye: a tuple of events in
+    allocation order, ``+n`` a block of n bytes allocated, ``-(i + 1)`` the i-th of them freed. The blocks
+    the call returns (its outputs) are not in it. A call that cannot run alone gets ``()``.
+
+    What a step's allocator makes of them is the shadow's to replay (:class:`memplan.planner.probe.hostheap.
+    Shadow`): in a step a block above glibc's mmap threshold is mapped afresh at each call (a
+    convolution's 36 MiB reorder of a 131-channel input faulted 9,217 pages, 17 ms of a 56 ms call),
+    while the same call alone found a free block in a quiet heap, or had its faults taken off its time."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    distinct = {c.key: c for c in calls}
+    out: dict[str, tuple[int, ...]] = {key: () for key in distinct}
+    names: dict[str, str] = {}
+    with _disable_current_modes(), allocator_events() as prof:
+        for i, (key, c) in enumerate(distinct.items()):
+            with contextlib.suppress(Exception):  # cannot run alone: no scratch known
+                args, kwargs = materialise(c, device)
+                names[f"memplan:{i}"] = key
+                with torch._C._profiler._RecordFunctionFast(f"memplan:{i}"):
+                    result = c.func(*args, **kwargs)
+                del result, args, kwargs
+    inside: dict[str, list[AllocatorReport]] = {}
+    for r in allocator_walk(prof).reports:
+        if r.scope in names and r.device_type == device.type:
+            inside.setdefault(r.scope, []).append(r)
+    for scope, reports in inside.items():
+        reports.sort(key=lambda r: r.time_ns)
+        sizes: list[int] = []                  # every block the call allocated, in order
+        order: list[tuple[bool, int]] = []     # (allocated?, block) in time order
+        live: dict[int, int] = {}              # address -> its block, while allocated
+        for r in reports:
+            if r.bytes > 0:
+                live[r.address] = len(sizes)
+                order.append((True, len(sizes)))
+                sizes.append(r.bytes)
+            elif r.bytes < 0 and r.address in live:
+                order.append((False, live.pop(r.address)))
+        scratch = {b: n for n, b in enumerate(sorted(set(range(len(sizes))) - set(live.values())))}
+        out[names[scope]] = tuple(sizes[b] if allocated else -(scratch[b] + 1)
+                                  for allocated, b in order if b in scratch)
+    return out
 
 
 def _storage_bytes(out: Any) -> tuple[int, ...]:

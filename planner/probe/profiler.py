@@ -87,7 +87,7 @@ from memplan.planner.probe.eager import eager_charge_s
 from memplan.planner.probe.fake import FakeGuard, fake_step_state
 from memplan.planner.probe.kernels import cuda_kernel_choices
 from memplan.planner.probe.measure import fused_extra_s, max_prefix, measure_step, time_steps, untracked_bytes
-from memplan.planner.probe.optime import OpTimer
+from memplan.planner.probe.optime import OpCall, OpTimer, kernel_scratch, record_call
 from memplan.planner.probe.restore import restored
 from memplan.planner.probe.states import state_units
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
@@ -395,10 +395,15 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
         warmups = hostheap.WARMUP_STEPS if shadow is not None else 1
         for i in range(warmups):
             guard.model_called = guard.backward_seen = False  # each step names its loss and optimizer anew
+            seen_calls: list[OpCall] = []
             with module_stack(model, stack, [guard]), guard, \
-                    hostheap.ShadowMode(shadow) if shadow is not None else contextlib.nullcontext(), \
+                    hostheap.ShadowMode(shadow, record_call, seen_calls) if shadow is not None \
+                    else contextlib.nullcontext(), \
                     shadow.step() if shadow is not None and i > 0 else contextlib.nullcontext():
                 training_step(model, st.batch, loss_fn, st.optimizer)
+            if shadow is not None:  # the kernels' own scratch, found once per call, for the counted steps
+                new = [c for c in seen_calls if c.key not in shadow.scratch]
+                shadow.scratch.update(kernel_scratch(new, layer.torch_device))
         advance()
         state = [t for s in st.optimizer.state.values() for t in tensors_in(s)]
         seen: set[int] = set()

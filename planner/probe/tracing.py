@@ -80,6 +80,7 @@ class Tracer(TorchDispatchMode):
         self.replays = ViewReplays()      # autograd's replays of fake views: not ops of the program
         self.draws = Draws()              # tensors whose values are a random draw's (branches on them)
         self.shadow: Shadow | None = None  # fake CPU steps: each new storage's shadow block (hostheap.py)
+        self.scratch_due: tuple[str, Any] | None = None  # the last call's key and place: its kernel scratch
         self.stopwatch = self.device.stopwatch()  # times the calls as the device runs them
         self.laps: list[tuple[str, int, int]] = []  # (phase, forward op or backward step, lap) to settle
 
@@ -145,6 +146,8 @@ class Tracer(TorchDispatchMode):
             out = self._fake_call(func, args, kwargs) if done is None else done[0]
             if isinstance(func, torch._ops.OpOverload) and func.namespace != "profiler":  # not record_function
                 self.calls.append((number, self.phase, self.clock, record_call(func, args, kwargs, out)))
+                if self.shadow is not None:  # its kernel's scratch, after its outputs' blocks
+                    self.scratch_due = (self.calls[-1][3].key, (self.phase, self.clock))
             return out, 0.0, number
         if self.memory == "cpu":
             with torch._C._profiler._RecordFunctionFast(f"memplan:{number}"):
@@ -261,6 +264,7 @@ class Tracer(TorchDispatchMode):
                 rec.outputs.append(tid)
                 rec.positions.append(position)
         self.pending = (k, outs)
+        self.replay_scratch()
         self.replays.after_write(func, args, kwargs)
         if self.memory == "fake":
             self.replays.made(func, args, kwargs, out)
@@ -289,6 +293,7 @@ class Tracer(TorchDispatchMode):
                 tid = self.register(t, "activation")
                 born += self.trace.storages[tid].nbytes
                 self.trace.backward_events.append((self.clock, tid, self.trace.storages[tid].nbytes))
+        self.replay_scratch()
         if self.memory != "off":  # where its kernel scratch goes, once known (see apply_scratch)
             self.born_in[number] = born
             self.trace.backward_events.append((self.clock, -2, number))
@@ -318,7 +323,16 @@ class Tracer(TorchDispatchMode):
             if s is not None and s._cdata not in self.by_key and s._cdata not in seen:
                 tid = self.register(t, "activation")
                 self.trace.optimizer_events.append(self.trace.storages[tid].nbytes)
+        self.replay_scratch()
         return out
+
+    def replay_scratch(self) -> None:
+        """The shadow's replay of the last call's kernel scratch (hostheap.Shadow.kernel_scratch), once its
+        outputs have their blocks: where it allocated them in a real step."""
+        if self.scratch_due is not None and self.shadow is not None:
+            key, where = self.scratch_due
+            self.scratch_due = None
+            self.shadow.kernel_scratch(key, where)
 
 
 @contextlib.contextmanager

@@ -76,7 +76,8 @@ def pulp_problem(model: LinearModel):
     import pulp
 
     prob = pulp.LpProblem("memplan_ilp", pulp.LpMinimize)
-    xs = [pulp.LpVariable(f"x{i}", lowBound=lo, upBound=hi, cat=pulp.LpBinary if bi else pulp.LpContinuous)
+    # variables are made by the problem (PuLP 3.3.1+; 4.0 removes constructing LpVariable directly)
+    xs = [prob.add_variable(f"x{i}", lowBound=lo, upBound=hi, cat=pulp.LpBinary if bi else pulp.LpContinuous)
           for i, (lo, hi, bi) in enumerate(zip(model.lb, model.ub, model.binary, strict=True))]
     prob += pulp.LpAffineExpression([(xs[v], c) for v, c in model.objective.items()])
     for j, (terms, lo, hi) in enumerate(model.rows):
@@ -96,19 +97,33 @@ def solve_cbc(model: LinearModel, hint: dict[int, int], time_limit_s: float) -> 
     try:
         import pulp
     except ImportError:
-        raise SolverUnavailable("ilp backend 'cbc' needs PuLP (it bundles CBC): pip install pulp") from None
+        raise SolverUnavailable("ilp backend 'cbc' needs PuLP (its 3.3 releases bundle CBC): "
+                                "pip install 'pulp>=3.3.1,<4'") from None
     prob, xs = pulp_problem(model)
     for v, val in hint.items():
         xs[v].setInitialValue(val)
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "cbc.log")
         # gapRel=0: "optimal" must mean proved, not within CBC's default gap
-        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, math.ceil(_left(t0, time_limit_s))), warmStart=bool(hint),
-                                logPath=log, threads=1, gapRel=0.0)
+        cmd = pulp.COIN_CMD(path=cbc_path(), msg=False, timeLimit=max(1, math.ceil(_left(t0, time_limit_s))),
+                            warmStart=bool(hint), logPath=log, threads=1, gapRel=0.0)
+        if not cmd.available():
+            raise SolverUnavailable("ilp backend 'cbc' finds no CBC binary: PuLP 3.3 bundles one; "
+                                    "pip install 'pulp>=3.3.1,<4'")
         prob.solve(cmd)
         text = open(log).read() if os.path.exists(log) else ""
     bound = cbc_bound(text)
     return pulp_answer(prob, xs, bound)
+
+
+def cbc_path() -> str | None:
+    """The CBC binary PuLP 3 bundles, run through ``COIN_CMD`` (PuLP 3.3 deprecates ``PULP_CBC_CMD``, which
+    runs that binary, for 4.0); None where the wheel has none for this platform: ``COIN_CMD`` then looks for
+    a ``cbc`` on the PATH."""
+    import pulp
+
+    path = getattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", None)  # a class attribute: reading it warns of nothing
+    return path if path and os.access(path, os.X_OK) else None
 
 
 def cbc_bound(log: str) -> float | None:
