@@ -397,3 +397,32 @@ def test_a_plan_that_streams_state_is_refused_for_another_optimizer_or_none():
     head = [p for n, p in model.named_parameters() if n.startswith("transformer.h.0")]
     with pytest.raises(PlanMismatch, match="re-profile with this model and optimizer"):
         apply(model, plan, graph=g, optimizer=torch.optim.AdamW(head, lr=1e-3))
+
+
+def test_the_executor_performs_a_joint_plans_schedule_event_for_event():
+    """The streamed units' copies are logged in the schedule's terms (tests/test_schedule.py does the same for
+    activation plans): after the first step, which creates each unit's state on the device, every step
+    performs the schedule's state copies in its order (a step whose plan moves no activation is not watched
+    op by op: its forward and backward are plain training's)."""
+    from memplan.planner.core.schedule import schedule
+
+    w, g = weighty("gpt2")
+    bottom = keep_all_report(states_search_graph(g, stream_order(g))).peak_bytes
+    result = solve(g, (bottom + g.fixed.resident_bytes) // 2, offload=True, time_limit_s=10)
+    assert result.plan.streamed()
+    want = [k for k in schedule(g, result.plan).executed() if k[2] is None and k[0] in ("h2d", "d2h")]
+    assert sum(1 for k in want if k[0] == "h2d" and k[2] is None) == len(result.plan.streamed())
+    model = copy.deepcopy(w.model)
+    opt = _adamw(model)
+    ex = apply(model, result.plan, graph=g, optimizer=opt)
+    try:
+        for i in range(3):
+            torch.manual_seed(i)
+            opt.zero_grad(set_to_none=True)
+            w.loss_fn(model, w.batch).backward()
+            opt.step()
+            performed = [e.key() for e in ex.last_step.events if e.tensor is None and e.kind in ("h2d", "d2h")]
+            expected = want if i else [k for k in want if k[0] != "h2d"]
+            assert performed == expected, i
+    finally:
+        ex.remove()

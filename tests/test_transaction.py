@@ -288,16 +288,18 @@ def test_offload_plans_recover(fault):
     run_case("mlp", None, fault, "retry", plan_kind="greedy")
 
 
-# a transformer and a CNN, recompute and offload plans, every fault inside backward under each fusion
+# a transformer and a CNN, recompute and offload plans: every fault inside backward under backward fusion (its
+# partial steps), and the executor's own out-of-memory faults unfused and forward-fused (the MLP cases above
+# run every fault under every fusion)
 MODEL_CASES = [(name, kind) for name in ("gpt2", "resnet") for kind in ("dp", "greedy")]
+IN_BACKWARD_CASES = [*((f, "backward") for f in (*IN_BACKWARD, "optimizer")),
+                     ("replay_oom", None), ("prefetch_oom", None), ("replay_oom", "forward"), ("prefetch_oom", "forward")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fuse", [None, "forward", "backward"])
-@pytest.mark.parametrize("fault", [*IN_BACKWARD, "optimizer"])
+@pytest.mark.parametrize(("fault", "fuse"), IN_BACKWARD_CASES)
 def test_a_transformer_and_a_cnn_recover_from_faults_in_backward(fault, fuse):
-    i = ([*IN_BACKWARD, "optimizer"].index(fault) + [None, "forward", "backward"].index(fuse)) % len(MODEL_CASES)
-    name, kind = MODEL_CASES[i]
+    name, kind = MODEL_CASES[IN_BACKWARD_CASES.index((fault, fuse)) % len(MODEL_CASES)]
     run_case(name, fuse, fault, "retry", _kind(fault, kind))
 
 
