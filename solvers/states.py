@@ -7,7 +7,8 @@ moves units in :func:`~memplan.planner.core.states.stream_order` (most bytes fir
 activations for a few counts of moved units on :func:`~memplan.planner.core.states.states_search_graph`
 (whose peak and time are exactly the placement's): the fewest that the budget's lower bound admits, the
 fewest with which keeping every activation fits, and counts between, the most streamed first (it has the
-most room, so a fit is found before the time runs out), each with a share of the time limit; every candidate is simulated with its placement and the fastest that fits the device and host
+most room, so a fit is found before the time runs out), each with a share of the time limit (where nothing
+streamed may fit, that placement first, with 60% of it); every candidate is simulated with its placement and the fastest that fits the device and host
 budgets is returned. Claims are those of the activations' search at the chosen placement
 (``space`` says so): the placement itself is searched over these counts, not proven.
 """
@@ -27,6 +28,7 @@ from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 
 CANDIDATES = 4  # placements whose activations are solved (besides the one with nothing streamed)
 SHARE_MARGIN = 0.8  # of its share of the time left, what a candidate's activation search is given
+UNSTREAMED_SHARE = 0.6  # of the time, for the placement that streams nothing, where it may fit
 
 
 def _first(n: int, ok: Any) -> int | None:
@@ -66,17 +68,22 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
         k_min = n  # nothing fits by the bound: the all-streamed search says by how much
     k_keep = _first(n, lambda k: keep_all_report(search(k)).peak_bytes <= budget)
     hi = k_keep if k_keep is not None else n
-    # the most streamed first: it has the most room, so a fit is found before the time runs out; then fewer
+    # the most streamed first: it has the most room, so a fit is found before the time runs out; then fewer.
+    # Where nothing streamed may fit, that placement goes first with most of the time: it moves no state
+    # byte over the link, and an activation search cut short there would lose what offload alone finds
     counts = sorted({k_min, hi, *(k_min + (hi - k_min) * i // CANDIDATES for i in range(1, CANDIDATES))},
                     reverse=True)
+    if k_min == 0:
+        counts = [0, *counts[:-1]]
     best, best_report, refusal = None, None, None
     for i, k in enumerate(counts):
         left = time_limit_s - (time.perf_counter() - start)
         if left <= 0:
             break
+        share = UNSTREAMED_SHARE if (k == 0 and i == 0 and len(counts) > 1) else 1 / (len(counts) - i)
         try:
             # a share of what is left, less a margin: a strategy may end a little past its own limit
-            result = solve_activations(search(k), SHARE_MARGIN * left / (len(counts) - i))
+            result = solve_activations(search(k), SHARE_MARGIN * left * share)
         except Infeasible as e:
             refusal = refusal or e  # the most streamed placement's refusal says the most
             continue

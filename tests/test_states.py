@@ -212,28 +212,10 @@ def test_streamed_state_under_the_cuda_emulation_waits_for_its_copies():
                     repeats=1)
         assert g.device == "cuda"
         plan = Plan.keep_all(g).with_states(g, stream_order(g))
-        plain = _train_on(w, None, g)
-        planned = _train_on(w, plan, g)
+        plain = _train(name, None, g, steps=3, w=w)
+        planned = _train(name, plan, g, steps=3, w=w)
     _assert_same(planned, plain)
     assert planned[2] == simulate(g, plan).peak_bytes < plain[2]
-
-
-def _train_on(w, plan, g, steps: int = 3):
-    model = copy.deepcopy(w.model)
-    opt = _adamw(model)
-    ex = apply(model, plan, graph=g, optimizer=opt) if plan is not None else None
-    losses = []
-    for i in range(steps):
-        torch.manual_seed(i)
-        opt.zero_grad(set_to_none=True)
-        loss = w.loss_fn(model, w.batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    peak = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
-    if ex is not None:
-        ex.remove()
-    return losses, [p.detach().clone() for p in model.parameters()], peak
 
 
 @pytest.mark.slow
@@ -260,8 +242,8 @@ def test_a_llama_whose_model_states_do_not_fit_trains_under_a_fake_profiled_plan
         budget = int(fixed_states * 0.9)
         result = solve(g, budget, offload=True, time_limit_s=20)
         assert result.plan.streamed()
-        plain = _train_on(w, None, g)
-        planned = _train_on(w, result.plan, g)
+        plain = _train("llama", None, g, steps=3, w=w)
+        planned = _train("llama", result.plan, g, steps=3, w=w)
     _assert_same(planned, plain)
     assert planned[2] <= budget < fixed_states
     assert abs(planned[2] - result.report.peak_bytes) <= 0.005 * result.report.peak_bytes
@@ -426,3 +408,33 @@ def test_the_executor_performs_a_joint_plans_schedule_event_for_event():
             assert performed == expected, i
     finally:
         ex.remove()
+
+
+def test_the_command_line_streams_state_with_offload_and_refuses_a_bad_host_budget(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    _, g = weighty("gpt2")
+    path = tmp_path / "graph.json"
+    g.save(str(path))
+    bottom = keep_all_report(states_search_graph(g, stream_order(g))).peak_bytes
+    budget = str((bottom + g.fixed.resident_bytes) // 2)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "memplan.api.cli", "solve", str(path), "--budget", budget,
+                               "-o", str(tmp_path / "plan.json"), "--time-limit", "10", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    r = cli("--offload", "--host-budget", "1GiB", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["streamed_units"] > 0 and out["peak_bytes"] <= int(budget) < g.fixed.resident_bytes
+    assert out["host_peak_bytes"] >= out["streamed_state_bytes"] > 0
+    assert Plan.load(str(tmp_path / "plan.json")).streamed()
+    r = cli("--offload", "--no-states")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "budget" in r.stderr
+    r = cli("--offload", "--host-budget", "lots")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lots" in r.stderr
+    r = cli("--offload", "--host-budget", "1KiB")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "host" in r.stderr

@@ -103,6 +103,7 @@ def run_workload(
         raise MemplanError("--graph is the graph of a --plan: give --plan too (without --plan, run profiles)")
     if plan_file is None:
         check_budget(budget)  # before profiling: a typo is not found a minute later
+        host = parse_budget(host_budget) if host_budget else None
     writable(save_plan, save_graph, output, snapshot)
     w = load_workload(workload, **workload_options(options))
     if plan_file is not None:
@@ -120,7 +121,7 @@ def run_workload(
         b = budget_bytes(budget, graph)
         with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
             plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse,
-                             host_budget_bytes=parse_budget(host_budget) if host_budget else None,
+                             host_budget_bytes=host,
                              states=states).plan
     if save_graph is not None:
         with writing(save_graph):
