@@ -75,7 +75,7 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
                     reverse=True)
     if k_min == 0:
         counts = [0, *counts[:-1]]
-    best, best_report, refusal = None, None, None
+    best, best_report, refusal, refused_k, host_refusal = None, None, None, -1, None
     for i, k in enumerate(counts):
         left = time_limit_s - (time.perf_counter() - start)
         if left <= 0:
@@ -85,14 +85,15 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
             # a share of what is left, less a margin: a strategy may end a little past its own limit
             result = solve_activations(search(k), SHARE_MARGIN * left * share)
         except Infeasible as e:
-            refusal = refusal or e  # the most streamed placement's refusal says the most
+            if k > refused_k:  # the most streamed placement's refusal says the most
+                refusal, refused_k = e, k
             continue
         plan = result.plan.with_states(graph, order[:k])
         report = simulate(graph, plan)
         if report.peak_bytes > budget:
             continue
         if host_budget_bytes is not None and report.host_peak_bytes > host_budget_bytes:
-            refusal = Infeasible(
+            host_refusal = host_refusal or Infeasible(
                 f"the plan that fits {format_bytes(budget)} with {k} of {n} units' optimizer state streamed needs "
                 f"{format_bytes(report.host_peak_bytes)} of host memory (offloaded activations and the state "
                 f"pool), over the host budget {format_bytes(host_budget_bytes)}", budget_bytes=budget)
@@ -100,11 +101,15 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
         if best_report is None or report.time_s < best_report.time_s:
             best, best_report = (result, plan, k), report
     if best is None:
-        raise refusal or Infeasible(f"no placement of the model states was solved within the time limit of "
+        # a plan that fits the device but not the host budget says what the host must hold; else the most
+        # streamed placement's refusal
+        raise host_refusal or refusal or Infeasible(f"no placement of the model states was solved within the time limit of "
                                     f"{time_limit_s:g} s", budget_bytes=budget)
     result, plan, k = best
     info = plan.solver
     info.settings = {**info.settings, "time_limit_s": time_limit_s, "streamed_units": k, "state_units": n}
+    if not k and len(counts) > 1:  # the claim holds with every state resident, the placement was searched
+        info.space = f"{info.space or 'all'} (activations, with every unit's optimizer state resident)"
     if k:
         info.space = f"{info.space or 'all'} (activations, with this plan's {k} of {n} units' state streamed)"
         info.status = "feasible" if info.status == "optimal" else info.status
@@ -114,6 +119,7 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
         "recompute_time_s": best_report.recompute_time_s, "exposed_transfer_s": best_report.exposed_transfer_s})
     info.solve_time_s = time.perf_counter() - start
     if not k:
-        return dataclasses.replace(result, plan=plan, report=best_report, solve_time_s=info.solve_time_s)
+        return dataclasses.replace(result, plan=plan, report=best_report, space=info.space,
+                                   solve_time_s=info.solve_time_s)
     return dataclasses.replace(result, plan=plan, report=best_report, status=info.status, lower_bound_s=None,
                                gap=None, space=info.space, solve_time_s=info.solve_time_s)
