@@ -73,10 +73,14 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     """
     if fuse is not None and fuse not in FUSE_MODES:
         raise MemplanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
+    if budget_bytes is not None and (not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool)):
+        # bytes inside the code (the CLI and the service parse "6GiB" and "50%" at the edge): refused here, before
+        # the fused and the model-state searches, which did arithmetic on it first (a TypeError)
+        raise MemplanError(f"budget must be a non-negative number of bytes, got {budget_bytes!r} (parse strings "
+                           f"such as '6GiB' or '50%' with memplan.planner.core.units.parse_budget)")
     start = time.perf_counter()
     deadline = start + time_limit_s  # the searches below share the request's time limit
-    if (offload if states is None else states) and graph.state_units and fuse is None \
-            and budget_bytes is not None and isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool):
+    if (offload if states is None else states) and graph.state_units and fuse is None and budget_bytes is not None:
         return solve_with_states(
             graph, budget_bytes, lambda search, seconds: _solve(
                 search, budget_bytes, method, time_limit_s=seconds, offload=offload,

@@ -438,3 +438,12 @@ def test_the_command_line_streams_state_with_offload_and_refuses_a_bad_host_budg
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lots" in r.stderr
     r = cli("--offload", "--host-budget", "1KiB")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "host" in r.stderr
+
+
+@pytest.mark.parametrize("fuse", [None, "backward"])
+def test_a_budget_string_is_refused_in_one_line_by_every_search(fuse):
+    """Bytes inside the code: the fused and the model-state searches did arithmetic on a string first."""
+    from memplan.planner.core.errors import MemplanError
+
+    with pytest.raises(MemplanError, match="number of bytes, got '60%'"):
+        solve(graph_of("gpt2"), "60%", offload=True, fuse=fuse)
