@@ -203,14 +203,16 @@ class Executor:
         # emulation): how it charges bytes, its copy stream, its generators
         self.device = device_of(graph.device)
         self.pool = HostPool(graph, offloaded, self.device)  # allocated once, reused every step
-        streamed = plan.streamed()
-        self.copies = self.device.copy_stream() if offloaded or streamed else None
-        if streamed and optimizer is None:
-            raise MemplanError(f"the plan streams the optimizer state of {len(streamed)} unit(s): apply(..., "
-                               f"optimizer=opt) with the optimizer it was profiled with")
-        # the streamed units' optimizer state, in its own host pool (executor/states.py)
-        self.states = (StateStreamer(model, optimizer, graph, streamed, self.device, self.copies)
-                       if streamed else None)
+        streamed, hosted = plan.streamed(), plan.hosted()
+        self.copies = self.device.copy_stream() if offloaded or streamed or hosted else None
+        if (streamed or hosted) and optimizer is None:
+            raise MemplanError(f"the plan moves the optimizer state of {len(streamed) + len(hosted)} unit(s) off "
+                               f"the device: apply(..., optimizer=opt) with the optimizer it was profiled with")
+        # the streamed and host-stepped units' optimizer state, in their own host pools (executor/states.py,
+        # executor/hoststep.py)
+        self.states = (StateStreamer(model, optimizer, graph, streamed, self.device, self.copies, hosted,
+                                     self.schedule.grads_released)
+                       if streamed or hosted else None)
         self.fixed_tensors = list(model.parameters()) + list(model.buffers())
         self.step_state: Step | None = None
         self.last_step: Step | None = None
@@ -269,6 +271,8 @@ class Executor:
                 ex = me()
                 if ex is not None:
                     ex.end_step()  # a step whose backward never came (a skipped batch) ends here
+                    if ex.states is not None and ex.states.hoststep is not None:
+                        ex.states.hoststep.zero_grad()
                 return real_zero_grad(set_to_none=set_to_none)
 
             optimizer.step = step  # type: ignore[method-assign]
@@ -350,6 +354,8 @@ class Executor:
                 self.fused.before_module(module)
         self.step_state = Step(self)
         self.steps += 1
+        if self.states is not None and self.states.hoststep is not None:
+            self.states.hoststep.log = self.step_state.log  # where backward's gradient copies are logged
         if not self.watch:
             self.step_state.forward_done = True
             return

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memplan.executor.hoststep import HostStepper
 from memplan.executor.recipes import byte_view
 from memplan.planner.core.errors import PlanMismatch
 from memplan.planner.core.graph import Graph
@@ -39,7 +40,7 @@ class StateStreamer:
     """The streamed units' optimizer state: its host pool, and the optimizer step that streams it."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, graph: Graph, streamed: list[int],
-                 device: Device, copies: Any):
+                 device: Device, copies: Any, hosted: list[int] = (), grads_released: dict | None = None):
         groups, _, module_buckets = buckets(model, optimizer)
         names = bucket_modules(model, module_buckets, len(groups))
         units = graph.state_units
@@ -53,19 +54,25 @@ class StateStreamer:
         self.copies = copies
         self.groups = groups
         self.streamed = list(streamed)
-        chosen = set(streamed)
+        chosen = set(streamed) | set(hosted)
         self.resident = [p for u, ps in enumerate(groups) if u not in chosen for p in ps]
+        # the host-stepped units (executor/hoststep.py): their own pool, hooks and host steps
+        self.hoststep = (HostStepper(optimizer, graph, groups, list(hosted), grads_released or {}, device, copies)
+                         if hosted else None)
         self.slots: dict[int, tuple[int, int]] = {}
         at = 0
         for u in streamed:
             n = slot_bytes(units[u].state_bytes, units[u].state_tensors)
             self.slots[u] = (at, n)
             at += n
-        self.bytes = at
         self.pool = device.pinned_empty(at) if at else None
+        self.bytes = at + (self.hoststep.bytes if self.hoststep is not None else 0)
         self.steps = 0
         self.log: list = []
         self._hook = optimizer.register_load_state_dict_post_hook(lambda _opt: self.to_host(self.streamed))
+        # a checkpoint reads the pool on the host: the copies back into it must have landed (on a GPU the
+        # host runs ahead of the copy stream)
+        self._sync = optimizer.register_state_dict_pre_hook(lambda _opt: self.copies.drain())
 
     # ---- where a unit's state lives ------------------------------------------------------------------
     def _entries(self, u: int) -> list[tuple[nn.Parameter, str]]:
@@ -143,6 +150,9 @@ class StateStreamer:
             with torch.enable_grad():
                 loss = closure()
         self.steps += 1
+        if self.hoststep is not None:
+            self.hoststep.log = self.log
+            self.hoststep.before_step()
         if self.resident:
             with narrowed_groups(self.optimizer, self.resident), torch.no_grad():
                 real_step()
@@ -161,11 +171,16 @@ class StateStreamer:
             for c in pending if todo else []:
                 c.wait()
             self.to_host(todo)
+        if self.hoststep is not None:
+            self.hoststep.step(real_step)
         return loss
 
     def remove(self) -> None:
         """Every streamed state back on its parameter's device (plain training from here on)."""
         self._hook.remove()
+        self._sync.remove()
+        if self.hoststep is not None:
+            self.hoststep.remove()
         for u in self.streamed:
             for p, key in self._entries(u):
                 t = self.optimizer.state[p][key]

@@ -50,15 +50,19 @@ class SolveResult:
     space: str = ALL_PLANS
 
 
+STATE_PLACEMENTS = ("auto", "stream", "host")  # solve's states= ways to move a unit's state
+
+
 def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_limit_s: float = 60.0,
           offload: bool = False, host_budget_bytes: int | None = None, fuse: str | None = None,
-          states: bool | None = None, **options: Any) -> SolveResult:
+          states: bool | str | None = None, **options: Any) -> SolveResult:
     """Plan ``graph`` under ``budget_bytes`` (device peak, fixed memory included; None: no limit).
 
-    ``states`` (default: ``offload``) lets the search stream units' optimizer state through the host
-    (planner/core/states.py; :func:`memplan.solvers.states.solve_with_states` chooses which, with the
-    activations; unfused steps only); ``offload=True, states=False`` moves activations alone,
-    ``offload=False, states=True`` model states alone.
+    ``states`` (default: ``offload``) lets the search move units' optimizer state off the device: streamed
+    through it for the update, or stepped on the host (planner/core/states.py;
+    :func:`memplan.solvers.states.solve_with_states` chooses which units and how, with the activations;
+    unfused steps only); ``"stream"`` or ``"host"`` allows that way only; ``offload=True, states=False``
+    moves activations alone, ``offload=False, states=True`` model states alone.
 
     ``method`` names a registered strategy (see :func:`memplan.solvers.registry.solvers`; ``auto`` picks
     one). ``offload`` lets the strategy move activations to host memory (``host_budget_bytes`` caps them);
@@ -80,12 +84,15 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
                            f"such as '6GiB' or '50%' with memplan.planner.core.units.parse_budget)")
     start = time.perf_counter()
     deadline = start + time_limit_s  # the searches below share the request's time limit
-    if (offload if states is None else states) and graph.state_units and fuse is None and budget_bytes is not None:
+    if isinstance(states, str) and states not in STATE_PLACEMENTS:
+        raise MemplanError(f"states={states!r}: expected {', '.join(STATE_PLACEMENTS)}, True, False or None")
+    if (offload if states is None else bool(states)) and graph.state_units and fuse is None and budget_bytes is not None:
         return solve_with_states(
             graph, budget_bytes, lambda search, seconds: _solve(
                 search, budget_bytes, method, time_limit_s=seconds, offload=offload,
                 host_budget_bytes=host_budget_bytes, **options),
-            time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes)
+            time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes,
+            placement=states if isinstance(states, str) else "auto")
     if fuse is None or not graph.fused_backward or budget_bytes is None:
         return _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
                       host_budget_bytes=host_budget_bytes, **options)

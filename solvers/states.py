@@ -22,7 +22,7 @@ from typing import Any
 from memplan.planner.core.errors import Infeasible
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.simulator import simulate
-from memplan.planner.core.states import states_search_graph, stream_order
+from memplan.planner.core.states import host_refusal, states_search_graph, stream_order, unit_grads
 from memplan.planner.core.units import format_bytes
 from memplan.solvers.bounds import keep_all_report, memory_lower_bound
 
@@ -47,71 +47,110 @@ def _first(n: int, ok: Any) -> int | None:
     return lo if ok(lo) else n
 
 
+def _modes(graph: Graph, placement: str) -> list[str]:
+    """The ways a search may move units' state: streamed through the device, stepped on the host."""
+    modes = [] if placement == "host" else ["stream"]
+    eligible = [u for u in range(len(graph.state_units)) if u in unit_grads(graph)]
+    if placement != "stream" and eligible and host_refusal(graph, eligible) is None:
+        modes.append("host")
+    if not modes:
+        raise Infeasible(f"no unit's optimizer can be stepped on the host: "
+                         f"{host_refusal(graph, eligible) or 'backward gives no unit a gradient'}")
+    return modes
+
+
 def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time_limit_s: float,
-                      host_budget_bytes: int | None) -> Any:
-    """Search the streamed units with the activations. ``solve_activations(search_graph, time_limit_s)``
+                      host_budget_bytes: int | None, placement: str = "auto") -> Any:
+    """Search the moved units with the activations. ``solve_activations(search_graph, time_limit_s)``
     solves the activations on a search graph and returns a :class:`~memplan.solvers.core.SolveResult`
-    (raising :class:`Infeasible`). Returns the fastest result that fits, its plan carrying its placement;
-    raises the all-streamed search's :class:`Infeasible` when nothing fits."""
+    (raising :class:`Infeasible`). ``placement``: where moved units go ("stream", "host", or "auto": each
+    way searched). Returns the fastest result that fits, its plan carrying its placement; raises the most
+    moved search's :class:`Infeasible` when nothing fits."""
     start = time.perf_counter()
     order = stream_order(graph)
     n = len(order)
-    searches: dict[int, Graph] = {}
+    grads = unit_grads(graph)
+    searches: dict[tuple[int, str], Graph] = {}
 
-    def search(k: int) -> Graph:
-        if k not in searches:
-            searches[k] = states_search_graph(graph, order[:k])
-        return searches[k]
+    def split(k: int, mode: str) -> tuple[list[int], list[int]]:
+        """(streamed, hosted) when the first ``k`` units of the order move ``mode``'s way (a unit backward
+        gives no gradient to is streamed)."""
+        moved = order[:k]
+        if mode == "stream":
+            return moved, []
+        return [u for u in moved if u not in grads], [u for u in moved if u in grads]
 
-    k_min = _first(n, lambda k: memory_lower_bound(search(k)) <= budget)
-    if k_min is None:
-        k_min = n  # nothing fits by the bound: the all-streamed search says by how much
-    k_keep = _first(n, lambda k: keep_all_report(search(k)).peak_bytes <= budget)
-    hi = k_keep if k_keep is not None else n
-    # the most streamed first: it has the most room, so a fit is found before the time runs out; then fewer.
-    # Where nothing streamed may fit, that placement goes first with most of the time: it moves no state
-    # byte over the link, and an activation search cut short there would lose what offload alone finds
-    counts = sorted({k_min, hi, *(k_min + (hi - k_min) * i // CANDIDATES for i in range(1, CANDIDATES))},
-                    reverse=True)
-    if k_min == 0:
-        counts = [0, *counts[:-1]]
-    best, best_report, refusal, refused_k, host_refusal = None, None, None, -1, None
-    for i, k in enumerate(counts):
+    def search(k: int, mode: str) -> Graph:
+        if (k, mode) not in searches:
+            streamed, hosted = split(k, mode)
+            searches[k, mode] = states_search_graph(graph, streamed, hosted=hosted)
+        return searches[k, mode]
+
+    candidates: list[tuple[float, int, str]] = []  # (keep-all's time at the most moved count, k, mode)
+    for mode in _modes(graph, placement):
+        k_min = _first(n, lambda k, m=mode: memory_lower_bound(search(k, m)) <= budget)
+        if k_min is None:
+            k_min = n  # nothing fits by the bound: the all-moved search says by how much
+        k_keep = _first(n, lambda k, m=mode: keep_all_report(search(k, m)).peak_bytes <= budget)
+        hi = k_keep if k_keep is not None else n
+        # the most moved first: it has the most room, so a fit is found before the time runs out; then fewer
+        counts = sorted({k_min, hi, *(k_min + (hi - k_min) * i // CANDIDATES for i in range(1, CANDIDATES))},
+                        reverse=True)
+        rank = keep_all_report(search(hi, mode)).time_s
+        candidates += [(rank, k, mode) for k in counts]
+    # the way whose keep-all step is faster first; where nothing moved may fit, that placement goes first with
+    # most of the time: it moves no state byte, and an activation search cut short there would lose what
+    # offload alone finds
+    candidates.sort(key=lambda c: (c[0], c[2], -c[1]))
+    plan_order = list(dict.fromkeys((k if k else 0, mode if k else "stream") for _, k, mode in candidates))
+    if (0, "stream") in plan_order:
+        plan_order.remove((0, "stream"))
+        plan_order.insert(0, (0, "stream"))
+        first_unmoved = True
+    else:
+        first_unmoved = False
+    best, best_report, refusal, refused_k, host_refusal_ = None, None, None, -1, None
+    for i, (k, mode) in enumerate(plan_order):
         left = time_limit_s - (time.perf_counter() - start)
         if left <= 0:
             break
-        share = UNSTREAMED_SHARE if (k == 0 and i == 0 and len(counts) > 1) else 1 / (len(counts) - i)
+        share = UNSTREAMED_SHARE if (first_unmoved and i == 0 and len(plan_order) > 1) else 1 / (len(plan_order) - i)
         try:
             # a share of what is left, less a margin: a strategy may end a little past its own limit
-            result = solve_activations(search(k), SHARE_MARGIN * left * share)
+            result = solve_activations(search(k, mode), SHARE_MARGIN * left * share)
         except Infeasible as e:
-            if k > refused_k:  # the most streamed placement's refusal says the most
+            if k > refused_k:  # the most moved placement's refusal says the most
                 refusal, refused_k = e, k
             continue
-        plan = result.plan.with_states(graph, order[:k])
+        streamed, hosted = split(k, mode)
+        plan = result.plan.with_states(graph, streamed, hosted)
         report = simulate(graph, plan)
         if report.peak_bytes > budget:
             continue
         if host_budget_bytes is not None and report.host_peak_bytes > host_budget_bytes:
-            host_refusal = host_refusal or Infeasible(
-                f"the plan that fits {format_bytes(budget)} with {k} of {n} units' optimizer state streamed needs "
-                f"{format_bytes(report.host_peak_bytes)} of host memory (offloaded activations and the state "
+            host_refusal_ = host_refusal_ or Infeasible(
+                f"the plan that fits {format_bytes(budget)} with {k} of {n} units' optimizer state off the device "
+                f"needs {format_bytes(report.host_peak_bytes)} of host memory (offloaded activations and the state "
                 f"pool), over the host budget {format_bytes(host_budget_bytes)}", budget_bytes=budget)
             continue
         if best_report is None or report.time_s < best_report.time_s:
-            best, best_report = (result, plan, k), report
+            best, best_report = (result, plan, k, mode), report
     if best is None:
         # a plan that fits the device but not the host budget says what the host must hold; else the most
-        # streamed placement's refusal
-        raise host_refusal or refusal or Infeasible(f"no placement of the model states was solved within the time limit of "
-                                    f"{time_limit_s:g} s", budget_bytes=budget)
-    result, plan, k = best
+        # moved placement's refusal
+        raise host_refusal_ or refusal or Infeasible(f"no placement of the model states was solved within the "
+                                                     f"time limit of {time_limit_s:g} s", budget_bytes=budget)
+    result, plan, k, mode = best
+    streamed, hosted = plan.streamed(), plan.hosted()
     info = plan.solver
-    info.settings = {**info.settings, "time_limit_s": time_limit_s, "streamed_units": k, "state_units": n}
-    if not k and len(counts) > 1:  # the claim holds with every state resident, the placement was searched
+    info.settings = {**info.settings, "time_limit_s": time_limit_s, "streamed_units": len(streamed),
+                     "hosted_units": len(hosted), "state_units": n}
+    if not k and len(plan_order) > 1:  # the claim holds with every state resident, the placement was searched
         info.space = f"{info.space or 'all'} (activations, with every unit's optimizer state resident)"
     if k:
-        info.space = f"{info.space or 'all'} (activations, with this plan's {k} of {n} units' state streamed)"
+        where = " and ".join(part for part in (f"{len(streamed)} streamed" if streamed else "",
+                                               f"{len(hosted)} stepped on the host" if hosted else "") if part)
+        info.space = f"{info.space or 'all'} (activations, with this plan's {k} of {n} units' state: {where})"
         info.status = "feasible" if info.status == "optimal" else info.status
         info.lower_bound_s, info.gap = None, None
     plan.predicted = plan.predicted.model_copy(update={

@@ -27,6 +27,7 @@ from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.schedule import Schedule, schedule
 from memplan.planner.core.simulator import Report, score, simulate
+from memplan.planner.core.states import unit_grads
 from memplan.planner.core.synthetic import linear_chain, random_dag
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the profiled graphs below
@@ -40,12 +41,17 @@ def check_sums(graph: Graph, sched: Schedule, report: Report) -> None:
     assert report.timeline, "needs the timeline"
     assert report.peak_bytes == max(e.peak_bytes for e in report.timeline)
     assert math.isclose(report.time_s, report.forward_time_s + report.backward_time_s + report.recompute_time_s
-                        + report.exposed_transfer_s + report.optimizer_time_s, rel_tol=1e-9, abs_tol=1e-12)
-    # an activation's copies move its bytes; a streamed state unit's (tensor None) the unit's state
+                        + report.exposed_transfer_s + report.optimizer_time_s + report.host_wait_s,
+                        rel_tol=1e-9, abs_tol=1e-12)
+    # an activation's copies move its bytes; a streamed state unit's (tensor None) the unit's state; a
+    # host-stepped unit's its gradients (to the host) and parameters (back)
     assert report.transfer_bytes == sum(tensors[e.tensor].bytes if e.tensor is not None else e.copy_bytes
                                         for e in events if e.kind in ("d2h", "h2d"))
     assert all(e.copy_bytes == graph.state_units[e.at].state_bytes for e in events
-               if e.kind in ("d2h", "h2d") and e.tensor is None)
+               if e.kind in ("d2h", "h2d") and e.tensor is None and e.at in sched.streamed
+               and e.phase == "optimizer")
+    assert all(e.copy_bytes == graph.state_units[e.at].param_bytes for e in events
+               if e.kind == "h2d" and e.tensor is None and e.at in sched.hosted)
     assert report.recomputed_ops == sum(len(e.ops) for e in sched.replays()) == len(sched.of("recompute"))
     assert report.watched_ops == sum(len(e.ops) for e in sched.of("watch"))
     # every host copy is given back at its tensor's last backward reader
@@ -54,6 +60,7 @@ def check_sums(graph: Graph, sched: Schedule, report: Report) -> None:
     # the step ends with the fixed memory, the gradients backward leaves, and the held tensors
     held = sum(t.bytes for t in tensors if t.kind == "activation" and t.held_by_caller)
     grads = sum(op.backward_grad_alloc_bytes - op.backward_grad_free_bytes for op in graph.ops)
+    grads -= sum(unit_grads(graph)[u].grad_bytes for u in sched.hosted)  # on the host by then
     # (streamed optimizer state starts and ends the step in the host pool)
     assert report.timeline[-1].live_bytes == graph.fixed.resident_bytes - sched.state_off_device_bytes + grads + held
 

@@ -190,7 +190,7 @@ def test_a_joint_plan_where_no_activation_plan_fits_trains_bitwise_at_its_predic
     assert bottom < budget < activations_only
     if name == "gpt2":
         assert budget < g.fixed.resident_bytes
-    result = solve(g, budget, offload=True, time_limit_s=10)
+    result = solve(g, budget, offload=True, states="stream", time_limit_s=10)
     assert result.plan.streamed() and result.report.peak_bytes <= budget
     plain = _train(name, None, g, w=w)
     planned = _train(name, result.plan, g, w=w)
@@ -240,7 +240,7 @@ def test_a_llama_whose_model_states_do_not_fit_trains_under_a_fake_profiled_plan
         g = profile(copy.deepcopy(model), ids, loss_fn, device="cuda", fake=True, progress=False)
         fixed_states = g.fixed.params_bytes + g.fixed.optimizer_state_bytes
         budget = int(fixed_states * 0.9)
-        result = solve(g, budget, offload=True, time_limit_s=20)
+        result = solve(g, budget, offload=True, states="stream", time_limit_s=20)
         assert result.plan.streamed()
         plain = _train("llama", None, g, steps=3, w=w)
         planned = _train("llama", result.plan, g, steps=3, w=w)
@@ -390,7 +390,7 @@ def test_the_executor_performs_a_joint_plans_schedule_event_for_event():
 
     w, g = weighty("gpt2")
     bottom = keep_all_report(states_search_graph(g, stream_order(g))).peak_bytes
-    result = solve(g, (bottom + g.fixed.resident_bytes) // 2, offload=True, time_limit_s=10)
+    result = solve(g, (bottom + g.fixed.resident_bytes) // 2, offload=True, states="stream", time_limit_s=10)
     assert result.plan.streamed()
     want = [k for k in schedule(g, result.plan).executed() if k[2] is None and k[0] in ("h2d", "d2h")]
     assert sum(1 for k in want if k[0] == "h2d" and k[2] is None) == len(result.plan.streamed())
@@ -426,12 +426,19 @@ def test_the_command_line_streams_state_with_offload_and_refuses_a_bad_host_budg
                                "-o", str(tmp_path / "plan.json"), "--time-limit", "10", *args],
                               capture_output=True, text=True, timeout=300)
 
-    r = cli("--offload", "--host-budget", "1GiB", "--json")
+    r = cli("--offload", "--host-budget", "1GiB", "--states-on", "stream", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["streamed_units"] > 0 and out["peak_bytes"] <= int(budget) < g.fixed.resident_bytes
     assert out["host_peak_bytes"] >= out["streamed_state_bytes"] > 0
     assert Plan.load(str(tmp_path / "plan.json")).streamed()
+    r = cli("--states-on", "host", "--json")  # model states alone, stepped on the host
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["hosted_units"] > 0 and out["streamed_units"] == 0 and out["peak_bytes"] <= int(budget)
+    assert out["predicted_parts_s"]["host_optimizer"] > 0 and Plan.load(str(tmp_path / "plan.json")).hosted()
+    r = cli("--states-on", "host", "--no-states")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--states-on" in r.stderr
     r = cli("--offload", "--no-states")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "budget" in r.stderr
     r = cli("--offload", "--host-budget", "lots")

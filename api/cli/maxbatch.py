@@ -14,8 +14,10 @@ from memplan.api.cli.options import (
     JsonOpt,
     SetOpt,
     SpecOpt,
+    StatesOnOpt,
     StatesOpt,
     fuse_mode,
+    state_choice,
     workload_options,
 )
 from memplan.planner.core.errors import MemplanError
@@ -52,6 +54,7 @@ def maxbatch(
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
     host_budget: HostBudgetOpt = None,
     states: StatesOpt = None,
+    states_on: StatesOnOpt = "auto",
     fuse: Annotated[str | None, typer.Option(help="backward or forward: the training loop steps the optimizer "
                                                   "there; size the batch for that step")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="plan file to write (for the answer)")] = Path("plan.json"),
@@ -97,7 +100,7 @@ def maxbatch(
     with working(f"searching {dim}", quiet=json_out):
         answer = max_dim(graph, b, dim=dim, max_overhead=overhead, method=solver, time_limit_s=time_limit,
                          offload=offload, max_value=max_value or MAX_VALUE, fuse=fuse, host_budget_bytes=host,
-                         states=states)
+                         states=state_choice(states, states_on))
     answer.result.plan.save(str(output))
     answer.graph.save(str(graph_output))
     report = answer.result.report

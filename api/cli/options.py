@@ -69,6 +69,23 @@ StatesOpt = Annotated[bool | None, typer.Option(
     "--states/--no-states", help="with --offload: also stream units' optimizer state through the host "
                                  "(default: --offload moves both; --no-states: activations only; --states "
                                  "without --offload: model states only)")]
+StatesOnOpt = Annotated[str, typer.Option(
+    "--states-on", help="where the model-state search may move a unit's optimizer state: auto (each way), "
+                        "stream (through the device for its update) or host (stepped on the host; no gradient "
+                        "accumulation); implies --states")]
+
+
+def state_choice(states: bool | None, states_on: str) -> bool | str | None:
+    """solve()'s ``states`` from ``--states/--no-states`` and ``--states-on``."""
+    if states_on not in ("auto", "stream", "host"):
+        raise MemplanError(f"--states-on {states_on!r}: expected auto, stream or host")
+    if states_on == "auto":
+        return states
+    if states is False:
+        raise MemplanError(f"--states-on {states_on} with --no-states: drop one of them")
+    return states_on
+
+
 FakeOpt = Annotated[bool, typer.Option(
     "--fake", help="trace the step under fake tensors: no activation, gradient or optimizer state is "
                    "allocated; each op is timed alone on this device (cached) instead")]

@@ -24,11 +24,13 @@ from memplan.api.cli.options import (
     OwnCheckpointingOpt,
     SetOpt,
     SpecOpt,
+    StatesOnOpt,
     StatesOpt,
     budget_bytes,
     budget_list,
     fuse_mode,
     needs_fake,
+    state_choice,
     workload_options,
 )
 from memplan.api.cli.ranks import ranks_fake
@@ -42,21 +44,30 @@ from memplan.planner.core.units import check_budget, format_bytes, parse_budget
 def state_summary(graph: Graph, result: Any) -> dict[str, Any]:
     """What a plan does with the model states, and its predicted step in parts (the report's)."""
     r = result.report
-    streamed = result.plan.streamed()
-    return {"state_units": len(graph.state_units), "streamed_units": len(streamed),
+    streamed, hosted = result.plan.streamed(), result.plan.hosted()
+    return {"state_units": len(graph.state_units), "streamed_units": len(streamed), "hosted_units": len(hosted),
             "streamed_state_bytes": sum(graph.state_units[u].state_bytes for u in streamed),
+            "hosted_state_bytes": sum(graph.state_units[u].state_bytes for u in hosted),
             "host_peak_bytes": r.host_peak_bytes,
             "predicted_parts_s": {"forward": r.forward_time_s, "backward": r.backward_time_s,
                                   "recompute": r.recompute_time_s, "exposed_transfers": r.exposed_transfer_s,
-                                  "optimizer": r.optimizer_time_s}}
+                                  "optimizer": r.optimizer_time_s, "host_optimizer": r.host_optimizer_time_s,
+                                  "waits_for_host": r.host_wait_s}}
 
 
 def print_states(summary: dict[str, Any]) -> None:
-    if not summary["streamed_units"]:
+    if not summary["streamed_units"] and not summary.get("hosted_units"):
         return
     parts = summary["predicted_parts_s"]
-    out.print(f"optimizer state: {summary['streamed_units']} of {summary['state_units']} units streamed through "
-              f"the host ({format_bytes(summary['streamed_state_bytes'])}); host memory "
+    where = []
+    if summary["streamed_units"]:
+        where.append(f"{summary['streamed_units']} streamed through the device "
+                     f"({format_bytes(summary['streamed_state_bytes'])})")
+    if summary.get("hosted_units"):
+        where.append(f"{summary['hosted_units']} stepped on the host ({format_bytes(summary['hosted_state_bytes'])}, "
+                     f"host steps {parts['host_optimizer'] * 1e3:.1f} ms, compute waits "
+                     f"{parts['waits_for_host'] * 1e3:.1f} ms for them)")
+    out.print(f"optimizer state of {summary['state_units']} units: {'; '.join(where)}; host memory "
               f"{format_bytes(summary['host_peak_bytes'])}; step: forward {parts['forward'] * 1e3:.1f} ms, backward "
               f"{parts['backward'] * 1e3:.1f} ms, recompute {parts['recompute'] * 1e3:.1f} ms, exposed copies "
               f"{parts['exposed_transfers'] * 1e3:.1f} ms, optimizer {parts['optimizer'] * 1e3:.1f} ms")
@@ -73,6 +84,7 @@ def solve(
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="allow offloading to host memory")] = False,
     host_budget: HostBudgetOpt = None,
     states: StatesOpt = None,
+    states_on: StatesOnOpt = "auto",
     checkpoint: Annotated[list[str] | None, typer.Option(
         "--checkpoint", help="--solver manual: recompute what this module (a path prefix such as "
                              "transformer.h.3) saves; repeat for more")] = None,
@@ -96,7 +108,7 @@ def solve(
         raise MemplanError("--checkpoint and --keep-tensor write a plan by hand: use them with --solver manual")
     with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
         result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, host_budget_bytes=host,
-                           fuse=fuse, states=states, **manual)
+                           fuse=fuse, states=state_choice(states, states_on), **manual)
     with writing(output):
         result.plan.save(str(output))
     # keeping everything in the same step (fused as asked, as solve planned for it)
@@ -248,6 +260,7 @@ def plan_workload(
     offload: Annotated[bool, typer.Option("--offload/--no-offload")] = False,
     host_budget: HostBudgetOpt = None,
     states: StatesOpt = None,
+    states_on: StatesOnOpt = "auto",
     options: SetOpt = None,
     fake: FakeOpt = False,
     device_spec: SpecOpt = None,
@@ -280,7 +293,7 @@ def plan_workload(
         graph.save(str(graph_output))
     b = budget_bytes(budget, graph)
     result = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse,
-                       host_budget_bytes=host, states=states)
+                       host_budget_bytes=host, states=state_choice(states, states_on))
     with writing(output):
         result.plan.save(str(output))
     base = run_sim(graph, None, timeline=False, fuse=fuse)  # keeping everything in the step solve planned

@@ -18,9 +18,11 @@ from memplan.api.cli.options import (
     JsonOpt,
     OwnCheckpointingOpt,
     SetOpt,
+    StatesOnOpt,
     StatesOpt,
     budget_bytes,
     fuse_mode,
+    state_choice,
     workload_options,
 )
 from memplan.api.cli.ranks import ranks_fake, train_ranks
@@ -41,6 +43,7 @@ def run_workload(
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="allow offloading to host memory")] = False,
     host_budget: HostBudgetOpt = None,
     states: StatesOpt = None,
+    states_on: StatesOnOpt = "auto",
     fuse: Annotated[str | None, typer.Option(help="fuse optimizer steps into backward or forward")] = None,
     steps: Annotated[int, typer.Option(min=1, max=1000, help="timed steps (median)")] = 5,
     warmup: Annotated[int, typer.Option(min=0, max=100, help="untimed steps first")] = 1,
@@ -122,7 +125,7 @@ def run_workload(
         with working(f"solving with {solver} (up to {time_limit:g} s)", quiet=json_out):
             plan = run_solve(graph, b, solver, time_limit_s=time_limit, offload=offload, fuse=fuse,
                              host_budget_bytes=host,
-                             states=states).plan
+                             states=state_choice(states, states_on)).plan
     if save_graph is not None:
         with writing(save_graph):
             graph.save(str(save_graph))

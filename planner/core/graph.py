@@ -215,6 +215,11 @@ class Graph(_Strict):
     host_bandwidth_bytes_per_s: float = Field(
         default=12e9, gt=0, allow_inf_nan=False,
         description="device<->host copy bandwidth for offload (measured on CUDA, nominal on CPU)")
+    host_optimizer_bytes_per_s: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="parameter bytes per second the host steps with the profiled optimizer (its class and "
+                    "hyper-parameters on CPU tensors), measured on the profiling host; None: not measured "
+                    "(no unit's optimizer can be placed on the host)")
     measured: Measured = Field(default_factory=Measured)
     fused_backward: list[FusedStep] = Field(
         default_factory=list,

@@ -79,13 +79,15 @@ class Prediction(BaseModel):
 
 class StateDecision(BaseModel):
     """Where one state unit's model states live (planner/core/states.py): its optimizer state ``resident``
-    on the device, or in the host pool and streamed through the device for its update (``stream``)."""
+    on the device; in the host pool and streamed through the device for its update (``stream``); or in the
+    host pool and updated there (``host``: its gradients leave the device as backward completes them, the
+    host runs the optimizer, the updated parameters are copied back)."""
 
     model_config = ConfigDict(extra="forbid")
 
     unit: int = Field(ge=0, description="index into the graph's state_units")
     module: str = Field(default="", description="the unit's module, as the graph names it (checked)")
-    optimizer_state: Literal["resident", "stream"] = "resident"
+    optimizer_state: Literal["resident", "stream", "host"] = "resident"
 
 
 class Plan(BaseModel):
@@ -143,12 +145,19 @@ class Plan(BaseModel):
         """The state units whose optimizer state is streamed, in the order the plan lists them."""
         return [d.unit for d in self.states if d.optimizer_state == "stream"]
 
-    def with_states(self, graph: Graph, streamed: list[int]) -> Plan:
-        """This plan with ``streamed`` units' optimizer state streamed (and every other unit resident)."""
-        chosen = set(streamed)
-        order = [*streamed, *(u for u in range(len(graph.state_units)) if u not in chosen)]
+    def hosted(self) -> list[int]:
+        """The state units whose optimizer runs on the host, in the order the plan lists them."""
+        return [d.unit for d in self.states if d.optimizer_state == "host"]
+
+    def with_states(self, graph: Graph, streamed: list[int], hosted: list[int] = ()) -> Plan:
+        """This plan with ``streamed`` units' optimizer state streamed, ``hosted`` units' stepped on the host
+        (and every other unit resident)."""
+        where = {**{u: "stream" for u in streamed}, **{u: "host" for u in hosted}}
+        if len(where) != len(streamed) + len(hosted):
+            raise PlanError("a state unit is both streamed and stepped on the host")
+        order = [*streamed, *hosted, *(u for u in range(len(graph.state_units)) if u not in where)]
         states = [StateDecision(unit=u, module=graph.state_units[u].module,
-                                optimizer_state="stream" if u in chosen else "resident") for u in order]
+                                optimizer_state=where.get(u, "resident")) for u in order]
         return self.model_copy(update={"states": states})
 
     def actions(self) -> dict[int, Action]:

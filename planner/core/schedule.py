@@ -55,11 +55,19 @@ from memplan.planner.core.errors import PlanError
 from memplan.planner.core.graph import FUSE_MODES, FusedStep, Graph
 from memplan.planner.core.plan import Action, Plan
 from memplan.planner.core.replay import kept_by_replays, replay
-from memplan.planner.core.states import device_state_bytes, host_state_bytes, optimizer_phase
+from memplan.planner.core.states import (
+    GRADS_RELEASED,
+    GRADS_TO_HOST,
+    device_state_bytes,
+    host_refusal,
+    host_state_bytes,
+    optimizer_phase,
+    unit_grads,
+)
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
 
 EventKind = Literal["compute", "d2h", "free", "h2d", "wait", "replay", "recompute", "backward", "watch",
-                    "optimizer"]
+                    "optimizer", "host"]
 Phase = Literal["forward", "backward", "optimizer"]
 
 #: kinds an executor performs as explicit actions (frees happen when references go, except an offloaded
@@ -108,8 +116,14 @@ class ScheduleEvent(NamedTuple):
         position where the executor knows it (forward ops; prefetches the plan schedules; a streamed state
         unit's copies)."""
         at = self.at if self.kind == "compute" or (self.kind == "h2d" and self.reason.startswith("scheduled")) \
-            or self.performed_release() or self.phase == "optimizer" else None
+            or self.performed_release() or self.phase == "optimizer" or self.moves_gradients() else None
         return (self.kind, at, self.tensor, self.ops)
+
+    def moves_gradients(self) -> bool:
+        """A host-stepped unit's gradients copied to the host in backward, or their device copy freed: the
+        executor performs both where backward completes a host-stepped unit (``at``: that backward step)."""
+        return self.tensor is None and self.phase == "backward" and self.reason.startswith((GRADS_TO_HOST,
+                                                                                             GRADS_RELEASED))
 
     def performed_release(self) -> bool:
         """The release of an offloaded tensor's device copy once its copy to host has ended: the executor
@@ -136,13 +150,18 @@ class Schedule:
     streamed: tuple[int, ...] = ()
     state_off_device_bytes: int = 0
     host_state_bytes: int = 0
+    # the host-stepped units, in order; and, per unit, where the executor frees its device gradients once their
+    # copy to the host has ended: at the completion of which host-stepped unit (None: at optimizer.step())
+    hosted: tuple[int, ...] = ()
+    grads_released: dict[int, int | None] = field(default_factory=dict)
 
     def of(self, kind: EventKind) -> list[ScheduleEvent]:
         return [e for e in self.events if e.kind == kind]
 
     def executed(self) -> list[tuple]:
         """Keys (:meth:`ScheduleEvent.key`) of the events an executor performs, in order."""
-        return [e.key() for e in self.events if e.kind in EXECUTED_KINDS or e.performed_release()]
+        return [e.key() for e in self.events if e.kind in EXECUTED_KINDS or e.performed_release()
+                or (e.kind == "free" and e.moves_gradients())]
 
     def replays(self) -> list[ScheduleEvent]:
         return self.of("replay")
@@ -323,12 +342,13 @@ def schedule(graph: Graph, plan: Plan | None = None, *, check: bool = True, fuse
     prefetch = {d.tensor: d.prefetch_at for d in plan.decisions
                 if d.action == Action.OFFLOAD and d.prefetch_at is not None}
     return schedule_actions(graph, plan.actions(), prefetch_at=prefetch,
-                            bandwidth_bytes_per_s=plan.bandwidth_bytes_per_s, fuse=fuse, streamed=plan.streamed())
+                            bandwidth_bytes_per_s=plan.bandwidth_bytes_per_s, fuse=fuse, streamed=plan.streamed(),
+                            hosted=plan.hosted())
 
 
 def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: dict[int, int] | None = None,
                      bandwidth_bytes_per_s: float | None = None, fuse: str | None = None,
-                     streamed: list[int] | None = None) -> Schedule:
+                     streamed: list[int] | None = None, hosted: list[int] | None = None) -> Schedule:
     """:func:`schedule` for solvers' inner loops: ``{tensor id: action}`` (KEEP may be left out) and the
     prefetch points the plan sets (the rest default, :func:`default_prefetch_at`), unchecked; the
     bandwidth defaults to the graph's.
@@ -341,9 +361,13 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
     if fuse is not None and fuse not in FUSE_MODES:
         raise PlanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
     streamed = list(streamed or ())
-    if streamed and fuse is not None:
-        raise PlanError(f"the plan streams optimizer state, which runs in an unfused optimizer.step(): "
-                        f"fuse={fuse!r} with streamed state is not supported yet (solve it with fuse=None)")
+    hosted = list(hosted or ())
+    if (streamed or hosted) and fuse is not None:
+        raise PlanError(f"the plan moves optimizer state off the device, which runs in an unfused optimizer.step(): "
+                        f"fuse={fuse!r} with state off the device is not supported yet (solve it with fuse=None)")
+    why = host_refusal(graph, hosted)
+    if why:
+        raise PlanError(why)
     bandwidth = bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
     prefetch_at = prefetch_at or {}
     pins: dict[int, int] = {}
@@ -352,11 +376,12 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
         probe = _Lowering(graph, actions, prefetch_at, bandwidth, discover=True)
         probe.run()
         pins = probe.reads
-    low = _Lowering(graph, actions, prefetch_at, bandwidth, pins=pins, fuse=fuse, streamed=streamed)
+    low = _Lowering(graph, actions, prefetch_at, bandwidth, pins=pins, fuse=fuse, streamed=streamed, hosted=hosted)
     low.run()
     resolved = {t: k for k, ts in low.prefetch_ops.items() for t in ts}
     return Schedule(graph.fingerprint, tuple(low.events), resolved, dict(pins), low.released, tuple(streamed),
-                    device_state_bytes(graph, streamed), host_state_bytes(graph, streamed))
+                    device_state_bytes(graph, streamed, hosted), host_state_bytes(graph, streamed, hosted),
+                    tuple(hosted), low.grads_released)
 
 
 class _Lowering:
@@ -367,10 +392,25 @@ class _Lowering:
 
     def __init__(self, graph: Graph, actions: dict[int, Action], prefetch_at: dict[int, int],
                  bandwidth: float, *, discover: bool = False, pins: dict[int, int] | None = None,
-                 fuse: str | None = None, streamed: list[int] | None = None):
+                 fuse: str | None = None, streamed: list[int] | None = None, hosted: list[int] | None = None):
         self.g = graph
         self.fuse = fuse
         self.streamed = streamed or []
+        # host-stepped units (planner/core/states.py): backward step -> the units it completes, in the order
+        # backward completes them; their gradients' copies to the host (on a copy stream of their own, the
+        # other direction's) and, awaiting their device free, (copy end, unit)
+        self.hosted = hosted or []
+        self.hosted_at: dict[int, list[int]] = {}
+        self.grad_bytes: dict[int, int] = {}
+        if self.hosted:
+            grads = unit_grads(graph)
+            rank = {id(f): n for n, f in enumerate(graph.fused_backward)}
+            for u in sorted(self.hosted, key=lambda u: rank[id(grads[u])]):
+                self.hosted_at.setdefault(grads[u].after, []).append(u)
+                self.grad_bytes[u] = grads[u].grad_bytes
+        self.grad_copy_free = 0.0
+        self.grads_pending: list[tuple[float, int]] = []
+        self.grads_released: dict[int, int | None] = {}
         self.fused: dict[int, list[FusedStep]] = {}  # backward step -> the fusion buckets it completes
         for f in graph.fused_backward:
             self.fused.setdefault(f.after, []).append(f)
@@ -442,18 +482,51 @@ class _Lowering:
         # backward fusion stepped its buckets already: the step's transient is what remains
         # the buckets hold their shares where they step
         workspace = final_step_bytes(g, fused=self.fuse == "backward" or bool(self.applied_before))
-        if not self.streamed:
+        if self.grads_pending:  # host-stepped units' gradients whose copies backward did not see end
+            end = max(e for e, _ in self.grads_pending)
+            self.events.append(ScheduleEvent("wait", "optimizer", None, reason="the host-stepped units' gradient "
+                                             "copies to the host end", duration_s=max(0.0, end - self.now)))
+            self.now = max(self.now, end)
+            for _, u in self.grads_pending:
+                self.events.append(ScheduleEvent("free", "optimizer", None, reason=GRADS_RELEASED,
+                                                 free_bytes=self.grad_bytes[u]))
+                self.grads_released[u] = None
+            self.grads_pending.clear()
+        if not self.streamed and not self.hosted:
             self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
                                              workspace_bytes=workspace, duration_s=seconds))
             return
         # streamed optimizer state (planner/core/states.py): the resident units' update, then each streamed
         # unit's state through the device; the copy stream is free by now (backward waited for its copies)
-        phase, copy_end = optimizer_phase(g, self.streamed, self.bw, workspace, seconds)
+        phase, copy_end = optimizer_phase(g, self.streamed, self.bw, workspace, seconds, self.hosted)
         start = max(self.now, self.copy_free)
         for e in phase:
             self.events.append(ScheduleEvent(e.kind, "optimizer", e.unit, None, (), e.reason, e.alloc_bytes,
                                              e.workspace_bytes, e.free_bytes, e.duration_s, e.copy_bytes))
         self.copy_free = start + copy_end
+
+    def _grads_to_host(self, u: int, i: int) -> None:
+        """Backward step ``i`` has completed host-stepped unit ``u``'s gradients: their copy to the host is
+        queued on the gradients' copy stream, and the device copies of earlier units' gradients whose copies
+        have ended by now are freed (the executor does both in the completing gradient's hook)."""
+        b = self.grad_bytes[u]
+        end = max(self.grad_copy_free, self.now) + b / self.bw
+        self.grad_copy_free = end
+        module = self.g.state_units[u].module or "the model"
+        if self.emit:
+            self.events.append(ScheduleEvent("d2h", "backward", i, reason=f"{GRADS_TO_HOST} ({module})",
+                                             copy_bytes=b))
+        still = []
+        for e, v in self.grads_pending:
+            if e <= self.now:
+                if self.emit:
+                    self.events.append(ScheduleEvent("free", "backward", i, reason=GRADS_RELEASED,
+                                                     free_bytes=self.grad_bytes[v]))
+                self.grads_released[v] = u
+            else:
+                still.append((e, v))
+        still.append((end, u))
+        self.grads_pending = still
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def _free(self, t: int, reason: str, host_bytes: int = 0) -> None:
@@ -667,3 +740,5 @@ class _Lowering:
                     self.events.append(ScheduleEvent(
                         "optimizer", "backward", i, reason=f"optimizer step of {f.module or 'the model'}'s "
                         f"parameters, fused into backward", workspace_bytes=f.step_bytes, free_bytes=f.grad_bytes))
+            for u in self.hosted_at.get(i, ()):
+                self._grads_to_host(u, i)

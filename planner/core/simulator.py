@@ -35,6 +35,7 @@ from memplan.planner.core.schedule import (
     schedule_actions,
     static_facts,
 )
+from memplan.planner.core.states import HOST_WAIT
 
 # the per-graph facts and default prefetch points live with the lowering; solvers and the executor import
 # them from here too
@@ -65,6 +66,10 @@ class Report(BaseModel):
     recompute_time_s: float
     exposed_transfer_s: float = Field(description="time compute waited for prefetches")
     optimizer_time_s: float
+    host_optimizer_time_s: float = Field(0.0, description="the host's optimizer steps of host-stepped units (host "
+                                                          "time, beside the device's: not in time_s)")
+    host_wait_s: float = Field(0.0, description="time compute waited for the host's steps and their parameters' "
+                                                "copies back (in time_s)")
     transfer_bytes: int = Field(description="bytes moved device->host plus host->device")
     host_peak_bytes: int = Field(description="most host (pinned) memory held by offloaded activations and "
                                              "streamed optimizer state")
@@ -127,7 +132,7 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
     live = fixed
     peak = live
     peak_event: ScheduleEvent | None = None  # the event at the peak (None: the start); named at the end
-    now = forward_s = backward_s = recompute_s = exposed_s = watch_s = optimizer_s = 0.0
+    now = forward_s = backward_s = recompute_s = exposed_s = watch_s = optimizer_s = host_s = host_wait_s = 0.0
     moved = replayed = watched = 0
     host = host_peak = sched.host_state_bytes
     entries: list[Event] = []
@@ -184,11 +189,21 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
                 peak, peak_event = live, ev
             if timeline:
                 what = f"tensor {ev.tensor}" if ev.tensor is not None else f"state unit {ev.at}"
+                if ev.tensor is None and ev.alloc_bytes == 0:
+                    what = f"state unit {ev.at}'s updated parameters"
                 entries.append(Event(phase="prefetch", op=tensors[ev.tensor].producer if ev.tensor is not None
                                      else None, start_s=now, live_bytes=live, peak_bytes=live,
                                      note=f"prefetch {what} ({ev.reason})"))
+        elif kind == "host":  # the host's time, beside the compute stream's
+            host_s += ev.duration_s
         elif kind == "wait":
-            if ev.duration_s > 0:
+            if ev.duration_s > 0 and ev.reason == HOST_WAIT:
+                if timeline:
+                    entries.append(Event(phase="wait", op=None, start_s=now, live_bytes=live, peak_bytes=live,
+                                         note="wait for the host's optimizer steps and their parameters"))
+                now += ev.duration_s
+                host_wait_s += ev.duration_s
+            elif ev.duration_s > 0:
                 if timeline:
                     entries.append(Event(phase="wait", op=ev.at, start_s=now, live_bytes=live, peak_bytes=live,
                                          note=f"wait for prefetch of tensor {ev.tensor}" if ev.tensor is not None
@@ -215,13 +230,14 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
         # a replay event itself costs nothing: its recompute events do
     if open_key is not None:
         entries.append(_entry(*open_entry, live))
-    if timeline and sched.streamed:  # the last streamed unit's buffers went after its copy back
+    if timeline and (sched.streamed or sched.hosted):  # the last streamed unit's buffers went after its copy back
         entries.append(Event(phase="optimizer", op=None, start_s=now, live_bytes=live, peak_bytes=live,
                              note="streamed optimizer state back in the host pool"))
     phase, op, note = _peak_site(graph, peak_event)
     return Report(
         peak_bytes=peak, time_s=now, forward_time_s=forward_s + watch_s, backward_time_s=backward_s,
         recompute_time_s=recompute_s, exposed_transfer_s=exposed_s, optimizer_time_s=optimizer_s,
+        host_optimizer_time_s=host_s, host_wait_s=host_wait_s,
         transfer_bytes=moved, host_peak_bytes=host_peak, fixed_bytes=fixed,
         recomputed_ops=replayed, watched_ops=watched, watch_time_s=watch_s,
         peak_phase=phase, peak_op=op, peak_note=note, timeline=entries)

@@ -31,10 +31,13 @@ from __future__ import annotations
 import math
 from typing import Literal, NamedTuple
 
-from memplan.planner.core.graph import Graph
+from memplan.planner.core.graph import FusedStep, Graph
 
-Placement = Literal["resident", "stream"]
-PLACEMENTS: tuple[str, ...] = ("resident", "stream")
+Placement = Literal["resident", "stream", "host"]
+PLACEMENTS: tuple[str, ...] = ("resident", "stream", "host")
+GRADS_TO_HOST = "gradients copied to the host"  # the reason of a host-stepped unit's gradient copy
+GRADS_RELEASED = "gradients on the host: device copy freed"  # the reason of its device gradients' free
+HOST_WAIT = "the next forward reads the host-stepped units' updated parameters"  # compute's wait for the host
 HOST_SLOT_ALIGN = 512  # each unit's slot in the host pool starts at a multiple of this
 STATE_ALIGN = 16  # each state tensor in a slot starts at a multiple of this (any dtype's alignment)
 # what one narrowed update call holds beyond its share of the step's transient: the optimizer's scalar
@@ -63,16 +66,59 @@ def slot_bytes(nbytes: int, tensors: int) -> int:
     return -(-n // HOST_SLOT_ALIGN) * HOST_SLOT_ALIGN
 
 
-def host_state_bytes(graph: Graph, streamed: list[int]) -> int:
-    """The host pool that holds the streamed units' states: one buffer, pinned once at apply (so the bytes
-    pinned are these, not the pinned allocator's power-of-two rounding of many requests)."""
+def host_slot_bytes(graph: Graph, u: int) -> int:
+    """A host-stepped unit's part of the host pool: its state's slot, then its gradients' and its parameters'
+    host copies (each tensor aligned as a state tensor is)."""
+    unit = graph.state_units[u]
+    return (slot_bytes(unit.state_bytes, unit.state_tensors) + 2 * slot_bytes(unit.param_bytes, unit.params))
+
+
+def host_state_bytes(graph: Graph, streamed: list[int], hosted: list[int] = ()) -> int:
+    """The host pool that holds the streamed units' states and the host-stepped units' states, gradients and
+    parameters: one buffer, pinned once at apply (so the bytes pinned are these, not the pinned allocator's
+    power-of-two rounding of many requests)."""
     units = graph.state_units
-    return sum(slot_bytes(units[u].state_bytes, units[u].state_tensors) for u in streamed)
+    return (sum(slot_bytes(units[u].state_bytes, units[u].state_tensors) for u in streamed)
+            + sum(host_slot_bytes(graph, u) for u in hosted))
 
 
-def device_state_bytes(graph: Graph, streamed: list[int]) -> int:
-    """The streamed units' state bytes, which forward and backward run without."""
-    return sum(graph.state_units[u].state_bytes for u in streamed)
+def device_state_bytes(graph: Graph, streamed: list[int], hosted: list[int] = ()) -> int:
+    """The streamed and host-stepped units' state bytes, which forward and backward run without."""
+    return sum(graph.state_units[u].state_bytes for u in [*streamed, *hosted])
+
+
+def unit_grads(graph: Graph) -> dict[int, FusedStep]:
+    """State unit -> where backward completes its gradients and their bytes (the graph's ``fused_backward``,
+    the same buckets, matched by module in order); units backward gives no gradient are absent."""
+    by_module: dict[str, list[FusedStep]] = {}
+    for f in graph.fused_backward:
+        by_module.setdefault(f.module, []).append(f)
+    out = {}
+    for u, unit in enumerate(graph.state_units):
+        left = by_module.get(unit.module)
+        if left:
+            out[u] = left.pop(0)
+    return out
+
+
+def host_refusal(graph: Graph, units: list[int]) -> str | None:
+    """Why ``units`` cannot be stepped on the host with this graph (None: they can)."""
+    if not units:
+        return None
+    if graph.host_optimizer_bytes_per_s is None:
+        return ("the graph records no host optimizer rate (profiled before it was measured, or for an optimizer "
+                "that does not run on CPU tensors): re-profile, or place the units' state resident or streamed")
+    grads = unit_grads(graph)
+    missing = [u for u in units if u not in grads]
+    if missing:
+        return (f"the graph does not record where backward completes the gradients of state unit {missing[0]} "
+                f"({graph.state_units[missing[0]].module or 'the model'}): it cannot be stepped on the host")
+    return None
+
+
+def host_step_s(graph: Graph, u: int) -> float:
+    """The host's optimizer time for unit ``u``: its parameter bytes at the graph's measured host rate."""
+    return graph.state_units[u].param_bytes / (graph.host_optimizer_bytes_per_s or float("inf"))
 
 
 def _share(graph: Graph, units: list[int]) -> float:
@@ -81,17 +127,24 @@ def _share(graph: Graph, units: list[int]) -> float:
 
 
 def optimizer_phase(graph: Graph, streamed: list[int], bandwidth_bytes_per_s: float,
-                    step_bytes: int, step_s: float) -> tuple[list[PhaseEvent], float]:
-    """The optimizer step with ``streamed`` units' states streamed (in that order), as events, and the time
-    the copy stream is busy until (relative to the phase's start). ``step_bytes`` / ``step_s``: the whole
-    step's transient and time, shared among the updates by parameter bytes."""
+                    step_bytes: int, step_s: float, hosted: list[int] = ()) -> tuple[list[PhaseEvent], float]:
+    """The optimizer step with ``streamed`` units' states streamed (in that order) and ``hosted`` units
+    stepped on the host, as events, and the time the copy stream is busy until (relative to the phase's
+    start). ``step_bytes`` / ``step_s``: the whole device step's transient and time, shared among the
+    device's updates by parameter bytes (a host-stepped unit's share is not the device's).
+
+    Host-stepped units (their gradients are on the host when the phase starts): the host steps each in
+    turn (``host`` events: host time, not the compute stream's), starting with the phase, beside the device's
+    updates; each unit's updated parameters are copied back on the copy stream after its host step and
+    after the streamed units' copies (the executor queues them last); compute then waits until the last
+    has landed (the next forward reads them)."""
     units = graph.state_units
-    chosen = set(streamed)
+    chosen = set(streamed) | set(hosted)
     resident = [u for u in range(len(units)) if u not in chosen]
     events: list[PhaseEvent] = []
-    if resident or not streamed:
-        share = _share(graph, resident) if streamed else 1.0
-        held = step_bytes if not streamed else min(step_bytes, math.ceil(step_bytes * share) + CALL_BYTES)
+    if resident or not chosen:
+        share = _share(graph, resident) if chosen else 1.0
+        held = step_bytes if not chosen else min(step_bytes, math.ceil(step_bytes * share) + CALL_BYTES)
         events.append(PhaseEvent("optimizer", None, "optimizer step of the resident units",
                                  workspace_bytes=held, duration_s=step_s * share))
     now = sum(e.duration_s for e in events)
@@ -127,6 +180,17 @@ def optimizer_phase(graph: Graph, streamed: list[int], bandwidth_bytes_per_s: fl
         events.append(PhaseEvent("wait", u, "its device buffers are freed once the copy back has ended",
                                  duration_s=exposed))
         events.append(PhaseEvent("free", u, "streamed state leaves the device", free_bytes=b))
+    if hosted:
+        host_now = 0.0
+        for u in hosted:
+            t = host_step_s(graph, u)
+            host_now += t
+            events.append(PhaseEvent("host", u, f"optimizer step of {units[u].module or 'the model'} on the host",
+                                     duration_s=t))
+            b = units[u].param_bytes
+            copy_free = max(copy_free, host_now) + b / bandwidth_bytes_per_s
+            events.append(PhaseEvent("h2d", u, "its updated parameters copied back to the device", copy_bytes=b))
+        events.append(PhaseEvent("wait", None, HOST_WAIT, duration_s=max(0.0, copy_free - now)))
     return events, copy_free
 
 
@@ -138,22 +202,48 @@ def phase_extra(events: list[PhaseEvent]) -> tuple[int, float]:
         live += e.alloc_bytes
         peak = max(peak, live + e.workspace_bytes)
         live -= e.free_bytes
-        seconds += e.duration_s
+        if e.kind != "host":  # the host's time, beside the compute stream's
+            seconds += e.duration_s
     return peak, seconds
 
 
-def states_search_graph(graph: Graph, streamed: list[int], bandwidth_bytes_per_s: float | None = None) -> Graph:
+def states_search_graph(graph: Graph, streamed: list[int], bandwidth_bytes_per_s: float | None = None,
+                        hosted: list[int] = ()) -> Graph:
     """The graph the activation searches run on for a placement of the model states: forward and backward
-    without the streamed units' state (``fixed.optimizer_state_bytes`` less it), and the optimizer step's
-    transient and time those of the streaming phase. A plan's peak and step time here are exactly its peak
-    and time with the placement (tests/test_states.py); same fingerprint, so its plans are the graph's."""
-    if not streamed:
+    without the moved units' state (``fixed.optimizer_state_bytes`` less it), and the optimizer step's
+    transient and time those of the phase. With only streamed units, a plan's peak and step time here are
+    exactly its peak and time with the placement (tests/test_states.py); same fingerprint, so its plans are
+    the graph's.
+
+    Host-stepped units' gradients leave the device in backward where their copies have ended on the clock;
+    here they are freed where keeping every activation frees them (the backward step of a later unit's
+    completion, else the last one), and the optimizer step waits as long as it waits there. A plan takes
+    at least keep-all's time between two backward steps (a replay or a wait only adds), so its copies end
+    no later, relative to the steps, than keep-all's: its peak and time here are at least its own."""
+    if not streamed and not hosted:
         return graph
     bw = bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
-    events, _ = optimizer_phase(graph, streamed, bw, graph.fixed.optimizer_step_bytes, graph.optimizer_time_s)
+    events, _ = optimizer_phase(graph, streamed, bw, graph.fixed.optimizer_step_bytes, graph.optimizer_time_s,
+                                hosted)
     extra, seconds = phase_extra(events)
-    search = graph.model_copy(update={"fixed": graph.fixed.model_copy(), "optimizer_time_s": seconds})
-    search.fixed.optimizer_state_bytes -= device_state_bytes(graph, streamed)
+    update: dict = {"fixed": graph.fixed.model_copy(), "optimizer_time_s": seconds}
+    if hosted:
+        from memplan.planner.core.schedule import schedule_actions  # the lowering imports this module
+
+        keep = schedule_actions(graph, {}, bandwidth_bytes_per_s=bw, streamed=streamed, hosted=hosted)
+        grads = unit_grads(graph)
+        ops = list(graph.ops)
+        for u, v in keep.grads_released.items():
+            at = grads[v].after if v is not None else 0
+            op = ops[at]
+            ops[at] = op.model_copy(update={"backward_grad_free_bytes": op.backward_grad_free_bytes
+                                            + grads[u].grad_bytes})
+        update["ops"] = ops
+        update["optimizer_time_s"] = seconds + sum(e.duration_s for e in keep.events if e.kind == "wait" and
+                                                   e.phase == "optimizer" and e.at is None and
+                                                   e.reason != HOST_WAIT)
+    search = graph.model_copy(update=update)
+    search.fixed.optimizer_state_bytes -= device_state_bytes(graph, streamed, hosted)
     search.fixed.optimizer_step_bytes = extra
     # a shallow copy: the views derived from the structure (fingerprint, static facts) are the graph's; a
     # memoised search of its plans' reports is not

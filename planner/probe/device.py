@@ -107,6 +107,10 @@ class Transfer:
     def wait(self) -> None:
         """Make compute wait for the copy (CUDA: the compute stream waits on its event; no host sync)."""
 
+    def synchronize(self) -> None:
+        """Make the host wait for the copy (CUDA: its event's synchronize): before the host reads what a copy
+        to the host wrote (a host-stepped optimizer's gradients, a checkpoint of streamed state)."""
+
 
 class CopyStream:
     """Copies between device memory and the pinned host pool, off the compute stream where the device has
@@ -439,6 +443,9 @@ class _CudaTransfer(Transfer):
     def wait(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
 
 class _CudaCopyStream(CopyStream):
     """One dedicated copy stream; an event per transfer; no ``record_stream`` (the executor holds what a copy
@@ -518,6 +525,9 @@ class _EmulatedTransfer(Transfer):
         return self.performed
 
     def wait(self) -> None:
+        self.stream.perform_through(self)
+
+    def synchronize(self) -> None:
         self.stream.perform_through(self)
 
 

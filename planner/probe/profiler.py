@@ -89,7 +89,7 @@ from memplan.planner.probe.kernels import cuda_kernel_choices
 from memplan.planner.probe.measure import fused_extra_s, max_prefix, measure_step, time_steps, untracked_bytes
 from memplan.planner.probe.optime import OpCall, OpTimer, kernel_scratch, record_call
 from memplan.planner.probe.restore import restored
-from memplan.planner.probe.states import state_units
+from memplan.planner.probe.states import host_optimizer_rate, state_units
 from memplan.planner.probe.storage import move_batch, tensors_in, unique_bytes
 from memplan.planner.probe.tracing import forward_lifetimes, module_stack, traced_step
 from memplan.planner.workloads import LossFn, default_optimizer, refuse_compiled, training_step
@@ -207,6 +207,7 @@ def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: 
                             inputs_bytes=unique_bytes(inputs, seen, charge),
                             optimizer_state_bytes=unique_bytes(state, seen, charge))
         units = state_units(model, optimizer, charge)
+        host_rate = host_optimizer_rate(optimizer)
         # what the device holds beyond those storages (cuBLAS workspaces), after the warm-up created it: a
         # later step's peak includes it
         untracked = untracked_bytes(model, batch, optimizer)
@@ -268,6 +269,7 @@ def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: 
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
     share_fused_step_bytes(graph, max_prefix(first.optimizer_events))
     graph.state_units = units
+    graph.host_optimizer_bytes_per_s = host_rate
     graph.measured = measured
     clock = layer.clock()
     if (measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s
@@ -413,6 +415,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
                             inputs_bytes=unique_bytes(st.inputs, seen, charge),
                             optimizer_state_bytes=unique_bytes(state, seen, charge))
         units = state_units(model, st.optimizer, charge)
+        host_rate = host_optimizer_rate(st.optimizer)
         tracer = traced_step(model, st.batch, loss_fn, st.optimizer,
                              {"param": st.params, "buffer": st.buffers, "input": st.inputs}, lambda: None,
                              structure=True, memory="fake", charge_as=charge, shadow=shadow)
@@ -489,6 +492,7 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     graph.fixed.optimizer_step_bytes = max_prefix(first.optimizer_events)
     share_fused_step_bytes(graph)
     graph.state_units = units
+    graph.host_optimizer_bytes_per_s = host_rate
     # what the device's libraries hold that no tensor owns (cuBLAS workspaces): the spec's figure, or what
     # this device creates for the step's two threads (forward's and autograd's)
     graph.fixed.other_bytes += device_spec.workspace_bytes if device_spec else layer.step_workspace_bytes()

@@ -4,8 +4,15 @@ optimizer's parameters, as optimizer fusion buckets them (a module's own paramet
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import statistics
+import time
+
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memplan.planner.core.graph import StateUnit
 from memplan.planner.probe.fusion import bucket_modules, buckets
@@ -39,3 +46,51 @@ def state_units(model: nn.Module, optimizer: torch.optim.Optimizer, charge_as: s
                                state_bytes=unique_bytes(state, seen_state, charge_as),
                                state_tensors=len(entries)))
     return units
+
+
+HOST_SAMPLE_NUMEL = 1 << 21  # parameters the host's optimizer rate is timed on (8 MiB in float32)
+HOST_SAMPLE_STEPS = 3
+
+
+def host_optimizer_rate(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None) -> float | None:
+    """Parameter bytes per second this host's CPU steps with ``optimizer``'s class and its first group's
+    hyper-parameters (what a host-stepped unit runs: the same optimizer on CPU tensors), timed on a
+    :data:`HOST_SAMPLE_NUMEL` parameter of ``dtype`` (the optimizer's first parameter's by default): the
+    median of :data:`HOST_SAMPLE_STEPS` steps after one that creates the state. The optimizers memplan plans
+    work per parameter element, so the rate scales by bytes. None where that optimizer cannot be built on a
+    CPU tensor (its constructor wants more than a group's options, or a GPU)."""
+    groups = optimizer.param_groups
+    if not groups or not groups[0]["params"]:
+        return None
+    dtype = dtype or groups[0]["params"][0].dtype
+    try:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    # the group's options the constructor takes (a group also carries derived keys: AdamW's
+    # decoupled_weight_decay, a scheduler's initial_lr)
+    options = {k: v for k, v in groups[0].items() if k in accepted and k != "params"}
+    try:
+        with _plain_tensors(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            p = torch.nn.Parameter(torch.randn(HOST_SAMPLE_NUMEL, dtype=dtype))
+            p.grad = torch.randn_like(p)
+            opt = type(optimizer)([p], **options)
+            opt.step()
+            times = []
+            for _ in range(HOST_SAMPLE_STEPS):
+                start = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - start)
+    except Exception:  # noqa: BLE001 -- any optimizer that cannot run here: not measured, said in the graph
+        return None
+    seconds = statistics.median(times)
+    return p.numel() * p.element_size() / seconds if seconds > 0 else None
+
+
+def _plain_tensors() -> contextlib.AbstractContextManager:
+    """Real CPU tensors inside a fake profile: no fake mode, no dispatch mode (the profile's own)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(unset_fake_temporarily())
+    stack.enter_context(_disable_current_modes())
+    return stack

@@ -1,0 +1,193 @@
+"""Host-stepped model states (planner/core/states.py, executor/hoststep.py, solvers/states.py): a unit's
+gradients leave the device as backward completes them, the host runs its optimizer, the updated parameters
+come back.
+
+* the executor on a real model (GPT-2), on a CPU and under the CUDA emulation (copies land only when waited
+  for): training bitwise equal to plain training (the same optimizer on CPU tensors), the measured peak at the
+  prediction, far below plain training's; the copies and frees performed where the schedule puts them;
+* gradient clipping with ``torch.nn.utils.clip_grad_norm_`` equals plain training's; gradient accumulation is
+  refused in one line; a checkpoint saved under the plan loads without it; weights loaded into the model
+  after ``apply`` are the ones the host steps;
+* the search: the search graph never under-counts a host-stepped placement; ``states="host"`` /
+  ``"stream"`` restrict the ways, and ``auto`` is at least as fast as either;
+* the plan file: the placement round-trips, and a graph without a host rate refuses it in one line.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_executor import TINY
+from test_states import _adamw, weighty
+
+from memplan.executor import apply
+from memplan.planner import simulate
+from memplan.planner.core.errors import PlanError
+from memplan.planner.core.plan import Plan
+from memplan.planner.core.schedule import schedule
+from memplan.planner.core.states import states_search_graph, stream_order
+from memplan.planner.probe.device import emulate_cuda, is_host_buffer
+from memplan.planner.probe.measure import measure_step
+from memplan.planner.probe.profiler import profile
+from memplan.planner.workloads import load_workload
+from memplan.solvers import keep_all_report, solve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _train(w, g, plan, steps=3, clip=None, between=None):
+    model = copy.deepcopy(w.model)
+    opt = _adamw(model)
+    ex = apply(model, plan, graph=g, optimizer=opt) if plan is not None else None
+    logs = []
+    for i in range(steps):
+        torch.manual_seed(i)
+        opt.zero_grad(set_to_none=True)
+        w.loss_fn(model, w.batch).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if between is not None:
+            between(model, i)
+        if ex is not None:
+            logs.append([e.key() for e in ex.last_step.events if e.tensor is None and e.kind in ("h2d", "d2h", "free")])
+    peak = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
+    state = copy.deepcopy(opt.state_dict())
+    if ex is not None:
+        assert any(is_host_buffer(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        ex.remove()
+        assert not any(is_host_buffer(t) for s in opt.state.values() for t in s.values()
+                       if isinstance(t, torch.Tensor))
+        assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
+    return [p.detach().clone() for p in model.parameters()], peak, state, logs
+
+
+def _same(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True)), "parameters differ"
+    assert sorted(a[2]["state"]) == sorted(b[2]["state"])
+    for key, sa in a[2]["state"].items():
+        sb = b[2]["state"][key]
+        assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa), f"state of {key} differs"
+
+
+def _hosted(g, units=None):
+    return Plan.keep_all(g).with_states(g, [], stream_order(g) if units is None else units)
+
+
+def test_host_stepped_training_is_bitwise_plain_at_its_predicted_peak_and_schedule():
+    w, g = weighty("gpt2")
+    assert g.host_optimizer_bytes_per_s and len(g.fused_backward) == len(g.state_units)
+    plan = _hosted(g)
+    report = simulate(g, plan)
+    assert report.host_optimizer_time_s > 0 and report.host_peak_bytes > 0
+    plain = _train(w, g, None)
+    planned = _train(w, g, plan)
+    _same(planned, plain)
+    # the gradients leave during backward: a third of plain training's peak here
+    assert 0 <= report.peak_bytes - planned[1] <= 1e-4 * report.peak_bytes
+    assert planned[1] < plain[1] / 2
+    want = [k for k in schedule(g, plan).executed() if k[2] is None and k[0] in ("h2d", "d2h", "free")]
+    assert sum(k[0] == "d2h" for k in want) == len(g.state_units)
+    assert planned[3][1:] == [want] * 2  # the first step creates the state on the host: the same copies
+
+
+def test_host_stepped_training_under_the_cuda_emulation():
+    """The copies land only when waited for, their destinations poisoned until then: a host step that read
+    its gradients before their copy, or a forward that read parameters before theirs came back, would train
+    NaNs. The peak is the allocator's rounded count."""
+    with emulate_cuda():
+        w = load_workload("gpt2", **TINY["gpt2"])
+        g = profile(copy.deepcopy(w.model), w.batch, w.loss_fn, device="cuda", progress=False, measure=False,
+                    repeats=1)
+        plan = _hosted(g)
+        plain = _train(w, g, None)
+        planned = _train(w, g, plan)
+    _same(planned, plain)
+    report = simulate(g, plan)
+    assert 0 <= report.peak_bytes - planned[1] <= 1e-3 * report.peak_bytes
+    assert planned[1] < plain[1]
+
+
+def test_clipping_works_and_accumulation_is_refused_in_one_line():
+    w, g = weighty("gpt2")
+    plan = _hosted(g)
+    _same(_train(w, g, plan, clip=0.05), _train(w, g, None, clip=0.05))
+    model = copy.deepcopy(w.model)
+    opt = _adamw(model)
+    ex = apply(model, plan, graph=g, optimizer=opt)
+    try:
+        w.loss_fn(model, w.batch).backward()
+        with pytest.raises(PlanError, match="gradient accumulation") as e:
+            w.loss_fn(model, w.batch).backward()
+        assert "\n" not in str(e.value)
+        opt.zero_grad()  # a loop that drops the batch: the next step is a clean one
+        w.loss_fn(model, w.batch).backward()
+        opt.step()
+    finally:
+        ex.remove()
+
+
+def test_checkpoints_and_weights_loaded_after_apply():
+    """A checkpoint saved under the plan loads into plain training (and back); weights loaded into the model
+    between steps are those the host steps next (its copy is refreshed where a parameter's version moved)."""
+    w, g = weighty("gpt2")
+    plan = _hosted(g)
+    other = copy.deepcopy(w.model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+
+    def reload(model, i):
+        if i == 0:
+            model.load_state_dict(other.state_dict())
+
+    _same(_train(w, g, plan, between=reload), _train(w, g, None, between=reload))
+    planned = _train(w, g, plan, steps=2)
+    model = copy.deepcopy(w.model)
+    opt = _adamw(model)
+    opt.load_state_dict(planned[2])
+    ex = apply(model, plan, graph=g, optimizer=opt)
+    try:
+        assert all(is_host_buffer(opt.state[p]["exp_avg"]) for p in model.parameters() if p in opt.state)
+        assert all(torch.equal(a, b) for a, b in zip(
+            [opt.state_dict()["state"][k]["exp_avg"] for k in sorted(planned[2]["state"])],
+            [planned[2]["state"][k]["exp_avg"] for k in sorted(planned[2]["state"])], strict=True))
+    finally:
+        ex.remove()
+
+
+def test_the_search_graph_never_under_counts_and_the_ways_are_searched():
+    w, g = weighty("gpt2")
+    g = g.model_copy(deep=True)
+    g.host_bandwidth_bytes_per_s = 2e9
+    order = stream_order(g)
+    for k in (1, len(order) // 2, len(order)):
+        plan = _hosted(g, order[:k])
+        real = simulate(g, plan)
+        search = keep_all_report(states_search_graph(g, [], hosted=order[:k]))
+        assert search.peak_bytes >= real.peak_bytes and search.time_s >= real.time_s - 1e-12
+    bottom = max(simulate(g, _hosted(g)).peak_bytes, keep_all_report(states_search_graph(g, order)).peak_bytes)
+    budget = (bottom + g.fixed.resident_bytes) // 2
+    assert budget < keep_all_report(g).peak_bytes
+    results = {how: solve(g, budget, offload=True, states=how, time_limit_s=5) for how in ("stream", "host", "auto")}
+    assert results["host"].plan.hosted() and not results["host"].plan.streamed()
+    assert results["stream"].plan.streamed() and not results["stream"].plan.hosted()
+    assert results["auto"].report.time_s <= min(r.report.time_s for r in results.values()) + 1e-12
+    for r in results.values():
+        assert r.report.peak_bytes <= budget and "state" in r.space
+
+
+def test_the_placement_round_trips_and_a_graph_without_a_host_rate_refuses_it(tmp_path):
+    _, g = weighty("gpt2")
+    plan = _hosted(g, stream_order(g)[:3])
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    again = Plan.load(str(path))
+    assert again.hosted() == plan.hosted() and simulate(g, again).peak_bytes == simulate(g, plan).peak_bytes
+    bare = g.model_copy(update={"host_optimizer_bytes_per_s": None})
+    with pytest.raises(PlanError, match="no host optimizer rate"):
+        simulate(bare, plan)
+    with pytest.raises(PlanError, match="both streamed and stepped"):
+        Plan.keep_all(g).with_states(g, [0], [0])
