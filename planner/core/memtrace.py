@@ -26,6 +26,7 @@ from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
 from memplan.planner.core.schedule import Schedule, static_facts
+from memplan.planner.core.states import GRADS_RELEASED
 
 #: what holds a block, in the order the plot stacks them (bottom first)
 CATEGORIES = ("parameter", "buffer", "input", "optimizer state", "other", "gradient", "activation",
@@ -221,7 +222,9 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
             if entry_open is None and pending_start is None:
                 pending_start = len(events)
             t = ev.tensor
-            if t is None and ev.phase == "optimizer" and ev.at in streamed:  # a streamed unit's state leaves
+            if t is None and ev.reason == GRADS_RELEASED:  # a host-stepped unit's gradients, copied to the host
+                release_gradients(ev.free_bytes, ev.phase, ev.at)
+            elif t is None and ev.phase == "optimizer" and ev.at in streamed:  # a streamed unit's state leaves
                 block = streamed.pop(ev.at)
                 if block is not None:
                     free(block)
@@ -284,6 +287,9 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
                 close()  # the simulator closes an optimizer entry at once
             else:
                 open_key = (ev.phase, ev.at)
+        elif kind == "h2d" and ev.tensor is None and not ev.alloc_bytes:
+            open_entry()  # a host-stepped unit's parameters, copied back into their device storage
+            close()
         elif kind == "h2d" and ev.tensor is None:  # a streamed unit's optimizer state, copied in
             open_entry()
             unit = graph.state_units[ev.at].module or "the model"
@@ -304,7 +310,7 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
         elif kind == "watch":
             now += ev.duration_s
     close()
-    if sched.streamed:  # the simulator's closing entry: the last unit's state back in the host pool
+    if sched.streamed or sched.hosted:  # the simulator's closing entry: the last unit's state back in the host pool
         open_entry()
         close()
     trace.end_s = now

@@ -58,11 +58,11 @@ from memplan.planner.core.replay import kept_by_replays, replay
 from memplan.planner.core.states import (
     GRADS_RELEASED,
     GRADS_TO_HOST,
+    GradCopies,
     device_state_bytes,
     host_refusal,
     host_state_bytes,
     optimizer_phase,
-    unit_grads,
 )
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
 
@@ -400,17 +400,9 @@ class _Lowering:
         # backward completes them; their gradients' copies to the host (on a copy stream of their own, the
         # other direction's) and, awaiting their device free, (copy end, unit)
         self.hosted = hosted or []
-        self.hosted_at: dict[int, list[int]] = {}
-        self.grad_bytes: dict[int, int] = {}
-        if self.hosted:
-            grads = unit_grads(graph)
-            rank = {id(f): n for n, f in enumerate(graph.fused_backward)}
-            for u in sorted(self.hosted, key=lambda u: rank[id(grads[u])]):
-                self.hosted_at.setdefault(grads[u].after, []).append(u)
-                self.grad_bytes[u] = grads[u].grad_bytes
-        self.grad_copy_free = 0.0
-        self.grads_pending: list[tuple[float, int]] = []
-        self.grads_released: dict[int, int | None] = {}
+        self.grad_copies = GradCopies(graph, self.hosted, bandwidth)
+        self.hosted_at = self.grad_copies.at
+        self.grads_released = self.grad_copies.released
         self.fused: dict[int, list[FusedStep]] = {}  # backward step -> the fusion buckets it completes
         for f in graph.fused_backward:
             self.fused.setdefault(f.after, []).append(f)
@@ -482,16 +474,14 @@ class _Lowering:
         # backward fusion stepped its buckets already: the step's transient is what remains
         # the buckets hold their shares where they step
         workspace = final_step_bytes(g, fused=self.fuse == "backward" or bool(self.applied_before))
-        if self.grads_pending:  # host-stepped units' gradients whose copies backward did not see end
-            end = max(e for e, _ in self.grads_pending)
+        if self.grad_copies.pending:  # host-stepped units' gradients whose copies backward did not see end
+            wait, gone = self.grad_copies.finish(self.now)
             self.events.append(ScheduleEvent("wait", "optimizer", None, reason="the host-stepped units' gradient "
-                                             "copies to the host end", duration_s=max(0.0, end - self.now)))
-            self.now = max(self.now, end)
-            for _, u in self.grads_pending:
+                                             "copies to the host end", duration_s=wait))
+            self.now += wait
+            for u in gone:
                 self.events.append(ScheduleEvent("free", "optimizer", None, reason=GRADS_RELEASED,
-                                                 free_bytes=self.grad_bytes[u]))
-                self.grads_released[u] = None
-            self.grads_pending.clear()
+                                                 free_bytes=self.grad_copies.bytes[u]))
         if not self.streamed and not self.hosted:
             self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
                                              workspace_bytes=workspace, duration_s=seconds))
@@ -509,24 +499,14 @@ class _Lowering:
         """Backward step ``i`` has completed host-stepped unit ``u``'s gradients: their copy to the host is
         queued on the gradients' copy stream, and the device copies of earlier units' gradients whose copies
         have ended by now are freed (the executor does both in the completing gradient's hook)."""
-        b = self.grad_bytes[u]
-        end = max(self.grad_copy_free, self.now) + b / self.bw
-        self.grad_copy_free = end
-        module = self.g.state_units[u].module or "the model"
+        gone = self.grad_copies.complete(u, self.now)
         if self.emit:
+            module = self.g.state_units[u].module or "the model"
             self.events.append(ScheduleEvent("d2h", "backward", i, reason=f"{GRADS_TO_HOST} ({module})",
-                                             copy_bytes=b))
-        still = []
-        for e, v in self.grads_pending:
-            if e <= self.now:
-                if self.emit:
-                    self.events.append(ScheduleEvent("free", "backward", i, reason=GRADS_RELEASED,
-                                                     free_bytes=self.grad_bytes[v]))
-                self.grads_released[v] = u
-            else:
-                still.append((e, v))
-        still.append((end, u))
-        self.grads_pending = still
+                                             copy_bytes=self.grad_copies.bytes[u]))
+            for v in gone:
+                self.events.append(ScheduleEvent("free", "backward", i, reason=GRADS_RELEASED,
+                                                 free_bytes=self.grad_copies.bytes[v]))
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def _free(self, t: int, reason: str, host_bytes: int = 0) -> None:

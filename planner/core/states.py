@@ -116,6 +116,61 @@ def host_refusal(graph: Graph, units: list[int]) -> str | None:
     return None
 
 
+class GradCopies:
+    """Host-stepped units' gradients on their way to the host (the rule the lowering and the search graphs
+    share): backward completes a unit at its ``after`` step, its gradients' copy is queued on the gradients'
+    own copy stream, and the device copies of earlier units whose copies have ended by then are freed there."""
+
+    def __init__(self, graph: Graph, hosted: list[int], bandwidth_bytes_per_s: float):
+        grads = unit_grads(graph)
+        rank = {id(f): n for n, f in enumerate(graph.fused_backward)}
+        self.at: dict[int, list[int]] = {}  # backward step -> the units it completes, in completion order
+        self.bytes: dict[int, int] = {}
+        for u in sorted(hosted, key=lambda u: rank[id(grads[u])]):
+            self.at.setdefault(grads[u].after, []).append(u)
+            self.bytes[u] = grads[u].grad_bytes
+        self.after = {u: grads[u].after for u in hosted}
+        self.bw = bandwidth_bytes_per_s
+        self.copy_free = 0.0
+        self.pending: list[tuple[float, int]] = []  # (copy end, unit) awaiting its device free
+        self.released: dict[int, int | None] = {}  # unit -> the unit at whose completion it was freed
+        self.finish_wait = 0.0  # keep_all_grad_copies: the wait at optimizer.step()
+
+    def complete(self, u: int, now: float) -> list[int]:
+        """Unit ``u`` completed at ``now``: queue its copy; returns the units whose device gradients go now."""
+        end = max(self.copy_free, now) + self.bytes[u] / self.bw
+        self.copy_free = end
+        gone = [v for e, v in self.pending if e <= now]
+        self.pending = [(e, v) for e, v in self.pending if e > now] + [(end, u)]
+        for v in gone:
+            self.released[v] = u
+        return gone
+
+    def finish(self, now: float) -> tuple[float, list[int]]:
+        """At ``optimizer.step()``: how long compute waits for the last copies, and the units freed then."""
+        if not self.pending:
+            return 0.0, []
+        wait = max(0.0, max(e for e, _ in self.pending) - now)
+        gone = [v for _, v in self.pending]
+        self.pending = []
+        for v in gone:
+            self.released[v] = None
+        return wait, gone
+
+
+def keep_all_grad_copies(graph: Graph, hosted: list[int], bandwidth_bytes_per_s: float) -> GradCopies:
+    """:class:`GradCopies` over keeping every activation: forward's ops, then backward's steps, on the compute
+    clock (no replay, no wait: the least time any plan takes between two backward steps)."""
+    copies = GradCopies(graph, hosted, bandwidth_bytes_per_s)
+    now = sum(op.time_s for op in graph.ops)
+    for op in reversed(graph.ops):
+        now += op.backward_time_s
+        for u in copies.at.get(op.id, ()):
+            copies.complete(u, now)
+    copies.finish_wait, _ = copies.finish(now)
+    return copies
+
+
 def host_step_s(graph: Graph, u: int) -> float:
     """The host's optimizer time for unit ``u``: its parameter bytes at the graph's measured host rate."""
     return graph.state_units[u].param_bytes / (graph.host_optimizer_bytes_per_s or float("inf"))
@@ -228,20 +283,15 @@ def states_search_graph(graph: Graph, streamed: list[int], bandwidth_bytes_per_s
     extra, seconds = phase_extra(events)
     update: dict = {"fixed": graph.fixed.model_copy(), "optimizer_time_s": seconds}
     if hosted:
-        from memplan.planner.core.schedule import schedule_actions  # the lowering imports this module
-
-        keep = schedule_actions(graph, {}, bandwidth_bytes_per_s=bw, streamed=streamed, hosted=hosted)
-        grads = unit_grads(graph)
+        keep = keep_all_grad_copies(graph, hosted, bw)
         ops = list(graph.ops)
-        for u, v in keep.grads_released.items():
-            at = grads[v].after if v is not None else 0
+        for u, v in keep.released.items():
+            at = keep.after[v] if v is not None else 0
             op = ops[at]
             ops[at] = op.model_copy(update={"backward_grad_free_bytes": op.backward_grad_free_bytes
-                                            + grads[u].grad_bytes})
+                                            + keep.bytes[u]})
         update["ops"] = ops
-        update["optimizer_time_s"] = seconds + sum(e.duration_s for e in keep.events if e.kind == "wait" and
-                                                   e.phase == "optimizer" and e.at is None and
-                                                   e.reason != HOST_WAIT)
+        update["optimizer_time_s"] = seconds + keep.finish_wait
     search = graph.model_copy(update=update)
     search.fixed.optimizer_state_bytes -= device_state_bytes(graph, streamed, hosted)
     search.fixed.optimizer_step_bytes = extra
