@@ -395,12 +395,12 @@ def _batch_bytes(batch: Any) -> int:
 
 
 def _measure(model: nn.Module, module: nn.Module, batch: Any, knapsack: MemplanKnapsack,
-             optimizer: torch.optim.Optimizer, steps: int) -> tuple[nn.Module, Any]:
+             optimizer: torch.optim.Optimizer, steps: int, backend: str = "inductor") -> tuple[nn.Module, Any]:
     """Compile ``module`` with ``knapsack`` and measure its step; model and optimizer restored after."""
     from torch._functorch import config as functorch_config
 
     torch.compiler.reset()  # a new compile reads the knapsack again (dynamo would reuse the last one)
-    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False, backend=backend)
     model_state = copy.deepcopy(model.state_dict())
     optim_state = copy.deepcopy(optimizer.state_dict())
     try:
@@ -425,7 +425,8 @@ def _measure(model: nn.Module, module: nn.Module, batch: Any, knapsack: MemplanK
 
 def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_bytes: int, *,
                         optimizer: torch.optim.Optimizer | None = None, tries: int = DEFAULT_TRIES,
-                        method: str = "auto", time_limit_s: float = 20.0, steps: int = 3) -> BudgetedCompile:
+                        method: str = "auto", time_limit_s: float = 20.0, steps: int = 3,
+                        backend: str = "inductor") -> BudgetedCompile:
     """Compile ``loss_fn(model, batch)`` (model and loss as one graph) so that its training step peaks
     within ``budget_bytes`` as the allocator measures it (parameters, gradients, optimizer state and batch
     included), recomputing the least memplan's cost model finds.
@@ -440,7 +441,9 @@ def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_by
     compiled again); the fastest split that measured within the budget (by memplan's simulated time) is
     returned, compiled once more if another was compiled after it; with none, every candidate recomputed
     is the last resort. ``attempts[-1]`` is the compile returned. ``optimizer`` (default AdamW, foreach)
-    is the one the step is measured with: train with it; ``steps``: timed steps per measurement.
+    is the one the step is measured with: train with it; ``steps``: timed steps per measurement;
+    ``backend``: torch.compile's (any that partitions with AOTAutograd's min-cut partitioner, whose knapsack
+    this drives: inductor, or ``aot_eager_decomp_partition``, which compiles no kernel).
 
     Raises :class:`MemplanError` for a budget that is not a positive byte count or a graph break,
     :class:`WorkloadError` for a compiled model or a failing ``loss_fn``, :class:`Infeasible` below the
@@ -465,7 +468,7 @@ def compile_with_budget(model: nn.Module, batch: Any, loss_fn: LossFn, budget_by
     attempts: list[Attempt] = []
 
     def attempt(knapsack: MemplanKnapsack, solver_budget: int | None) -> tuple[nn.Module, Attempt]:
-        compiled, m = _measure(model, module, batch, knapsack, optimizer, steps)
+        compiled, m = _measure(model, module, batch, knapsack, optimizer, steps, backend)
         joint, split = knapsack.calls[0] if knapsack.calls else (None, Split(()))
         candidates = len(joint.candidate_tensors) if joint is not None else 0
         a = Attempt(solver_budget, split.simulated_peak_bytes, split.simulated_time_s, m.peak_bytes,
