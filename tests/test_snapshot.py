@@ -152,7 +152,7 @@ def test_predicted_and_measured_snapshots_of_a_gpt2_step_open_side_by_side(tmp_p
     allocator's peak, the predicted one the simulator's, each to the byte."""
     files = {k: tmp_path / f"{k}" for k in ("graph.json", "plan.json", "run.json", "measured.pickle",
                                            "predicted.pickle", "timeline.png")}
-    r = run("run", "gpt2", *GPT2, "--budget", "60%", "--offload", "--steps", "1", "--no-keep-all", "--json",
+    r = run("run", "gpt2", *GPT2, "--budget", "60%", "--offload", "--steps", "1", "--no-keep-all", "--json", "--time-limit", "10",
             "--snapshot", files["measured.pickle"], "--save-plan", files["plan.json"],
             "--save-graph", files["graph.json"], "-o", files["run.json"])
     assert r.returncode == 0, r.stderr
