@@ -104,3 +104,19 @@ def test_the_cpu_attention_kernel_counts_the_flops_of_the_gpu_kernel_it_stands_i
     back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(*args)
     call = record_call(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, args, {}, back)
     assert call.flops == sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape) > 0
+
+
+def test_a_spec_host_optimizer_figure_needs_its_source_and_a_fake_profile_takes_it():
+    """Host-stepped model states cost the host's optimizer time: a spec may give its machine's rate, with where
+    it comes from; a fake profile for the spec takes it (and says so in the graph), else measures this host."""
+    from memplan.planner.probe.profiler import profile
+    from memplan.planner.workloads import load_workload
+
+    with pytest.raises(DeviceSpecError, match="host_source"):
+        _spec(host_optimizer_bytes_per_s=1e9)
+    spec = _spec(host_optimizer_bytes_per_s=3e9, host_source="a measurement of the machine's host")
+    w = load_workload("mlp")
+    g = profile(w.model, w.batch, w.loss_fn, fake=True, device_spec=spec, progress=False)
+    assert g.host_optimizer_bytes_per_s == 3e9 and g.meta["host_optimizer_source"] == spec.host_source
+    g = profile(w.model, w.batch, w.loss_fn, fake=True, device_spec=_spec(), progress=False)
+    assert g.host_optimizer_bytes_per_s > 0 and g.meta["host_optimizer_source"] == "measured on the profiling machine"

@@ -83,6 +83,10 @@ class DeviceSpec(BaseModel):
         min_length=1, description="dense peak per dtype name (float32, bfloat16, float16, ...)")
     memory_bandwidth_bytes_per_s: PositiveRate
     host_bandwidth_bytes_per_s: PositiveRate = Field(description="device <-> pinned host copies (offload)")
+    host_optimizer_bytes_per_s: PositiveRate | None = Field(
+        default=None, description="parameter bytes per second the machine's host steps with the profiled optimizer "
+                                  "(host-stepped model states); None: measured on the profiling machine")
+    host_source: str = Field(default="", description="where host_optimizer_bytes_per_s comes from (required with it)")
     op_overhead_s: float = Field(default=5e-6, ge=0, allow_inf_nan=False,
                                  description="fixed cost of launching one op")
     workspace_bytes: int = Field(
@@ -91,6 +95,12 @@ class DeviceSpec(BaseModel):
                     "one per handle and stream, for forward's thread and autograd's device thread)")
     achieved: dict[OpClass, Achieved] = Field(
         default_factory=dict, description="achievable throughput per op class (opclass.OP_CLASSES), with sources")
+
+    @model_validator(mode="after")
+    def _host_figure_has_a_source(self) -> DeviceSpec:
+        if self.host_optimizer_bytes_per_s is not None and not self.host_source.strip():
+            raise ValueError("host_optimizer_bytes_per_s needs host_source: where the figure comes from")
+        return self
 
     @model_validator(mode="after")
     def _achieved_within_peak(self) -> DeviceSpec:

@@ -492,7 +492,11 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     graph.fixed.optimizer_step_bytes = max_prefix(first.optimizer_events)
     share_fused_step_bytes(graph)
     graph.state_units = units
-    graph.host_optimizer_bytes_per_s = host_rate
+    # the host's optimizer rate: the spec's machine's where it gives one (with its source), else this one's
+    graph.host_optimizer_bytes_per_s = (device_spec.host_optimizer_bytes_per_s if device_spec is not None
+                                        and device_spec.host_optimizer_bytes_per_s else host_rate)
+    if device_spec is not None:
+        graph.meta["host_optimizer_source"] = device_spec.host_source or "measured on the profiling machine"
     # what the device's libraries hold that no tensor owns (cuBLAS workspaces): the spec's figure, or what
     # this device creates for the step's two threads (forward's and autograd's)
     graph.fixed.other_bytes += device_spec.workspace_bytes if device_spec else layer.step_workspace_bytes()
