@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
+from memplan.executor.hoststep import host_stand_ins
 from memplan.executor.recipes import SIGNATURES_PER_OP, Segment
 from memplan.executor.states import StateStreamer
 from memplan.executor.step import Packed, Step, StepMode, held, prefetch_order, release_order
@@ -237,8 +238,8 @@ class Executor:
         self._mode_entered = False
         self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
                                      max_grad_norm=max_grad_norm) if fuse is not None else None)
-        if fuse == "backward":
-            _refuse_grad_scaling(self)
+        if fuse == "backward" or (self.states is not None and self.states.hoststep is not None):
+            _refuse_grad_scaling(self)  # and guard the clipping functions (host-stepped: they see the host's)
         self._handles = [model.register_forward_pre_hook(self._begin)]
         # an exception that leaves the model's forward (a bad batch, a hook, KeyboardInterrupt) ends the step
         # there: the mode and the hooks must not outlive it into the loop's recovery code
@@ -509,6 +510,7 @@ class Executor:
         if self.fused is not None:
             self.fused.remove()
             _BACKWARD_FUSED.discard(self)
+        _HOST_STEPPED.discard(self)
         if self.states is not None:
             self.states.remove()
         if self.optimizer is not None:
@@ -589,6 +591,7 @@ def _abandon(executor: weakref.ref) -> None:
 
 
 _BACKWARD_FUSED: weakref.WeakSet[Executor] = weakref.WeakSet()  # executors that step inside backward
+_HOST_STEPPED: weakref.WeakSet[Executor] = weakref.WeakSet()  # executors whose plan steps units on the host
 
 
 def _refuse_grad_scaling(ex: Executor) -> None:
@@ -597,7 +600,7 @@ def _refuse_grad_scaling(ex: Executor) -> None:
     steps each module's parameters inside backward, with the gradients as they come: scaled ones, before
     the scaler's ``unscale_`` and its inf check (the steps were made, then torch's scaler failed with "No
     inf checks were recorded for this optimizer"), as PyTorch's optimizer-in-backward cannot use it either."""
-    _BACKWARD_FUSED.add(ex)
+    (_HOST_STEPPED if ex.fused is None else _BACKWARD_FUSED).add(ex)
     cls = torch.amp.GradScaler
     if getattr(cls.scale, "_memplan_guard", False):
         return
@@ -608,6 +611,10 @@ def _refuse_grad_scaling(ex: Executor) -> None:
             raise MemplanError("fuse='backward' steps each module inside backward, with the gradients before "
                                "GradScaler.unscale_ and its inf check: with torch.amp.GradScaler use "
                                "fuse='forward' or no fusion")
+        if any(e.step_state is not None for e in _HOST_STEPPED):
+            raise MemplanError("the plan steps some units' optimizer on the host, whose gradients leave the device "
+                               "during backward, out of GradScaler.unscale_'s and its inf check's sight: with "
+                               "torch.amp.GradScaler plan with states='stream' (--states-on stream)")
         return unguarded(self, outputs)
 
     scale._memplan_guard = True  # type: ignore[attr-defined]
@@ -649,7 +656,7 @@ def refuse_clipping_after_fused_backward() -> None:
                             f"model with its unclipped gradients and freed them, so there is nothing to clip; "
                             f"use fuse='forward' (apply(..., max_grad_norm=...) or the loop's own clipping) or "
                             f"no fusion")
-            return _unguarded(params, *args, **kwargs)
+            return _unguarded(host_stand_ins(params), *args, **kwargs)
 
         clip._memplan_guard = True  # type: ignore[attr-defined]
         clip.__name__ = clip.__qualname__ = name

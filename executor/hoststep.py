@@ -20,9 +20,11 @@ views of the state slot, so ``optimizer.state_dict()`` and ``load_state_dict()``
   step (its version counter moved: ``load_state_dict`` on the model, an in-place edit), so the host never
   steps stale weights.
 
-Gradient clipping with :func:`torch.nn.utils.clip_grad_norm_` works: while a plan with host-stepped units
-is applied, the function sees each host-stepped parameter's host gradient in its place (the norm is taken
-over both devices, the clipping scales the host copies). Gradient accumulation (a second backward before
+Gradient clipping with torch's functions works (``clip_grad_norm_``, ``clip_grad_value_``,
+``clip_grads_with_norm_``, through executor/apply.py's guard): while a plan with host-stepped units is
+applied, they see each host-stepped parameter's host gradient in its place (the norm is taken over both
+devices, the clipping scales the host copies). ``torch.amp.GradScaler`` is refused in one line (its
+``unscale_`` and inf check would not see the host gradients). Gradient accumulation (a second backward before
 ``optimizer.step()``) is refused in one line: the device gradients it would add to are gone.
 """
 
@@ -95,8 +97,6 @@ class HostStepper:
             lambda _opt: [s._store_state(u) for s in [me()] if s is not None for u in s.hosted]))
         self._handles.append(optimizer.register_state_dict_pre_hook(lambda _opt: self.grad_copies.drain()))
         _ACTIVE.append(me)
-        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-        torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
 
     # ---- the pool ----------------------------------------------------------------------------------------
     def _tensor_views(self, u: int, start: int, what: str) -> list[torch.Tensor]:
@@ -293,9 +293,6 @@ class HostStepper:
                         self.optimizer.state[p][key] = t.to(p.device, copy=True)
         self.pool = None
         _ACTIVE[:] = [r for r in _ACTIVE if r() is not None and r() is not self]
-        if not _ACTIVE and torch.nn.utils.clip_grad_norm_ is clip_grad_norm_:
-            torch.nn.utils.clip_grad_norm_ = _REAL_CLIP
-            torch.nn.utils.clip_grad.clip_grad_norm_ = _REAL_CLIP
 
 
 @contextlib.contextmanager
@@ -324,16 +321,20 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return byte_view(t.untyped_storage())[start:start + t.numel() * t.element_size()]
 
 
-_ACTIVE: list[weakref.ref] = []  # the applied host steppers, for clip_grad_norm_
+_ACTIVE: list[weakref.ref] = []  # the applied host steppers, for torch's clipping functions
 
 
-def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """:func:`torch.nn.utils.clip_grad_norm_` that sees host-stepped units' gradients on the host."""
+def host_stand_ins(parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` as torch's clipping functions should see them while host steppers are applied: each
+    host-stepped parameter whose gradient is on the host replaced by its host copy carrying it
+    (executor/apply.py's guard on ``clip_grad_norm_``, ``clip_grad_value_``, ``clip_grads_with_norm_``)."""
     for ref in list(_ACTIVE):
         stepper = ref()
         if stepper is not None:
             parameters = stepper.stand_ins(parameters)
-    return _REAL_CLIP(parameters, *args, **kwargs)
+    return parameters
 
 
-_REAL_CLIP = torch.nn.utils.clip_grad_norm_
+def active() -> bool:
+    """Whether any host stepper is applied."""
+    return any(r() is not None for r in _ACTIVE)
