@@ -237,7 +237,11 @@ class Executor:
         self._entered = False
         self._mode_entered = False
         self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
-                                     max_grad_norm=max_grad_norm) if fuse is not None else None)
+                                     max_grad_norm=max_grad_norm,
+                                     exclude=self.states.moved_params() if self.states is not None else ())
+                      if fuse is not None else None)
+        if self.states is not None and self.fused is not None:
+            self.states.fused = True  # the resident units are stepped by backward fusion
         if fuse == "backward" or (self.states is not None and self.states.hoststep is not None):
             _refuse_grad_scaling(self)  # and guard the clipping functions (host-stepped: they see the host's)
         self._handles = [model.register_forward_pre_hook(self._begin)]
@@ -260,7 +264,12 @@ class Executor:
                 if ex is not None:
                     ex.end_step()
                     if ex.fused is not None:
-                        return ex.fused.user_step(closure)
+                        if ex.states is not None and ex.states.hoststep is not None:
+                            ex.states.hoststep.before_step()  # the schedule frees their gradients first
+                        loss = ex.fused.user_step(closure)
+                        if ex.states is not None:  # the moved units' updates, after what fusion left
+                            ex.states.step(real_step, None, ex.last_step.log if ex.last_step is not None else None)
+                        return loss
                     if ex.states is not None:
                         return ex.states.step(real_step, closure,
                                               ex.last_step.log if ex.last_step is not None else None)

@@ -68,6 +68,7 @@ class StateStreamer:
         self.pool = device.pinned_empty(at) if at else None
         self.bytes = at + (self.hoststep.bytes if self.hoststep is not None else 0)
         self.steps = 0
+        self.fused = False  # backward fusion steps the resident units (apply sets it)
         self.log: list = []
         self._hook = optimizer.register_load_state_dict_post_hook(lambda _opt: self.to_host(self.streamed))
         # a checkpoint reads the pool on the host: the copies back into it must have landed (on a GPU the
@@ -133,6 +134,11 @@ class StateStreamer:
         for (p, key), host in zip(self._entries(u), views, strict=True):
             self.optimizer.state[p][key] = host
 
+    def moved_params(self) -> list[nn.Parameter]:
+        """The parameters of the streamed and host-stepped units: stepped here, never by fusion."""
+        hosted = self.hoststep.hosted if self.hoststep is not None else []
+        return [p for u in [*self.streamed, *hosted] for p in self.groups[u]]
+
     def to_host(self, units: list[int]) -> None:
         """Move ``units``' state to their slots now (after a ``load_state_dict``)."""
         for u in units:
@@ -153,7 +159,7 @@ class StateStreamer:
         if self.hoststep is not None:
             self.hoststep.log = self.log
             self.hoststep.before_step()
-        if self.resident:
+        if self.resident and not self.fused:
             with narrowed_groups(self.optimizer, self.resident), torch.no_grad():
                 real_step()
         todo = self.streamed

@@ -86,13 +86,31 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     deadline = start + time_limit_s  # the searches below share the request's time limit
     if isinstance(states, str) and states not in STATE_PLACEMENTS:
         raise MemplanError(f"states={states!r}: expected {', '.join(STATE_PLACEMENTS)}, True, False or None")
-    if (offload if states is None else bool(states)) and graph.state_units and fuse is None and budget_bytes is not None:
+    if ((offload if states is None else bool(states)) and graph.state_units and fuse in (None, "backward")
+            and budget_bytes is not None):
+        if fuse is None:
+            return solve_with_states(
+                graph, budget_bytes, lambda search, seconds: _solve(
+                    search, budget_bytes, method, time_limit_s=seconds, offload=offload,
+                    host_budget_bytes=host_budget_bytes, **options),
+                time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes,
+                placement=states if isinstance(states, str) else "auto")
+
+        def fused(search: Graph, seconds: float) -> SolveResult:
+            now = time.perf_counter()
+            return _solve_fused(search, budget_bytes, method, fuse=fuse, time_limit_s=seconds, start=now,
+                                deadline=now + seconds, offload=offload, host_budget_bytes=host_budget_bytes,
+                                **options)
+
+        def fused_bound(search: Graph) -> int:
+            # the fused step's peaks on ``search`` are its search graph's, less at most ``over``
+            lite, over = fused_search_graph(search, fuse)
+            return memory_lower_bound(lite) - over
+
         return solve_with_states(
-            graph, budget_bytes, lambda search, seconds: _solve(
-                search, budget_bytes, method, time_limit_s=seconds, offload=offload,
-                host_budget_bytes=host_budget_bytes, **options),
-            time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes,
-            placement=states if isinstance(states, str) else "auto")
+            graph, budget_bytes, fused, time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes,
+            placement=states if isinstance(states, str) else "auto", fuse=fuse, lower_bound=fused_bound,
+            keep_peak=lambda search: simulate(search, timeline=False, fuse=fuse).peak_bytes)
     if fuse is None or not graph.fused_backward or budget_bytes is None:
         return _solve(graph, budget_bytes, method, time_limit_s=time_limit_s, offload=offload,
                       host_budget_bytes=host_budget_bytes, **options)

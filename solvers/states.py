@@ -60,12 +60,16 @@ def _modes(graph: Graph, placement: str) -> list[str]:
 
 
 def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time_limit_s: float,
-                      host_budget_bytes: int | None, placement: str = "auto") -> Any:
+                      host_budget_bytes: int | None, placement: str = "auto", fuse: str | None = None,
+                      lower_bound: Any = memory_lower_bound, keep_peak: Any = None) -> Any:
     """Search the moved units with the activations. ``solve_activations(search_graph, time_limit_s)``
     solves the activations on a search graph and returns a :class:`~memplan.solvers.core.SolveResult`
     (raising :class:`Infeasible`). ``placement``: where moved units go ("stream", "host", or "auto": each
-    way searched). Returns the fastest result that fits, its plan carrying its placement; raises the most
-    moved search's :class:`Infeasible` when nothing fits."""
+    way searched). ``fuse``: the step's optimizer fusion ("backward": the moved units' updates in the step,
+    the others' fused; the search graphs are that step's, ``lower_bound`` and ``keep_peak`` its bound and
+    its keep-everything peak on them). Returns the fastest result that fits, its plan carrying its
+    placement; raises the most moved search's :class:`Infeasible` when nothing fits."""
+    keep_peak = keep_peak or (lambda g: keep_all_report(g).peak_bytes)
     start = time.perf_counter()
     order = stream_order(graph)
     n = len(order)
@@ -83,15 +87,15 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
     def search(k: int, mode: str) -> Graph:
         if (k, mode) not in searches:
             streamed, hosted = split(k, mode)
-            searches[k, mode] = states_search_graph(graph, streamed, hosted=hosted)
+            searches[k, mode] = states_search_graph(graph, streamed, hosted=hosted, fuse=fuse)
         return searches[k, mode]
 
     candidates: list[tuple[float, int, str]] = []  # (keep-all's time at the most moved count, k, mode)
     for mode in _modes(graph, placement):
-        k_min = _first(n, lambda k, m=mode: memory_lower_bound(search(k, m)) <= budget)
+        k_min = _first(n, lambda k, m=mode: lower_bound(search(k, m)) <= budget)
         if k_min is None:
             k_min = n  # nothing fits by the bound: the all-moved search says by how much
-        k_keep = _first(n, lambda k, m=mode: keep_all_report(search(k, m)).peak_bytes <= budget)
+        k_keep = _first(n, lambda k, m=mode: keep_peak(search(k, m)) <= budget)
         hi = k_keep if k_keep is not None else n
         # the most moved first: it has the most room, so a fit is found before the time runs out; then fewer
         counts = sorted({k_min, hi, *(k_min + (hi - k_min) * i // CANDIDATES for i in range(1, CANDIDATES))},
@@ -124,7 +128,7 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
             continue
         streamed, hosted = split(k, mode)
         plan = result.plan.with_states(graph, streamed, hosted)
-        report = simulate(graph, plan)
+        report = simulate(graph, plan, fuse=fuse)
         if report.peak_bytes > budget:
             continue
         if host_budget_bytes is not None and report.host_peak_bytes > host_budget_bytes:

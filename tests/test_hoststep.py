@@ -10,6 +10,9 @@ come back.
   after ``apply`` are the ones the host steps;
 * the search: the search graph never under-counts a host-stepped placement; ``states="host"`` /
   ``"stream"`` restrict the ways, and ``auto`` is at least as fast as either;
+* with backward fusion: the moved units are updated at ``optimizer.step()`` (streamed or on the host), the
+  others inside backward; bitwise plain training at the predicted peak, and ``solve(fuse="backward")``
+  searches the placements for that step;
 * the plan file: the placement round-trips, and a graph without a host rate refuses it in one line.
 """
 
@@ -37,10 +40,10 @@ from memplan.solvers import keep_all_report, solve
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _train(w, g, plan, steps=3, clip=None, between=None, clip_value=None):
+def _train(w, g, plan, steps=3, clip=None, between=None, clip_value=None, fuse=None):
     model = copy.deepcopy(w.model)
     opt = _adamw(model)
-    ex = apply(model, plan, graph=g, optimizer=opt) if plan is not None else None
+    ex = apply(model, plan, graph=g, optimizer=opt, fuse=fuse) if plan is not None else None
     logs = []
     for i in range(steps):
         torch.manual_seed(i)
@@ -197,3 +200,28 @@ def test_the_placement_round_trips_and_a_graph_without_a_host_rate_refuses_it(tm
         simulate(bare, plan)
     with pytest.raises(PlanError, match="both streamed and stepped"):
         Plan.keep_all(g).with_states(g, [0], [0])
+
+
+@pytest.mark.parametrize("placement", ["stream", "host", "both"])
+def test_under_backward_fusion_the_moved_units_step_at_the_step_bitwise_at_the_predicted_peak(placement):
+    w, g = weighty("gpt2")
+    order = stream_order(g)
+    streamed, hosted = {"stream": (order[:6], []), "host": ([], order[:6]), "both": (order[:3], order[3:8])}[placement]
+    plan = Plan.keep_all(g).with_states(g, streamed, hosted)
+    report = simulate(g, plan, fuse="backward")
+    planned = _train(w, g, plan, fuse="backward")
+    _same(planned, _train(w, g, None))
+    # the buckets' gradients leave in backward, stepped, and the moved units' state is off the device
+    assert 0 <= report.peak_bytes - planned[1] <= 1e-4 * report.peak_bytes
+    assert report.peak_bytes < min(simulate(g, plan).peak_bytes, simulate(g, fuse="backward").peak_bytes)
+
+
+def test_solve_with_backward_fusion_searches_the_placements():
+    _, g = weighty("gpt2")
+    fused_keep = simulate(g, fuse="backward").peak_bytes
+    budget = int(fused_keep * 0.6)  # below every activation plan's fused step: only moved state fits
+    r = solve(g, budget, offload=True, fuse="backward", time_limit_s=6)
+    assert r.plan.hosted() or r.plan.streamed()
+    assert r.report.peak_bytes == simulate(g, r.plan, fuse="backward").peak_bytes <= budget
+    with pytest.raises(Exception, match="budget"):
+        solve(g, budget, offload=True, states=False, fuse="backward", time_limit_s=3)

@@ -63,6 +63,7 @@ from memplan.planner.core.states import (
     host_refusal,
     host_state_bytes,
     optimizer_phase,
+    unit_grads,
 )
 from memplan.planner.core.watch import forward_watch, fused_forward_watch
 
@@ -362,9 +363,10 @@ def schedule_actions(graph: Graph, actions: dict[int, Action], *, prefetch_at: d
         raise PlanError(f"fuse={fuse!r}: expected {' or '.join(FUSE_MODES)} (or None: not fused)")
     streamed = list(streamed or ())
     hosted = list(hosted or ())
-    if (streamed or hosted) and fuse is not None:
-        raise PlanError(f"the plan moves optimizer state off the device, which runs in an unfused optimizer.step(): "
-                        f"fuse={fuse!r} with state off the device is not supported yet (solve it with fuse=None)")
+    if (streamed or hosted) and fuse == "forward":
+        raise PlanError("the plan moves optimizer state off the device, which runs in optimizer.step(): "
+                        "fuse='forward' (updates deferred to the next forward) with state off the device is not "
+                        "supported (solve it with fuse='backward' or none)")
     why = host_refusal(graph, hosted)
     if why:
         raise PlanError(why)
@@ -404,8 +406,11 @@ class _Lowering:
         self.hosted_at = self.grad_copies.at
         self.grads_released = self.grad_copies.released
         self.fused: dict[int, list[FusedStep]] = {}  # backward step -> the fusion buckets it completes
+        grads = unit_grads(graph) if (self.streamed or self.hosted) else {}
+        moved = {id(grads[u]) for u in [*self.streamed, *self.hosted] if u in grads}  # stepped at the step
         for f in graph.fused_backward:
-            self.fused.setdefault(f.after, []).append(f)
+            if id(f) not in moved:
+                self.fused.setdefault(f.after, []).append(f)
         # forward fusion: forward op -> the buckets whose pending update applies before it
         self.applied_before = forward_updates(graph) if fuse == "forward" else {}
         # discover: retain every pinnable tensor, record in ``reads`` the lowest backward step whose
@@ -488,7 +493,16 @@ class _Lowering:
             return
         # streamed optimizer state (planner/core/states.py): the resident units' update, then each streamed
         # unit's state through the device; the copy stream is free by now (backward waited for its copies)
-        phase, copy_end = optimizer_phase(g, self.streamed, self.bw, workspace, seconds, self.hosted)
+        if self.fuse == "backward":
+            # the moved units are not fused: their updates run in the phase, each with its share of the whole
+            # step's transient; what fusion adds is its own event (the buckets' calls)
+            phase, copy_end = optimizer_phase(g, self.streamed, self.bw, g.fixed.optimizer_step_bytes,
+                                              g.optimizer_time_s, self.hosted, resident_bytes=workspace)
+            if seconds > g.optimizer_time_s:
+                self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason="what backward fusion's "
+                                                 "per-bucket calls add", duration_s=seconds - g.optimizer_time_s))
+        else:
+            phase, copy_end = optimizer_phase(g, self.streamed, self.bw, workspace, seconds, self.hosted)
         start = max(self.now, self.copy_free)
         for e in phase:
             self.events.append(ScheduleEvent(e.kind, "optimizer", e.unit, None, (), e.reason, e.alloc_bytes,

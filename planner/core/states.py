@@ -182,7 +182,8 @@ def _share(graph: Graph, units: list[int]) -> float:
 
 
 def optimizer_phase(graph: Graph, streamed: list[int], bandwidth_bytes_per_s: float,
-                    step_bytes: int, step_s: float, hosted: list[int] = ()) -> tuple[list[PhaseEvent], float]:
+                    step_bytes: int, step_s: float, hosted: list[int] = (),
+                    resident_bytes: int | None = None) -> tuple[list[PhaseEvent], float]:
     """The optimizer step with ``streamed`` units' states streamed (in that order) and ``hosted`` units
     stepped on the host, as events, and the time the copy stream is busy until (relative to the phase's
     start). ``step_bytes`` / ``step_s``: the whole device step's transient and time, shared among the
@@ -192,7 +193,10 @@ def optimizer_phase(graph: Graph, streamed: list[int], bandwidth_bytes_per_s: fl
     turn (``host`` events: host time, not the compute stream's), starting with the phase, beside the device's
     updates; each unit's updated parameters are copied back on the copy stream after its host step and
     after the streamed units' copies (the executor queues them last); compute then waits until the last
-    has landed (the next forward reads them)."""
+    has landed (the next forward reads them).
+
+    ``resident_bytes``: the resident units' update's transient where it is not their share of ``step_bytes``
+    (under backward fusion they were stepped inside backward: what is left of the step's transient)."""
     units = graph.state_units
     chosen = set(streamed) | set(hosted)
     resident = [u for u in range(len(units)) if u not in chosen]
@@ -200,6 +204,8 @@ def optimizer_phase(graph: Graph, streamed: list[int], bandwidth_bytes_per_s: fl
     if resident or not chosen:
         share = _share(graph, resident) if chosen else 1.0
         held = step_bytes if not chosen else min(step_bytes, math.ceil(step_bytes * share) + CALL_BYTES)
+        if resident_bytes is not None:
+            held = resident_bytes
         events.append(PhaseEvent("optimizer", None, "optimizer step of the resident units",
                                  workspace_bytes=held, duration_s=step_s * share))
     now = sum(e.duration_s for e in events)
@@ -263,7 +269,7 @@ def phase_extra(events: list[PhaseEvent]) -> tuple[int, float]:
 
 
 def states_search_graph(graph: Graph, streamed: list[int], bandwidth_bytes_per_s: float | None = None,
-                        hosted: list[int] = ()) -> Graph:
+                        hosted: list[int] = (), fuse: str | None = None) -> Graph:
     """The graph the activation searches run on for a placement of the model states: forward and backward
     without the moved units' state (``fixed.optimizer_state_bytes`` less it), and the optimizer step's
     transient and time those of the phase. With only streamed units, a plan's peak and step time here are
@@ -274,12 +280,19 @@ def states_search_graph(graph: Graph, streamed: list[int], bandwidth_bytes_per_s
     here they are freed where keeping every activation frees them (the backward step of a later unit's
     completion, else the last one), and the optimizer step waits as long as it waits there. A plan takes
     at least keep-all's time between two backward steps (a replay or a wait only adds), so its copies end
-    no later, relative to the steps, than keep-all's: its peak and time here are at least its own."""
+    no later, relative to the steps, than keep-all's: its peak and time here are at least its own.
+
+    ``fuse="backward"``: the step the executor runs with backward fusion, where the moved units are not fused
+    (their updates run in the phase) and the others are: the graph's ``fused_backward`` keeps the others'
+    buckets, and its optimizer step's transient and time are such that ``simulate(..., fuse="backward")`` of
+    a plan here charges the phase (``fixed.optimizer_step_bytes`` less those buckets' shares is the phase's
+    transient; fusion's own cost is added by the simulator, as the executor's schedule adds it)."""
     if not streamed and not hosted:
         return graph
     bw = bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
-    events, _ = optimizer_phase(graph, streamed, bw, graph.fixed.optimizer_step_bytes, graph.optimizer_time_s,
-                                hosted)
+    total = graph.fixed.optimizer_step_bytes
+    left = max(0, total - sum(f.step_bytes for f in graph.fused_backward)) if fuse == "backward" else None
+    events, _ = optimizer_phase(graph, streamed, bw, total, graph.optimizer_time_s, hosted, resident_bytes=left)
     extra, seconds = phase_extra(events)
     update: dict = {"fixed": graph.fixed.model_copy(), "optimizer_time_s": seconds}
     if hosted:
@@ -292,9 +305,15 @@ def states_search_graph(graph: Graph, streamed: list[int], bandwidth_bytes_per_s
                                             + keep.bytes[u]})
         update["ops"] = ops
         update["optimizer_time_s"] = seconds + keep.finish_wait
+    fused_kept: list[FusedStep] = []
+    if fuse == "backward":
+        grads = unit_grads(graph)
+        moved = {id(grads[u]) for u in [*streamed, *hosted] if u in grads}
+        fused_kept = [f for f in graph.fused_backward if id(f) not in moved]
+        update["fused_backward"] = fused_kept
     search = graph.model_copy(update=update)
     search.fixed.optimizer_state_bytes -= device_state_bytes(graph, streamed, hosted)
-    search.fixed.optimizer_step_bytes = extra
+    search.fixed.optimizer_step_bytes = extra + sum(f.step_bytes for f in fused_kept)
     # a shallow copy: the views derived from the structure (fingerprint, static facts) are the graph's; a
     # memoised search of its plans' reports is not
     search.__dict__.pop("_memplan_multilevel", None)

@@ -72,7 +72,8 @@ def bucket_modules(model: nn.Module, module_buckets: dict[nn.Module, list[int]],
 
 class FusedOptimizer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, *,
-                 accumulation_steps: int = 1, max_grad_norm: float | None = None):
+                 accumulation_steps: int = 1, max_grad_norm: float | None = None,
+                 exclude: Iterable[nn.Parameter] = ()):
         if mode not in FUSE_MODES:
             raise MemplanError(f"fuse={mode!r}: expected one of {', '.join(FUSE_MODES)} or None")
         if not isinstance(optimizer, SUPPORTED):
@@ -91,6 +92,9 @@ class FusedOptimizer:
         self.micro = -1                                   # micro-batch index of the running forward
         in_opt = {p for g in optimizer.param_groups for p in g["params"]}
         self.buckets, self.bucket_of, self.module_buckets = buckets(model, optimizer)
+        # parameters stepped elsewhere (a plan's model states off the device, executor/states.py): never
+        # stepped here, in backward or at step()
+        self.excluded = {id(p) for p in exclude}
         missing = [p for p in in_opt if p not in self.bucket_of and p.requires_grad]
         if missing:
             raise MemplanError(f"optimizer fusion: {len(missing)} optimizer parameter(s) belong to no module of "
@@ -110,7 +114,8 @@ class FusedOptimizer:
         self._step = optimizer.step  # the real step (the executor shadows optimizer.step with user_step)
         if mode == "backward":
             for p in self.bucket_of:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                if id(p) not in self.excluded:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
             BACKWARD_STEPPERS.add(self)
         else:
             # a checkpoint saved between steps (``model.state_dict()``, ``optimizer.state_dict()``, what
@@ -152,7 +157,12 @@ class FusedOptimizer:
                 loss = closure()
         if self.mode == "backward":
             self.stepped_in_backward = False
-            self._step()  # what backward did not step (parameters whose hook never fired)
+            if self.excluded:  # what backward did not step, but the parameters stepped elsewhere
+                kept = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.excluded]
+                with narrowed_groups(self.optimizer, kept):
+                    self._step()
+            else:
+                self._step()  # what backward did not step (parameters whose hook never fired)
             return loss
         self.flush()  # a step not followed by a forward yet: apply it before taking new gradients
         params = [p for p in self.bucket_of if p.grad is not None]
