@@ -238,10 +238,12 @@ class Executor:
         self._mode_entered = False
         self.fused = (FusedOptimizer(model, optimizer, fuse, accumulation_steps=accumulation_steps,
                                      max_grad_norm=max_grad_norm,
-                                     exclude=self.states.moved_params() if self.states is not None else ())
+                                     exclude=self.states.hosted_params() if self.states is not None else ())
                       if fuse is not None else None)
         if self.states is not None and self.fused is not None:
-            self.states.fused = True  # the resident units are stepped by backward fusion
+            # backward fusion steps the resident and the streamed units (their state fetched around it)
+            self.states.fused = True
+            self.fused.around = self.states.fused_bucket
         if fuse == "backward" or (self.states is not None and self.states.hoststep is not None):
             _refuse_grad_scaling(self)  # and guard the clipping functions (host-stepped: they see the host's)
         self._handles = [model.register_forward_pre_hook(self._begin)]
@@ -364,8 +366,10 @@ class Executor:
                 self.fused.before_module(module)
         self.step_state = Step(self)
         self.steps += 1
-        if self.states is not None and self.states.hoststep is not None:
-            self.states.hoststep.log = self.step_state.log  # where backward's gradient copies are logged
+        if self.states is not None:
+            self.states.log = self.step_state.log  # where backward's state and gradient copies are logged
+            if self.states.hoststep is not None:
+                self.states.hoststep.log = self.step_state.log
         if not self.watch:
             self.step_state.forward_done = True
             return

@@ -30,7 +30,14 @@ from memplan.executor.recipes import byte_view
 from memplan.planner.core.errors import PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.schedule import ScheduleEvent
-from memplan.planner.core.states import STATE_ALIGN, slot_bytes
+from memplan.planner.core.states import (
+    STATE_ALIGN,
+    STATE_BACK,
+    STATE_IN,
+    STATE_RELEASED,
+    slot_bytes,
+    unit_grads,
+)
 from memplan.planner.probe.device import Device
 from memplan.planner.probe.fusion import bucket_modules, buckets, narrowed_groups
 from memplan.planner.probe.states import unit_state_tensors
@@ -68,7 +75,20 @@ class StateStreamer:
         self.pool = device.pinned_empty(at) if at else None
         self.bytes = at + (self.hoststep.bytes if self.hoststep is not None else 0)
         self.steps = 0
-        self.fused = False  # backward fusion steps the resident units (apply sets it)
+        self.fused = False  # backward fusion steps the resident and streamed units (apply sets it)
+        # backward fusion's streaming: the units in the order backward completes them, the next to fetch,
+        # the copies in flight and the last unit stepped (its copy back and device state, freed at the next)
+        grads = unit_grads(graph)
+        rank = {id(f): n for n, f in enumerate(graph.fused_backward)}
+        self.after = {u: f.after for u, f in grads.items()}
+        self.modules = {u: units[u].module or "the model" for u in range(len(units))}
+        self.streamed_set = set(self.streamed)
+        self.fetch_order = sorted((u for u in self.streamed if u in grads), key=lambda u: rank[id(grads[u])])
+        self.fetch_next = 0
+        self.fetched_any = False
+        self.in_flight: dict[int, list] = {}
+        self.back: tuple[int, list] | None = None
+        self.back_copies = device.copy_stream() if self.streamed else None
         self.log: list = []
         self._hook = optimizer.register_load_state_dict_post_hook(lambda _opt: self.to_host(self.streamed))
         # a checkpoint reads the pool on the host: the copies back into it must have landed (on a GPU the
@@ -102,13 +122,14 @@ class StateStreamer:
     def _is_slot(self, t: torch.Tensor) -> bool:
         return self.pool is not None and t.untyped_storage().data_ptr() == self.pool.untyped_storage().data_ptr()
 
-    def _fetch(self, u: int) -> list[Any]:
+    def _fetch(self, u: int, log: bool = True) -> list[Any]:
         """Unit ``u``'s state from its slot into new device buffers (allocated on the compute stream, filled
         on the copy stream); the state entries point at the buffers from now. Returns the copies."""
         copies = []
         if not self._on_host(u):
             return copies  # its first step (no state yet), or already on the device (a failed step's)
-        self.log.append(ScheduleEvent("h2d", "optimizer", u, reason="optimizer state streamed in"))
+        if log:
+            self.log.append(ScheduleEvent("h2d", "optimizer", u, reason="optimizer state streamed in"))
         for (p, key), host in zip(self._entries(u), self._host_views(u), strict=True):
             dst = torch.empty_like(host, device=p.device)  # on the compute stream
             copies.append(self.copies.to_device(_bytes_of(dst), _bytes_of(host)))
@@ -134,10 +155,72 @@ class StateStreamer:
         for (p, key), host in zip(self._entries(u), views, strict=True):
             self.optimizer.state[p][key] = host
 
-    def moved_params(self) -> list[nn.Parameter]:
-        """The parameters of the streamed and host-stepped units: stepped here, never by fusion."""
+    def hosted_params(self) -> list[nn.Parameter]:
+        """The parameters of the host-stepped units: stepped on the host, never by fusion."""
         hosted = self.hoststep.hosted if self.hoststep is not None else []
-        return [p for u in [*self.streamed, *hosted] for p in self.groups[u]]
+        return [p for u in hosted for p in self.groups[u]]
+
+    # ---- inside backward (backward fusion) --------------------------------------------------------------
+    def fused_bucket(self, b: int, step: Any) -> None:
+        """Backward fusion steps bucket ``b`` (= state unit ``b``), in the schedule's order: the first bucket
+        fetches the first streamed unit's state; a streamed unit's step frees the last one's device state
+        (after its copy back), fetches the next one's, waits for its own, steps, and copies it back."""
+        at = self.after[b]
+        if not self.fetched_any:
+            self.fetched_any = True
+            self._fetch_next(at)
+        if b not in self.streamed_set:
+            step()
+            return
+        self._release_back("backward", at)
+        self._fetch_next(at)
+        for c in self.in_flight.pop(b, []):
+            c.wait()
+        step()
+        self.back = (b, self._copy_back(b, at))
+
+    def _fetch_next(self, at: int) -> None:
+        if self.fetch_next >= len(self.fetch_order):
+            return
+        u = self.fetch_order[self.fetch_next]
+        self.fetch_next += 1
+        if self._on_host(u):
+            self.log.append(ScheduleEvent("h2d", "backward", at, reason=f"{STATE_IN} ({self.modules[u]})"))
+        self.in_flight[u] = self._fetch(u, log=False)
+
+    def _copy_back(self, u: int, at: int) -> list:
+        """Unit ``u``'s device state copied to its slot on the copy stream back (not waited for)."""
+        copies = []
+        for (p, key), host in zip(self._entries(u), self._host_views(u), strict=True):
+            src = self.optimizer.state[p][key]
+            if not self._is_slot(src):
+                copies.append((self.back_copies.to_host(_bytes_of(host), _bytes_of(src)), p, key, host, src))
+        self.log.append(ScheduleEvent("d2h", "backward", at, reason=f"{STATE_BACK} ({self.modules[u]})"))
+        return copies
+
+    def _release_back(self, phase: str, at: int | None) -> None:
+        """Compute waits for the last stepped unit's copy back; its state is the slot's from now."""
+        if self.back is None:
+            return
+        _u, copies = self.back
+        self.back = None
+        for copy, p, key, host, _src in copies:
+            copy.wait()
+            self.optimizer.state[p][key] = host
+        if phase == "backward":
+            self.log.append(ScheduleEvent("free", phase, at, reason=STATE_RELEASED))
+
+    def _end_backward_streaming(self) -> None:
+        """At ``optimizer.step()``: the last unit's state released; any state a failed backward fetched and
+        never stepped goes back to its slot; the next backward fetches from the first unit again."""
+        self._release_back("optimizer", None)
+        for copies in list(self.in_flight.values()):
+            for c in copies:
+                c.wait()
+        self.in_flight.clear()
+        self.to_host(self.streamed)
+        self.fetch_next = 0
+        self.fetched_any = False
 
     def to_host(self, units: list[int]) -> None:
         """Move ``units``' state to their slots now (after a ``load_state_dict``)."""
@@ -159,6 +242,11 @@ class StateStreamer:
         if self.hoststep is not None:
             self.hoststep.log = self.log
             self.hoststep.before_step()
+        if self.fused:  # backward fusion stepped the resident and streamed units
+            self._end_backward_streaming()
+            if self.hoststep is not None:
+                self.hoststep.step(real_step)
+            return loss
         if self.resident and not self.fused:
             with narrowed_groups(self.optimizer, self.resident), torch.no_grad():
                 real_step()

@@ -211,9 +211,28 @@ def test_under_backward_fusion_the_moved_units_step_at_the_step_bitwise_at_the_p
     report = simulate(g, plan, fuse="backward")
     planned = _train(w, g, plan, fuse="backward")
     _same(planned, _train(w, g, None))
-    # the buckets' gradients leave in backward, stepped, and the moved units' state is off the device
+    # the buckets' gradients leave in backward, stepped, and the moved units' state is off the device; the
+    # streamed ones are fetched inside backward, each stepped there and copied back
     assert 0 <= report.peak_bytes - planned[1] <= 1e-4 * report.peak_bytes
-    assert report.peak_bytes < min(simulate(g, plan).peak_bytes, simulate(g, fuse="backward").peak_bytes)
+    assert report.peak_bytes < simulate(g, fuse="backward").peak_bytes
+    want = [k for k in schedule(g, plan, fuse="backward").executed() if k[2] is None and k[0] in ("h2d", "d2h", "free")]
+    assert planned[3][-1] == want
+    assert sum(k[0] == "h2d" and k[1] is not None for k in want) >= len(streamed)
+
+
+def test_streamed_inside_backward_under_the_cuda_emulation():
+    """A fused step that read a unit's state before its copy in had landed (poisoned until waited for), or a
+    slot read before the copy back, would train NaNs."""
+    with emulate_cuda():
+        w = load_workload("gpt2", **TINY["gpt2"])
+        g = profile(copy.deepcopy(w.model), w.batch, w.loss_fn, device="cuda", progress=False, measure=False,
+                    repeats=1)
+        plan = Plan.keep_all(g).with_states(g, stream_order(g)[:5])
+        plain = _train(w, g, None)
+        planned = _train(w, g, plan, fuse="backward")
+    _same(planned, plain)
+    report = simulate(g, plan, fuse="backward")
+    assert 0 <= report.peak_bytes - planned[1] <= 1e-3 * report.peak_bytes
 
 
 def test_solve_with_backward_fusion_searches_the_placements():
@@ -225,3 +244,16 @@ def test_solve_with_backward_fusion_searches_the_placements():
     assert r.report.peak_bytes == simulate(g, r.plan, fuse="backward").peak_bytes <= budget
     with pytest.raises(Exception, match="budget"):
         solve(g, budget, offload=True, states=False, fuse="backward", time_limit_s=3)
+
+
+def test_the_memory_viewers_trace_is_the_timeline_under_every_placement():
+    """planner/core/memtrace.py (``memplan show --snapshot``) follows the host-stepped gradients' frees and
+    the states streamed inside backward, to the byte of the simulator's timeline."""
+    from test_snapshot import assert_trace_is_the_timeline
+
+    _, g = weighty("gpt2")
+    order = stream_order(g)
+    for streamed, hosted in [(order[:6], []), ([], order[:6]), (order[:3], order[3:8])]:
+        plan = Plan.keep_all(g).with_states(g, streamed, hosted)
+        for fuse in (None, "backward"):
+            assert_trace_is_the_timeline(g, schedule(g, plan, fuse=fuse), {})

@@ -26,7 +26,7 @@ from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Action
 from memplan.planner.core.schedule import Schedule, static_facts
-from memplan.planner.core.states import GRADS_RELEASED
+from memplan.planner.core.states import GRADS_RELEASED, STATE_RELEASED
 
 #: what holds a block, in the order the plot stacks them (bottom first)
 CATEGORIES = ("parameter", "buffer", "input", "optimizer state", "other", "gradient", "activation",
@@ -167,6 +167,7 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
     if host:
         trace.host.append((0.0, host))
     streamed: dict[int, Block] = {}   # state unit -> its state's device block while it is streamed in
+    in_backward: list[Block] = []     # states streamed in for backward fusion's steps, oldest first
 
     def release_gradients(nbytes: int, phase: str, at: int | None) -> None:
         while nbytes > 0:
@@ -224,6 +225,10 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
             t = ev.tensor
             if t is None and ev.reason == GRADS_RELEASED:  # a host-stepped unit's gradients, copied to the host
                 release_gradients(ev.free_bytes, ev.phase, ev.at)
+            elif t is None and ev.reason == STATE_RELEASED and in_backward:  # streamed inside backward
+                block = in_backward.pop(0)
+                if block is not None:
+                    free(block)
             elif t is None and ev.phase == "optimizer" and ev.at in streamed:  # a streamed unit's state leaves
                 block = streamed.pop(ev.at)
                 if block is not None:
@@ -287,6 +292,11 @@ def memory_trace(graph: Graph, sched: Schedule, actions: dict[int, Action] | Non
                 close()  # the simulator closes an optimizer entry at once
             else:
                 open_key = (ev.phase, ev.at)
+        elif kind == "h2d" and ev.tensor is None and ev.phase == "backward":  # backward fusion's streamed state
+            open_entry()
+            in_backward.append(alloc(ev.alloc_bytes, "optimizer state", f"{ev.reason}, for its update inside "
+                                     f"backward", op=ev.at, phase="backward"))
+            close()
         elif kind == "h2d" and ev.tensor is None and not ev.alloc_bytes:
             open_entry()  # a host-stepped unit's parameters, copied back into their device storage
             close()

@@ -58,6 +58,9 @@ from memplan.planner.core.replay import kept_by_replays, replay
 from memplan.planner.core.states import (
     GRADS_RELEASED,
     GRADS_TO_HOST,
+    STATE_BACK,
+    STATE_IN,
+    STATE_RELEASED,
     GradCopies,
     device_state_bytes,
     host_refusal,
@@ -123,8 +126,8 @@ class ScheduleEvent(NamedTuple):
     def moves_gradients(self) -> bool:
         """A host-stepped unit's gradients copied to the host in backward, or their device copy freed: the
         executor performs both where backward completes a host-stepped unit (``at``: that backward step)."""
-        return self.tensor is None and self.phase == "backward" and self.reason.startswith((GRADS_TO_HOST,
-                                                                                             GRADS_RELEASED))
+        return self.tensor is None and self.phase == "backward" and self.reason.startswith(
+            (GRADS_TO_HOST, GRADS_RELEASED, STATE_IN, STATE_BACK, STATE_RELEASED))
 
     def performed_release(self) -> bool:
         """The release of an offloaded tensor's device copy once its copy to host has ended: the executor
@@ -407,7 +410,19 @@ class _Lowering:
         self.grads_released = self.grad_copies.released
         self.fused: dict[int, list[FusedStep]] = {}  # backward step -> the fusion buckets it completes
         grads = unit_grads(graph) if (self.streamed or self.hosted) else {}
-        moved = {id(grads[u]) for u in [*self.streamed, *self.hosted] if u in grads}  # stepped at the step
+        # backward fusion steps the streamed units inside backward too, their state fetched ahead
+        # (planner/core/states.py, "in backward"); the host-stepped ones at the step
+        self.in_backward = fuse == "backward" and bool(self.streamed)
+        off = self.hosted if self.in_backward else [*self.streamed, *self.hosted]
+        moved = {id(grads[u]) for u in off if u in grads}
+        self.unit_of_step = {id(grads[u]): u for u in self.streamed if u in grads} if self.in_backward else {}
+        rank = {id(f): n for n, f in enumerate(graph.fused_backward)}
+        self.fetch_order = sorted((u for u in self.streamed if u in grads), key=lambda u: rank[id(grads[u])]) \
+            if self.in_backward else []
+        self.fetch_next = 0           # the next unit of fetch_order to fetch
+        self.state_ready: dict[int, float] = {}
+        self.state_out_free = 0.0     # the streamed states' copy stream back to the host
+        self.state_back: tuple[int, float] | None = None  # (unit, end of its copy back): freed at the next
         for f in graph.fused_backward:
             if id(f) not in moved:
                 self.fused.setdefault(f.after, []).append(f)
@@ -479,6 +494,8 @@ class _Lowering:
         # backward fusion stepped its buckets already: the step's transient is what remains
         # the buckets hold their shares where they step
         workspace = final_step_bytes(g, fused=self.fuse == "backward" or bool(self.applied_before))
+        if self.in_backward:
+            self._release_state("optimizer", None)  # the last streamed unit's state, after its copy back
         if self.grad_copies.pending:  # host-stepped units' gradients whose copies backward did not see end
             wait, gone = self.grad_copies.finish(self.now)
             self.events.append(ScheduleEvent("wait", "optimizer", None, reason="the host-stepped units' gradient "
@@ -487,16 +504,17 @@ class _Lowering:
             for u in gone:
                 self.events.append(ScheduleEvent("free", "optimizer", None, reason=GRADS_RELEASED,
                                                  free_bytes=self.grad_copies.bytes[u]))
-        if not self.streamed and not self.hosted:
+        if not self.hosted and (not self.streamed or self.in_backward):
             self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason=reason,
                                              workspace_bytes=workspace, duration_s=seconds))
             return
         # streamed optimizer state (planner/core/states.py): the resident units' update, then each streamed
         # unit's state through the device; the copy stream is free by now (backward waited for its copies)
         if self.fuse == "backward":
-            # the moved units are not fused: their updates run in the phase, each with its share of the whole
-            # step's transient; what fusion adds is its own event (the buckets' calls)
-            phase, copy_end = optimizer_phase(g, self.streamed, self.bw, g.fixed.optimizer_step_bytes,
+            # the host-stepped units are not fused: their updates run in the phase, each with its share of the
+            # whole step's transient (the streamed ones were stepped in backward, as the resident ones: their
+            # time is charged here, as fusion charges its updates); what fusion adds is its own event
+            phase, copy_end = optimizer_phase(g, [], self.bw, g.fixed.optimizer_step_bytes,
                                               g.optimizer_time_s, self.hosted, resident_bytes=workspace)
             if seconds > g.optimizer_time_s:
                 self.events.append(ScheduleEvent("optimizer", "optimizer", None, reason="what backward fusion's "
@@ -508,6 +526,56 @@ class _Lowering:
             self.events.append(ScheduleEvent(e.kind, "optimizer", e.unit, None, (), e.reason, e.alloc_bytes,
                                              e.workspace_bytes, e.free_bytes, e.duration_s, e.copy_bytes))
         self.copy_free = start + copy_end
+
+    # ---- streamed state inside backward (backward fusion) ------------------------------------------------
+    def _fetch_state(self, i: int) -> None:
+        """Queue the next streamed unit's state copy in (the activations' copy stream; its buffers now)."""
+        if self.fetch_next >= len(self.fetch_order):
+            return
+        u = self.fetch_order[self.fetch_next]
+        self.fetch_next += 1
+        b = self.g.state_units[u].state_bytes
+        self.copy_free = self.state_ready[u] = max(self.copy_free, self.now) + b / self.bw
+        if self.emit:
+            module = self.g.state_units[u].module or "the model"
+            self.events.append(ScheduleEvent("h2d", "backward", i, reason=f"{STATE_IN} ({module})", alloc_bytes=b,
+                                             copy_bytes=b))
+
+    def _release_state(self, phase: str, i: int | None) -> None:
+        """The last stepped unit's device state goes, once compute has waited for its copy back."""
+        if self.state_back is None:
+            return
+        u, end = self.state_back
+        self.state_back = None
+        wait = max(0.0, end - self.now)
+        self.now += wait
+        if self.emit:
+            self.events.append(ScheduleEvent("wait", phase, i, reason=f"{STATE_BACK} ends", duration_s=wait))
+            self.events.append(ScheduleEvent("free", phase, i, reason=STATE_RELEASED,
+                                             free_bytes=self.g.state_units[u].state_bytes))
+
+    def _stream_before(self, u: int | None, i: int) -> None:
+        """Before a fused bucket's step at backward step ``i``: the first one fetches the first streamed
+        unit's state; a streamed unit's frees the last one's, fetches the next one's and waits for its own."""
+        if self.fetch_next == 0:
+            self._fetch_state(i)
+        if u is None:
+            return
+        self._release_state("backward", i)
+        self._fetch_state(i)
+        wait = max(0.0, self.state_ready[u] - self.now)
+        self.now += wait
+        if self.emit:
+            self.events.append(ScheduleEvent("wait", "backward", i, reason=f"{STATE_IN} arrives", duration_s=wait))
+
+    def _stream_after(self, u: int, i: int) -> None:
+        """After streamed unit ``u``'s fused step: its state's copy back (a copy stream of its own)."""
+        b = self.g.state_units[u].state_bytes
+        self.state_out_free = max(self.state_out_free, self.now) + b / self.bw
+        self.state_back = (u, self.state_out_free)
+        if self.emit:
+            module = self.g.state_units[u].module or "the model"
+            self.events.append(ScheduleEvent("d2h", "backward", i, reason=f"{STATE_BACK} ({module})", copy_bytes=b))
 
     def _grads_to_host(self, u: int, i: int) -> None:
         """Backward step ``i`` has completed host-stepped unit ``u``'s gradients: their copy to the host is
@@ -729,10 +797,16 @@ class _Lowering:
                 if st.saved[t] and st.release_at[t] < i:
                     continue  # its own backward reader comes later and releases it
                 self._free(t, "pinned: the last replay that reads it has run")
-            if self.emit and self.fuse == "backward":
+            if self.fuse == "backward":
                 for f in self.fused.get(i, ()):  # the buckets this step completes: stepped, their gradients freed
-                    self.events.append(ScheduleEvent(
-                        "optimizer", "backward", i, reason=f"optimizer step of {f.module or 'the model'}'s "
-                        f"parameters, fused into backward", workspace_bytes=f.step_bytes, free_bytes=f.grad_bytes))
+                    u = self.unit_of_step.get(id(f))
+                    if self.in_backward:
+                        self._stream_before(u, i)
+                    if self.emit:
+                        self.events.append(ScheduleEvent(
+                            "optimizer", "backward", i, reason=f"optimizer step of {f.module or 'the model'}'s "
+                            f"parameters, fused into backward", workspace_bytes=f.step_bytes, free_bytes=f.grad_bytes))
+                    if u is not None:
+                        self._stream_after(u, i)
             for u in self.hosted_at.get(i, ()):
                 self._grads_to_host(u, i)

@@ -191,6 +191,8 @@ def score(graph: Graph, sched: Schedule, *, timeline: bool = True) -> Report:
                 what = f"tensor {ev.tensor}" if ev.tensor is not None else f"state unit {ev.at}"
                 if ev.tensor is None and ev.alloc_bytes == 0:
                     what = f"state unit {ev.at}'s updated parameters"
+                elif ev.tensor is None and ev.phase == "backward":
+                    what = f"a unit's optimizer state for its update in backward, at backward step {ev.at}"
                 entries.append(Event(phase="prefetch", op=tensors[ev.tensor].producer if ev.tensor is not None
                                      else None, start_s=now, live_bytes=live, peak_bytes=live,
                                      note=f"prefetch {what} ({ev.reason})"))

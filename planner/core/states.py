@@ -37,6 +37,9 @@ Placement = Literal["resident", "stream", "host"]
 PLACEMENTS: tuple[str, ...] = ("resident", "stream", "host")
 GRADS_TO_HOST = "gradients copied to the host"  # the reason of a host-stepped unit's gradient copy
 GRADS_RELEASED = "gradients on the host: device copy freed"  # the reason of its device gradients' free
+STATE_IN = "optimizer state streamed in"  # a streamed unit's state fetched inside backward (backward fusion)
+STATE_BACK = "optimizer state copied back"  # and its copy back after its fused step
+STATE_RELEASED = "optimizer state back on the host: device copy freed"
 HOST_WAIT = "the next forward reads the host-stepped units' updated parameters"  # compute's wait for the host
 HOST_SLOT_ALIGN = 512  # each unit's slot in the host pool starts at a multiple of this
 STATE_ALIGN = 16  # each state tensor in a slot starts at a multiple of this (any dtype's alignment)
@@ -171,6 +174,32 @@ def keep_all_grad_copies(graph: Graph, hosted: list[int], bandwidth_bytes_per_s:
     return copies
 
 
+def in_backward_stream(graph: Graph, streamed: list[int], hosted: list[int] = ()) -> list[tuple[int, int, str]]:
+    """Where backward fusion's streaming of ``streamed`` allocates and frees their states, as
+    ``(backward step, bytes, "alloc" | "free")`` in the lowering's order: the first fused bucket's step fetches
+    the first streamed unit (in completion order); each streamed unit's step frees the previous one's state
+    (its copy back waited for) and fetches the next; the last is freed when backward ends (backward step 0:
+    the last one that runs). For the search graphs: an allocation charged from the start of its step, a free
+    at its end (the lowering's come after the step and before the bucket's step), never under."""
+    grads = unit_grads(graph)
+    rank = {id(f): n for n, f in enumerate(graph.fused_backward)}
+    order = sorted((u for u in streamed if u in grads), key=lambda u: rank[id(grads[u])])
+    off = {id(grads[u]) for u in hosted if u in grads}  # not fused: stepped on the host
+    first = next((f for f in graph.fused_backward if id(f) not in off), None)
+    if not order or first is None:
+        return []
+    units = graph.state_units
+    out = [(first.after, units[order[0]].state_bytes, "alloc")]
+    for n, u in enumerate(order):
+        at = grads[u].after
+        if n:
+            out.append((at, units[order[n - 1]].state_bytes, "free"))
+        if n + 1 < len(order):
+            out.append((at, units[order[n + 1]].state_bytes, "alloc"))
+    out.append((0, units[order[-1]].state_bytes, "free"))
+    return out
+
+
 def host_step_s(graph: Graph, u: int) -> float:
     """The host's optimizer time for unit ``u``: its parameter bytes at the graph's measured host rate."""
     return graph.state_units[u].param_bytes / (graph.host_optimizer_bytes_per_s or float("inf"))
@@ -292,7 +321,9 @@ def states_search_graph(graph: Graph, streamed: list[int], bandwidth_bytes_per_s
     bw = bandwidth_bytes_per_s or graph.host_bandwidth_bytes_per_s
     total = graph.fixed.optimizer_step_bytes
     left = max(0, total - sum(f.step_bytes for f in graph.fused_backward)) if fuse == "backward" else None
-    events, _ = optimizer_phase(graph, streamed, bw, total, graph.optimizer_time_s, hosted, resident_bytes=left)
+    # backward fusion steps the streamed units inside backward: the phase is the host-stepped units'
+    events, _ = optimizer_phase(graph, [] if fuse == "backward" else streamed, bw, total, graph.optimizer_time_s,
+                                hosted, resident_bytes=left)
     extra, seconds = phase_extra(events)
     update: dict = {"fixed": graph.fixed.model_copy(), "optimizer_time_s": seconds}
     if hosted:
@@ -308,9 +339,14 @@ def states_search_graph(graph: Graph, streamed: list[int], bandwidth_bytes_per_s
     fused_kept: list[FusedStep] = []
     if fuse == "backward":
         grads = unit_grads(graph)
-        moved = {id(grads[u]) for u in [*streamed, *hosted] if u in grads}
+        moved = {id(grads[u]) for u in hosted if u in grads}
         fused_kept = [f for f in graph.fused_backward if id(f) not in moved]
         update["fused_backward"] = fused_kept
+        ops = update.get("ops") or list(graph.ops)
+        for at, nbytes, kind in in_backward_stream(graph, streamed, hosted):
+            field = "backward_grad_alloc_bytes" if kind == "alloc" else "backward_grad_free_bytes"
+            ops[at] = ops[at].model_copy(update={field: getattr(ops[at], field) + nbytes})
+        update["ops"] = ops
     search = graph.model_copy(update=update)
     search.fixed.optimizer_state_bytes -= device_state_bytes(graph, streamed, hosted)
     search.fixed.optimizer_step_bytes = extra + sum(f.step_bytes for f in fused_kept)

@@ -95,6 +95,9 @@ class FusedOptimizer:
         # parameters stepped elsewhere (a plan's model states off the device, executor/states.py): never
         # stepped here, in backward or at step()
         self.excluded = {id(p) for p in exclude}
+        # what steps a bucket when backward completes it: ``around(bucket, step)`` runs ``step`` (a plan's
+        # streamed state fetched around it, executor/states.py); None: the step alone
+        self.around: Any = None
         missing = [p for p in in_opt if p not in self.bucket_of and p.requires_grad]
         if missing:
             raise MemplanError(f"optimizer fusion: {len(missing)} optimizer parameter(s) belong to no module of "
@@ -189,7 +192,10 @@ class FusedOptimizer:
         self.ready[b] += 1
         if self.ready[b] == len(self.buckets[b]):
             self.stepped_in_backward = True
-            self.step_params(self.buckets[b])
+            if self.around is not None:
+                self.around(b, functools.partial(self.step_params, self.buckets[b]))
+            else:
+                self.step_params(self.buckets[b])
 
     # ---- forward fusion ----------------------------------------------------------------------------
     def before_module(self, module: nn.Module) -> None:
