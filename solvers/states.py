@@ -114,21 +114,26 @@ def solve_with_states(graph: Graph, budget: int, solve_activations: Any, *, time
     else:
         first_unmoved = False
     best, best_report, refusal, refused_k, host_refusal_ = None, None, None, -1, None
+    overhead = 0.0  # the most a candidate took beyond its share (a fused search's graphs and simulations)
     for i, (k, mode) in enumerate(plan_order):
         left = time_limit_s - (time.perf_counter() - start)
-        if left <= 0:
-            break
+        if left <= overhead and (best is not None or left <= 0):
+            break  # another candidate would end past the time limit
         share = UNSTREAMED_SHARE if (first_unmoved and i == 0 and len(plan_order) > 1) else 1 / (len(plan_order) - i)
+        given = SHARE_MARGIN * max(left - overhead, 0.0) * share
+        began = time.perf_counter()
         try:
             # a share of what is left, less a margin: a strategy may end a little past its own limit
-            result = solve_activations(search(k, mode), SHARE_MARGIN * left * share)
+            result = solve_activations(search(k, mode), given)
         except Infeasible as e:
+            overhead = max(overhead, time.perf_counter() - began - given)
             if k > refused_k:  # the most moved placement's refusal says the most
                 refusal, refused_k = e, k
             continue
         streamed, hosted = split(k, mode)
         plan = result.plan.with_states(graph, streamed, hosted)
         report = simulate(graph, plan, fuse=fuse)
+        overhead = max(overhead, time.perf_counter() - began - given)
         if report.peak_bytes > budget:
             continue
         if host_budget_bytes is not None and report.host_peak_bytes > host_budget_bytes:
