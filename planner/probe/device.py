@@ -45,7 +45,14 @@ but the device is ``cuda`` with CUDA's rules, so that what would fail on a GPU f
 * a synchronisation costs the host ``sync_latency_s`` (:data:`SYNC_LATENCY_S` by default: a GPU's round
   trip, the wake-up of the waiting thread and the next launch into an idle device), which a step that never
   waits does not pay: a time taken with a synchronisation inside it is that much too long here, as it is
-  on a GPU.
+  on a GPU;
+* a capacity (``emulate_cuda(capacity_bytes=...)``, or ``MEMPLAN_EMULATE_CAPACITY_BYTES`` beside
+  ``MEMPLAN_EMULATE_CUDA=1``; :meth:`Device.total_memory` returns it): the device's live storages are
+  counted as the caching allocator counts them, and an allocation that would take them past it raises
+  ``torch.OutOfMemoryError`` ("CUDA out of memory. Tried to allocate ...") before the caller gets the tensor,
+  so that a plan that does not fit fails in CI. PyTorch has no hook on the CPU allocator; a dispatch mode
+  (:class:`DeviceMemory`, which says exactly what it counts) sees every ATen call on the thread that entered
+  the block, backward's included. Host pools are never counted; without a capacity no mode is entered.
 """
 
 from __future__ import annotations
