@@ -67,6 +67,18 @@ def test_an_allocation_past_the_capacity_raises_as_cuda_does_and_a_free_makes_ro
         assert gpu.memory.allocated_bytes == 0
 
 
+def test_a_storage_that_grows_is_charged_its_new_size_and_one_resized_away_is_given_back():
+    with emulate_cuda(capacity_bytes=40 * KiB) as gpu:
+        a = torch.empty(1024)
+        a.resize_(4096)  # CUDA: a new block, the old one live while it is copied
+        assert gpu.memory.allocated_bytes == 16 * KiB and gpu.memory.max_allocated_bytes == 20 * KiB
+        with pytest.raises(torch.OutOfMemoryError):
+            a.resize_(8192)
+        a.untyped_storage().resize_(0)  # outside the dispatcher: seen at the storage's next use
+        total = a.resize_(0).sum()
+        assert gpu.memory.allocated_bytes == 512 and total == 0  # the sum's
+
+
 def test_autograd_and_the_optimizer_are_charged_and_refused_too():
     """Backward's ops (a CPU backward runs on the calling thread, with its modes) and foreach updates."""
     lin = torch.nn.Linear(64, 64, bias=False)  # 16 KiB of weight

@@ -684,7 +684,7 @@ class DeviceMemory(TorchDispatchMode):
             if not nbytes:
                 if known is not None:  # resized to nothing (a storage's bytes given back in place)
                     self._freed(key, known[0])
-                    total = self.allocated_bytes
+                    total -= known[1]
                 continue
             if s.data_ptr() in _HOST_BUFFERS or any(k == key for k, _, _ in new):
                 continue
