@@ -16,6 +16,7 @@ optimizer state kept in a host pool and streamed through the device for its upda
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -139,21 +140,27 @@ def test_the_joint_search_against_every_subset_of_units_at_gpu_scale():
 
 # ---- the executor ------------------------------------------------------------------------------------------
 
-def _train(name: str, plan: Plan | None, graph: Graph, steps: int = 4, w: Workload | None = None):
+def train_under(name: str, plan: Plan | None, graph: Graph, steps: int = 4, w: Workload | None = None,
+                capacity_bytes: int | None = None):
+    """``steps`` training steps of a copy of ``name``'s model (or ``w``'s) under ``plan`` (None: plain), then
+    one measured: ``(losses, parameters, measured peak, optimizer state_dict)``. ``capacity_bytes``: the steps
+    and the measurement on an emulated GPU of that memory (the plan's removal after them puts every state
+    back on the device, which need not fit)."""
     w = w or workload(name)
     model = copy.deepcopy(w.model)
     opt = _adamw(model)
-    ex = apply(model, plan, graph=graph, optimizer=opt) if plan is not None else None
-    losses = []
-    for i in range(steps):
-        torch.manual_seed(i)
-        opt.zero_grad(set_to_none=True)
-        loss = w.loss_fn(model, w.batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    peak = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
-    state = opt.state_dict()
+    with emulate_cuda(capacity_bytes=capacity_bytes) if capacity_bytes is not None else contextlib.nullcontext():
+        ex = apply(model, plan, graph=graph, optimizer=opt) if plan is not None else None
+        losses = []
+        for i in range(steps):
+            torch.manual_seed(i)
+            opt.zero_grad(set_to_none=True)
+            loss = w.loss_fn(model, w.batch)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        peak = measure_step(model, w.batch, w.loss_fn, opt, steps=1, warmup=1).peak_bytes
+        state = opt.state_dict()
     if ex is not None:
         streamed = [p for u in plan.streamed() for p in _unit_params(model, opt, graph, u)]
         assert streamed and all(is_host_buffer(opt.state[p]["exp_avg"]) for p in streamed)
@@ -168,7 +175,7 @@ def _unit_params(model, opt, graph, u):
     return buckets(model, opt)[0][u]
 
 
-def _assert_same(a, b):
+def assert_same_training(a, b):
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True)), "losses differ"
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True)), "parameters differ"
 
@@ -192,9 +199,9 @@ def test_a_joint_plan_where_no_activation_plan_fits_trains_bitwise_at_its_predic
         assert budget < g.fixed.resident_bytes
     result = solve(g, budget, offload=True, states="stream", time_limit_s=10)
     assert result.plan.streamed() and result.report.peak_bytes <= budget
-    plain = _train(name, None, g, w=w)
-    planned = _train(name, result.plan, g, w=w)
-    _assert_same(planned, plain)
+    plain = train_under(name, None, g, w=w)
+    planned = train_under(name, result.plan, g, w=w)
+    assert_same_training(planned, plain)
     # the peak is at a streamed unit's update: its share of the optimizer's transient is by parameter bytes,
     # rounded up, with a margin for the call's scalar temporaries (planner/core/states.py: CALL_BYTES)
     assert 0 <= result.report.peak_bytes - planned[2] <= 1e-4 * result.report.peak_bytes
@@ -212,18 +219,15 @@ def test_streamed_state_under_the_cuda_emulation_waits_for_its_copies():
                     repeats=1)
         assert g.device == "cuda"
         plan = Plan.keep_all(g).with_states(g, stream_order(g))
-        plain = _train(name, None, g, steps=3, w=w)
-        planned = _train(name, plan, g, steps=3, w=w)
-    _assert_same(planned, plain)
+        plain = train_under(name, None, g, steps=3, w=w)
+        planned = train_under(name, plan, g, steps=3, w=w)
+    assert_same_training(planned, plain)
     assert planned[2] == simulate(g, plan).peak_bytes < plain[2]
 
 
-@pytest.mark.slow
-def test_a_llama_whose_model_states_do_not_fit_trains_under_a_fake_profiled_plan():
-    """A Llama of the 1.1B's width cut to two layers and a short sequence, under the CUDA emulation: the
-    budget is below its parameters and optimizer state alone; the plan comes from a fake profile (nothing of
-    the step allocated); the real step's measured peak is within the budget and within 0.5% of the
-    prediction, and after three steps the model equals plain training's on an unlimited device."""
+def small_llama() -> Workload:
+    """A Llama from ``transformers`` with random weights, cut to two layers of width 128 and a sequence of 16:
+    its model states (parameters, AdamW state) are most of its memory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -235,16 +239,25 @@ def test_a_llama_whose_model_states_do_not_fit_trains_under_a_fake_profiled_plan
     def loss_fn(m, batch):
         return m(input_ids=batch, labels=batch).loss
 
-    w = Workload(name="llama", model=model, batch=ids, loss_fn=loss_fn)
+    return Workload(name="llama", model=model, batch=ids, loss_fn=loss_fn)
+
+
+@pytest.mark.slow
+def test_a_llama_whose_model_states_do_not_fit_trains_under_a_fake_profiled_plan():
+    """A Llama of the 1.1B's width cut to two layers and a short sequence, under the CUDA emulation: the
+    budget is below its parameters and optimizer state alone; the plan comes from a fake profile (nothing of
+    the step allocated); the real step's measured peak is within the budget and within 0.5% of the
+    prediction, and after three steps the model equals plain training's on an unlimited device."""
+    w = small_llama()
     with emulate_cuda():
-        g = profile(copy.deepcopy(model), ids, loss_fn, device="cuda", fake=True, progress=False)
+        g = profile(copy.deepcopy(w.model), w.batch, w.loss_fn, device="cuda", fake=True, progress=False)
         fixed_states = g.fixed.params_bytes + g.fixed.optimizer_state_bytes
         budget = int(fixed_states * 0.9)
         result = solve(g, budget, offload=True, states="stream", time_limit_s=20)
         assert result.plan.streamed()
-        plain = _train("llama", None, g, steps=3, w=w)
-        planned = _train("llama", result.plan, g, steps=3, w=w)
-    _assert_same(planned, plain)
+        plain = train_under("llama", None, g, steps=3, w=w)
+        planned = train_under("llama", result.plan, g, steps=3, w=w)
+    assert_same_training(planned, plain)
     assert planned[2] <= budget < fixed_states
     assert abs(planned[2] - result.report.peak_bytes) <= 0.005 * result.report.peak_bytes
 

@@ -45,12 +45,20 @@ but the device is ``cuda`` with CUDA's rules, so that what would fail on a GPU f
 * a synchronisation costs the host ``sync_latency_s`` (:data:`SYNC_LATENCY_S` by default: a GPU's round
   trip, the wake-up of the waiting thread and the next launch into an idle device), which a step that never
   waits does not pay: a time taken with a synchronisation inside it is that much too long here, as it is
-  on a GPU.
+  on a GPU;
+* a capacity (``emulate_cuda(capacity_bytes=...)``, or ``MEMPLAN_EMULATE_CAPACITY_BYTES`` beside
+  ``MEMPLAN_EMULATE_CUDA=1``; :meth:`Device.total_memory` returns it): the device's live storages are
+  counted as the caching allocator counts them, and an allocation that would take them past it raises
+  ``torch.OutOfMemoryError`` ("CUDA out of memory. Tried to allocate ...") before the caller gets the tensor,
+  so that a plan that does not fit fails in CI. PyTorch has no hook on the CPU allocator; a dispatch mode
+  (:class:`DeviceMemory`, which says exactly what it counts) sees every ATen call on the thread that entered
+  the block, backward's included. Host pools are never counted; without a capacity no mode is entered.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import threading
@@ -61,12 +69,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from memplan.planner.core.build import NOMINAL_HOST_BANDWIDTH_BYTES_PER_S
 from memplan.planner.core.devicespec import round_allocation
 from memplan.planner.core.errors import MemplanError
+from memplan.planner.core.units import format_bytes, parse_bytes
 
 EMULATE_ENV = "MEMPLAN_EMULATE_CUDA"
+CAPACITY_ENV = "MEMPLAN_EMULATE_CAPACITY_BYTES"  # the emulated GPU's memory ("6GiB" or bytes; unset: unlimited)
 DEVICE_ENV = "MEMPLAN_DEVICE"
 FALLBACK_CACHE_BYTES = 32 * 2**20  # last-level cache assumed where the device does not say
 FALLBACK_CORE_CACHE_BYTES = 2**20  # a core's own cache (L2) assumed where /sys does not say
@@ -564,24 +580,201 @@ class _EmulatedCopyStream(CopyStream):
             self.queue.pop(0).perform()
 
 
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors among an ATen call's arguments or results: tensors, and lists and tuples of them (a foreach
+    op's), one level down."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                yield x
+            elif isinstance(x, (list, tuple)):
+                yield from (y for y in x if isinstance(y, torch.Tensor))
+
+
+# calls that read their source where it is (a copy to the device reads host memory): their arguments are not
+# counted as the device's by being read
+_COPIES = frozenset({torch.ops.aten.clone, torch.ops.aten._to_copy, torch.ops.aten.copy_, torch.ops.aten.lift_fresh_copy,
+                     torch.ops.aten._copy_from, torch.ops.aten._copy_from_and_resize})
+
+
+@functools.cache
+def _call_kind(func: Any) -> tuple[bool, bool]:
+    """``(reads, allocates)`` of an ATen call: whether it computes with its arguments' data on the device
+    (not a view, ``detach`` or ``view``, which reads nothing; not a copy, which reads its source where it
+    is), and whether its results are new storages (none aliases an argument: not a view, an in-place or an
+    ``out=`` call)."""
+    schema = getattr(func, "_schema", None)
+    allocates = schema is not None and all(r.alias_info is None for r in schema.returns)
+    return not (getattr(func, "is_view", False) or func.overloadpacket in _COPIES), allocates
+
+
+class DeviceMemory(TorchDispatchMode):
+    """The emulated GPU's memory under a capacity: the live storages it holds, each charged as CUDA's caching
+    allocator charges it (rounded up to 512 bytes), and an allocation that would take the total past
+    ``capacity_bytes`` refused with :class:`torch.OutOfMemoryError`, as on a GPU.
+
+    A dispatch mode (PyTorch has no hook on the CPU allocator: ``CUDAPluggableAllocator`` has no CPU twin):
+    every ATen call on this thread below autograd (backward's too: a CPU backward runs on the calling thread,
+    with its modes) is seen. What is counted:
+
+    * every new storage a call returns (its results, where none is a view of, or written into, an argument),
+      charged when the call returns, before the caller gets the tensor: one past the capacity raises and the
+      call's results are dropped; a counted storage that grew (``resize_``) is charged its new size;
+    * every storage a call computes with that is not counted yet, when the call starts: on the emulated GPU a
+      CPU tensor an op reads is device memory, so a model built before the capacity was set (its
+      parameters, buffers, optimizer state, the batch) is counted at its first use, as a model moved to a GPU
+      is held there; but the arguments of a view (``detach``, ``view``: nothing read) and of a copy
+      (``clone``, ``copy_``, ``_to_copy``) are not counted by being read: a copy reads its source where it
+      is, as ``.to("cuda")`` reads host memory (a model deep-copied inside the block from one outside it is
+      counted once: its copy);
+    * not: host buffers (:meth:`Device.pinned_empty`, :func:`is_host_buffer`: the pinned pools are host
+      memory), storages of no bytes, fake and meta tensors (no storage here), what an op's kernel allocates
+      and frees inside itself (a GPU kernel's workspace; the peak measurement, from the allocator's
+      reports, does see it), storages made outside the dispatcher (``UntypedStorage`` methods,
+      ``torch.load``) until a call uses them, calls on other threads, and calls inside
+      :meth:`EmulatedCudaDevice.host_side` (host computation, such as a host optimizer step).
+
+    A storage is freed when its last reference goes (a weak reference to it, whose callback gives its bytes
+    back). ``allocated_bytes`` and ``max_allocated_bytes`` are the counts (``memory_allocated`` and
+    ``max_memory_allocated`` of this accounting)."""
+
+    def __init__(self, capacity_bytes: int):
+        super().__init__()
+        if capacity_bytes < 0:
+            raise MemplanError(f"emulated CUDA: a capacity of {capacity_bytes} bytes; expected >= 0")
+        self.capacity_bytes = capacity_bytes
+        self.allocated_bytes = 0
+        self.max_allocated_bytes = 0
+        self.paused = 0  # > 0: inside host_side(), nothing is charged
+        # StorageImpl address -> (weak reference to its Python storage, charged bytes); the storage's Python
+        # object lives exactly as long as the storage (PyTorch preserves it while C++ holds the storage)
+        self.live: dict[int, tuple[weakref.ref, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        reads, allocates = _call_kind(func)
+        self.charge(func, args, adopt=reads)
+        if kwargs:
+            self.charge(func, tuple(kwargs.values()), adopt=reads)
+        out = func(*args, **kwargs)
+        self.charge(func, out, adopt=allocates)
+        return out
+
+    def charge(self, func: Any, tensors: Any, adopt: bool = True) -> None:
+        """Count the storages of ``tensors`` that grew since they were counted, and (``adopt``) those not counted
+        yet; all or none: raises :class:`torch.OutOfMemoryError` if they would take the total past the
+        capacity."""
+        new: list[tuple[int, torch.UntypedStorage, int]] = []
+        total = self.allocated_bytes
+        for t in _tensors_in(tensors):
+            if t.layout is not torch.strided:
+                continue  # sparse or nested: no one storage
+            s = t.untyped_storage()
+            if s.device.type != "cpu":
+                continue  # a fake or meta tensor: nothing allocated
+            key = s._cdata
+            nbytes = round_allocation(s.nbytes(), "cuda")
+            known = self.live.get(key)
+            if known is None and not adopt or known is not None and known[1] == nbytes:
+                continue
+            if not nbytes:
+                if known is not None:  # resized to nothing (a storage's bytes given back in place)
+                    self._freed(key, known[0])
+                    total -= known[1]
+                continue
+            if s.data_ptr() in _HOST_BUFFERS or any(k == key for k, _, _ in new):
+                continue
+            if total + nbytes > self.capacity_bytes:  # a grown storage's old block is live while it is copied
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)} (in {func}). GPU 0 (emulated) "
+                    f"has a total capacity of {format_bytes(self.capacity_bytes)} of which "
+                    f"{format_bytes(self.capacity_bytes - total)} is free. (emulated capacity "
+                    f"{self.capacity_bytes} B; {total} B allocated)")
+            total += nbytes
+            new.append((key, s, nbytes))
+        self.max_allocated_bytes = max(self.max_allocated_bytes, total)
+        for key, s, nbytes in new:
+            known = self.live.get(key)
+            if known is not None:  # grown: its old block goes once copied
+                total -= known[1]
+            self.live[key] = (weakref.ref(s, functools.partial(self._freed, key)), nbytes)
+        self.allocated_bytes = total
+
+    def _freed(self, key: int, _ref: weakref.ref) -> None:
+        known = self.live.pop(key, None)
+        if known is not None:
+            self.allocated_bytes -= known[1]
+
+    def leave(self) -> None:
+        """Off this thread's mode stack, wherever it is on it (modes entered above it and left active, by a
+        step that raised, stay)."""
+        above = []
+        stack = _get_current_dispatch_mode_stack()
+        if self not in stack:
+            return
+        while stack and stack[-1] is not self:
+            above.append(_pop_mode())
+            stack = _get_current_dispatch_mode_stack()
+        self.__exit__(None, None, None)
+        for mode in reversed(above):
+            _push_mode(mode)
+
+
 class EmulatedCudaDevice(Device):
     """CUDA's rules on CPU tensors (see the module's docstring). ``workspace_bytes``: memory the emulated
     device holds from its first use that no tensor owns, as cuBLAS's workspaces on a GPU;
-    ``sync_latency_s``: what each synchronisation costs the host (spent, so that every clock sees it)."""
+    ``sync_latency_s``: what each synchronisation costs the host (spent, so that every clock sees it);
+    ``capacity_bytes``: the device's memory (None: unlimited), enforced by ``memory``
+    (:class:`DeviceMemory`) while the device's block is active."""
 
     type = "cuda"
     emulated = True
     returns_pages = False  # the emulated device is a GPU: its caching allocator keeps its blocks
 
-    def __init__(self, workspace_bytes: int = 0, sync_latency_s: float = SYNC_LATENCY_S):
+    def __init__(self, workspace_bytes: int = 0, sync_latency_s: float = SYNC_LATENCY_S,
+                 capacity_bytes: int | None = None):
         super().__init__(torch.device("cpu"))
         self.workspace_bytes = workspace_bytes
         self.sync_latency_s = sync_latency_s
         self.synchronizations = 0
         self.streams: weakref.WeakSet[_EmulatedCopyStream] = weakref.WeakSet()
+        self.capacity_bytes = capacity_bytes
+        self.memory: DeviceMemory | None = None
+        if capacity_bytes is not None:
+            self.memory = DeviceMemory(capacity_bytes)
+            # the workspace is held from the device's first use: charged from the start
+            self.memory.allocated_bytes = self.memory.max_allocated_bytes = self.untracked_bytes()
+            if self.memory.allocated_bytes > capacity_bytes:
+                raise MemplanError(f"emulated CUDA: the workspace ({self.memory.allocated_bytes} B) is over the "
+                                   f"capacity ({capacity_bytes} B)")
 
     def untracked_bytes(self) -> int:
         return self.charged_bytes(self.workspace_bytes) if self.workspace_bytes else 0
+
+    def total_memory(self) -> int | None:
+        """The emulated capacity (None: unlimited)."""
+        return self.capacity_bytes
+
+    @contextlib.contextmanager
+    def host_side(self) -> Iterator[None]:
+        """Inside the block, nothing the calls allocate is charged to the capacity: host memory on CPU tensors
+        that are not in a host pool (a pool's own allocation, a host optimizer step's temporaries)."""
+        if self.memory is None:
+            yield
+            return
+        self.memory.paused += 1
+        try:
+            yield
+        finally:
+            self.memory.paused -= 1
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        with self.host_side():  # host memory: never charged, even for the moment before it is registered
+            return super().pinned_empty(nbytes)
 
     def synchronize(self) -> None:
         self.synchronizations += 1
@@ -605,23 +798,42 @@ _emulation: list[EmulatedCudaDevice] = []  # the active emulation, innermost las
 
 
 @contextlib.contextmanager
-def emulate_cuda(workspace_bytes: int = 0, sync_latency_s: float = SYNC_LATENCY_S) -> Iterator[EmulatedCudaDevice]:
-    """Inside the block, ``cuda`` (and the CPU tensors that stand for it) is :class:`EmulatedCudaDevice`."""
-    dev = EmulatedCudaDevice(workspace_bytes, sync_latency_s)
+def emulate_cuda(workspace_bytes: int = 0, sync_latency_s: float = SYNC_LATENCY_S,
+                 capacity_bytes: int | None = None) -> Iterator[EmulatedCudaDevice]:
+    """Inside the block, ``cuda`` (and the CPU tensors that stand for it) is :class:`EmulatedCudaDevice`.
+    ``capacity_bytes``: its memory; an allocation past it raises :class:`torch.OutOfMemoryError` inside the
+    block (:class:`DeviceMemory`: what is counted), on the thread that entered it. None: unlimited, and
+    nothing is counted."""
+    dev = EmulatedCudaDevice(workspace_bytes, sync_latency_s, capacity_bytes)
     _emulation.append(dev)
+    if dev.memory is not None:
+        dev.memory.__enter__()
     try:
         yield dev
     finally:
+        if dev.memory is not None:
+            dev.memory.leave()
         _emulation.remove(dev)
 
 
 def emulation() -> EmulatedCudaDevice | None:
-    """The active emulated GPU: :func:`emulate_cuda`'s, else one for ``MEMPLAN_EMULATE_CUDA=1``."""
+    """The active emulated GPU: :func:`emulate_cuda`'s, else one for ``MEMPLAN_EMULATE_CUDA=1`` (with
+    ``MEMPLAN_EMULATE_WORKSPACE_BYTES`` and ``MEMPLAN_EMULATE_CAPACITY_BYTES``; a capacity is enforced from
+    this first call on, on the calling thread, to the end of the process)."""
     if _emulation:
         return _emulation[-1]
     if os.environ.get(EMULATE_ENV, "") not in ("", "0"):
-        _emulation.append(EmulatedCudaDevice(int(os.environ.get("MEMPLAN_EMULATE_WORKSPACE_BYTES", "0"))))
-        return _emulation[-1]
+        capacity = os.environ.get(CAPACITY_ENV, "").strip()
+        try:
+            capacity_bytes = parse_bytes(capacity) if capacity else None
+        except MemplanError as e:
+            raise MemplanError(f"{CAPACITY_ENV}={capacity!r}: {e}") from None
+        dev = EmulatedCudaDevice(int(os.environ.get("MEMPLAN_EMULATE_WORKSPACE_BYTES", "0")),
+                                 capacity_bytes=capacity_bytes)
+        _emulation.append(dev)
+        if dev.memory is not None:
+            dev.memory.__enter__()
+        return dev
     return None
 
 

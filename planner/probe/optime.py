@@ -496,7 +496,11 @@ def local_device_spec(device: torch.device, cache_dir: str | Path | None = None)
     path = directory / f"device-{_hashed(identity + '|laps=queued')[:16]}.json"
     if path.is_file():
         with contextlib.suppress(Exception):  # a damaged cache file is measured again
-            return parse_device_spec(path.read_bytes(), source=str(path))
+            spec = parse_device_spec(path.read_bytes(), source=str(path))
+            # the device's memory as it is now (an emulated GPU's capacity is not part of what is timed)
+            here = device_here(device)
+            memory = here.total_memory() if here is not None else None
+            return spec.model_copy(update={"memory_bytes": memory}) if memory else spec
     layer = device_of(device)
     device = layer.torch_device
 
