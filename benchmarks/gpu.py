@@ -356,6 +356,10 @@ def model_states_bytes(shape: dict[str, int]) -> int:
     return 12 * llama_param_count(shape)
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
 def parse_worker(stdout: str, stderr: str, returncode: int) -> dict[str, Any]:
     """A worker's result: the JSON after its last :data:`PEER_MARK` line, else one line saying why there is
     none (the exit status and the last line of its stderr: a CUDA OOM, a kill at the time limit)."""
@@ -573,7 +577,7 @@ def peers_side_by_side(results: Results, smoke: bool, limit_s: float, log: Calla
                      **{k: v for k, v in mp.items() if k != "runs"}}
         results.put("peers", out)
         results.md("", f"#### Model states off the device: Llama {name} (width {shape['hidden_size']}, "
-                       f"{shape['num_hidden_layers']} layers; {llama_param_count(shape) / 1e9:.2f} B parameters, "
+                       f"{shape['num_hidden_layers']} layers; {_count(llama_param_count(shape))} parameters, "
                        f"fp32 parameters + AdamW state {format_bytes(model_states_bytes(shape))}), sequence "
                        f"{seq_len}, batch 1; each run alone in its own process, {PEER_STEPS - 1} measured steps "
                        f"after a warm-up", "", *peer_table(rows))
