@@ -10,7 +10,10 @@
    rounds it) against the prediction, training bitwise against plain training on an unlimited device, and
    step times (on a CPU the copies are synchronous; the time figures are this machine's, not a GPU's).
 3. **The peers, where they run**: torchao's ``CPUOffloadOptimizer`` is tried on this machine and its answer
-   recorded; FSDP2's ``CPUOffloadPolicy`` and DeepSpeed ZeRO-Offload need a GPU (benchmarks/gpu.py's rows).
+   recorded; FSDP2's ``CPUOffloadPolicy`` on one gloo rank (``pin_memory=False``) trains the same Llama beside
+   memplan's host-stepped and streamed plans: peak, step time, bitwise equality with plain training. On a CPU
+   FSDP2's host is its device; what it keeps off a GPU, torchao's and DeepSpeed ZeRO-Offload's rows are
+   benchmarks/gpu.py's (``--only peers``).
 
     python benchmarks/states.py [--quick] [--time-limit 60] [--update-doc]
 """
