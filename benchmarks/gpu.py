@@ -3,6 +3,7 @@
     python benchmarks/gpu.py --out gpu-results            # about 6 minutes on one H100
     python benchmarks/gpu.py --only fp32,does-not-fit     # a subset of the steps below
     python benchmarks/gpu.py --smoke --out /tmp/smoke     # tiny sizes under the CUDA emulation (CPU, CI)
+    python benchmarks/gpu.py --only peers --out gpu-peers # step 5 alone: about 4 minutes (--peers-limit)
 
 Steps, most valuable first, each under its own time limit, each result written as soon as it exists
 (``results.json`` in ``--out``, and ``section.md``: the markdown for docs/benchmarks.md's CUDA section):
@@ -17,7 +18,15 @@ Steps, most valuable first, each under its own time limit, each result written a
    process holds), its measured peak and median step time (``--rounds`` steps, synchronised), beside
    the simulator's prediction and the budget;
 3. the same model under bf16 autocast: keep everything and the 50% plan;
-4. a batch keep-everything cannot hold: ``memplan run gpt2 --set batch_size=48 --fake --budget 60GiB``.
+4. a batch keep-everything cannot hold: ``memplan run gpt2 --set batch_size=48 --fake --budget 60GiB``;
+5. only when ``--only`` names it (``peers``: a session of its own): model states off the device, issue #38's
+   side by side. A Llama of TinyLlama's 1.1B shape, then (where ``--peers-limit`` leaves its share) of
+   OpenLLaMA's 3B, fp32, AdamW, sequence 1024, batch 1, each run in its own process (a peer that cannot run
+   is its one-line error): torchao's ``CPUOffloadOptimizer`` (offload_gradients), FSDP2's
+   ``CPUOffloadPolicy`` on one NCCL rank, DeepSpeed ZeRO-Offload (stage 2, ``offload_optimizer`` cpu; where
+   ``import deepspeed`` works), then memplan (fake profile on the GPU, ``solve(offload=True)``, ``apply``) at
+   75% of the parameters and AdamW state and at the least peak a peer measured; per run the peak
+   (``max_memory_allocated`` over 4 steps after a warm-up) and median step, and memplan's predictions.
 
 The GPU machine reaches no package registry and has its own torch: carry what it lacks as wheels.
 ``benchmarks/gpu_wheels.sh`` (on a machine with the registry) downloads them into ``.whl/`` at the versions
@@ -60,6 +69,7 @@ from memplan.executor import apply  # noqa: E402
 from memplan.planner.core.errors import Infeasible  # noqa: E402
 from memplan.planner.core.plan import Action  # noqa: E402
 from memplan.planner.core.simulator import simulate  # noqa: E402
+from memplan.planner.core.units import format_bytes  # noqa: E402
 from memplan.planner.probe.device import default_device_type, device_of, emulate_cuda  # noqa: E402
 from memplan.planner.probe.profiler import profile  # noqa: E402
 from memplan.planner.workloads import default_optimizer, load_workload  # noqa: E402
@@ -68,6 +78,7 @@ from memplan.solvers import activation_bytes, smallest_known_peak, solve  # noqa
 ROOT = Path(__file__).resolve().parent.parent
 FULL = dict(size="base", seq_len=1024, batch_size=8)
 STEPS = ("tests", "fp32", "bf16", "does-not-fit")
+BY_NAME = ("peers",)  # steps run only when --only names them (their device time is a session of its own)
 SMOKE = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=128, seq_len=64, batch_size=2)
 
 
@@ -311,13 +322,287 @@ def does_not_fit(results: Results, smoke: bool, limit_s: float) -> None:
         results.md("", f"* does-not-fit run failed: `{json.dumps(report)[:400]}`")
 
 
+# ---- step 5 (by name only, ``--only peers``): model states off the device, memplan against its peers -----
+
+# transformers' LlamaConfig fields of the shapes the rows train (fp32, AdamW): TinyLlama's 1.1B, OpenLLaMA's 3B
+PEER_SHAPES: dict[str, dict[str, int]] = {
+    "1.1b": dict(hidden_size=2048, num_hidden_layers=22, intermediate_size=5632, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000),
+    "3b": dict(hidden_size=3200, num_hidden_layers=26, intermediate_size=8640, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000),
+    "smoke": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=128),
+}
+PEERS = ("torchao", "fsdp2", "deepspeed")
+PEER_STATES_FRACTION = 0.75  # memplan's first budget: this fraction of parameters + AdamW state
+PEER_STEPS = 5  # each run: one warm-up step (it creates the optimizer state), the rest measured and timed
+PEER_TIMEOUT_S = {"1.1b": 120.0, "3b": 200.0, "smoke": 120.0}  # one run's subprocess, start-up included
+# what a shape's four runs are expected to take on an H100/H200 (a later shape runs only with that much left)
+PEER_EXPECTED_S = {"1.1b": 200.0, "3b": 320.0, "smoke": 60.0}
+PEER_MARK = "PEER-RESULT "  # the worker's last stdout line: this, then its JSON
+
+
+def llama_param_count(shape: dict[str, int]) -> int:
+    """Parameters of transformers' ``LlamaForCausalLM`` of ``shape`` (untied embeddings, no biases): what
+    the budget below the model states is computed from before any model is built."""
+    h, f, layers, vocab = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # q, o; k, v; gate, up, down; two RMSNorms
+    return layers * per_layer + 2 * vocab * h + h  # embedding, lm_head, final norm
+
+
+def model_states_bytes(shape: dict[str, int]) -> int:
+    """fp32 parameters and AdamW's two moments: 12 bytes a parameter (gradients are not model state here)."""
+    return 12 * llama_param_count(shape)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def parse_worker(stdout: str, stderr: str, returncode: int) -> dict[str, Any]:
+    """A worker's result: the JSON after its last :data:`PEER_MARK` line, else one line saying why there is
+    none (the exit status and the last line of its stderr: a CUDA OOM, a kill at the time limit)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(PEER_MARK):
+            return json.loads(line[len(PEER_MARK):])
+    last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+    return {"error": f"exit {returncode}: {last[:300]}" if last else f"exit {returncode}, no output"}
+
+
+def peer_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The markdown of one shape's runs: each measured peak and median step beside memplan's predictions
+    (a peer predicts nothing: '-'), or the run's one-line error."""
+    out = ["| run | budget | measured peak | predicted peak | measured / predicted | step (median) | "
+           "predicted step | measured / predicted |", "|---|---|---|---|---|---|---|---|"]
+
+    def gb(b: float | None) -> str:
+        return "-" if b is None else format_bytes(int(b))
+
+    def ratio(m: float | None, p: float | None) -> str:
+        return f"{m / p - 1:+.1%}" if m and p else "-"
+
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['label']} | {gb(r.get('budget_bytes'))} | `{r['error'][:200]}` | | | | | |")
+            continue
+        step_s, pred_s = r.get("step_s"), r.get("predicted_step_s")
+        out.append(f"| {r['label']} | {gb(r.get('budget_bytes'))} | {gb(r['measured_peak_bytes'])} | "
+                   f"{gb(r.get('predicted_peak_bytes'))} | "
+                   f"{ratio(r['measured_peak_bytes'], r.get('predicted_peak_bytes'))} | "
+                   f"{step_s:.2f} s | {'-' if pred_s is None else f'{pred_s:.2f} s'} | {ratio(step_s, pred_s)} |")
+    return out
+
+
+def peer_budgets(shape: dict[str, int], peer_rows: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """memplan's budgets, each with what it is: :data:`PEER_STATES_FRACTION` of the model states, and the
+    least peak a peer measured (at it memplan should be faster than each peer: issue #38's "at equal
+    measured peak")."""
+    budgets = [(int(PEER_STATES_FRACTION * model_states_bytes(shape)), f"{PEER_STATES_FRACTION:.0%} of the model states")]
+    measured = [r for r in peer_rows if r.get("measured_peak_bytes")]
+    if measured:
+        least = min(measured, key=lambda r: r["measured_peak_bytes"])
+        budgets.append((least["measured_peak_bytes"], f"{least['peer']}'s measured peak"))
+    return budgets
+
+
+def _peer_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One run, in its own process (a peer's process group, CUDA context and allocator die with it): build
+    the Llama of ``spec['shape']`` on the device, train ``spec['steps']`` steps under ``spec['peer']``
+    (``memplan``: once for each of ``spec['budgets']``), and return what it measured. On a CPU (``smoke``)
+    under the CUDA emulation with gloo; the peak is memplan's reading (:func:`peak_window`): on a GPU
+    ``max_memory_allocated`` over the measured steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memplan.planner.probe.measure import peak_window
+
+    smoke, peer = spec["smoke"], spec["peer"]
+    dev = torch.device("cpu" if smoke else "cuda")
+    config = LlamaConfig(**PEER_SHAPES[spec["shape"]], max_position_embeddings=spec["seq_len"], use_cache=False)
+    ids = torch.randint(0, config.vocab_size, (1, spec["seq_len"]), device=dev)
+
+    def loss_fn(model: Any, batch: Any) -> torch.Tensor:
+        return model(input_ids=batch, labels=batch).loss
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        with dev:
+            return LlamaForCausalLM(config)
+
+    def measured(model: nn.Module, opt: Any, step_fn: Callable[[], None]) -> dict[str, Any]:
+        step_fn()  # the warm-up: the optimizer's state is created
+        # the warm-up's gradients freed before the window opens: on a CPU a free of a block from before the
+        # window is not reported, and the next step's gradients would be counted twice
+        model.zero_grad(set_to_none=True)
+        times = []
+        with peak_window(model, ids, opt) as reading:
+            for _ in range(spec["steps"] - 1):
+                t = time.perf_counter()
+                step_fn()
+                if not smoke:
+                    torch.cuda.synchronize()  # the step's kernels and copies are done before the clock stops
+                times.append(time.perf_counter() - t)
+        return {"measured_peak_bytes": reading.peak_bytes, "step_s": float(sorted(times)[len(times) // 2]),
+                "step_times_s": times}
+
+    def plain_step(model: nn.Module, opt: Any) -> Callable[[], None]:
+        def step_fn() -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model, ids).backward()
+            opt.step()
+        return step_fn
+
+    def process_group(backend: str) -> contextlib.AbstractContextManager:
+        import torch.distributed as dist
+
+        @contextlib.contextmanager
+        def group() -> Iterator[None]:
+            with tempfile.TemporaryDirectory() as d:
+                dist.init_process_group(backend, rank=0, world_size=1, init_method=f"file://{d}/store")
+                try:
+                    yield
+                finally:
+                    dist.destroy_process_group()
+        return group()
+
+    if peer == "torchao":
+        from torchao.optim import CPUOffloadOptimizer
+
+        model = build()
+        # its lowest-memory form: device gradients freed once copied to the host
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True,
+                                  lr=1e-4)
+        return {"label": "torchao CPUOffloadOptimizer (offload_gradients, fused AdamW)",
+                **measured(model, opt, plain_step(model, opt))}
+    if peer == "fsdp2":
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        with process_group("gloo" if smoke else "nccl"):
+            model = build()
+            policy = CPUOffloadPolicy(pin_memory=not smoke)  # pinned needs an accelerator
+            for layer in model.model.layers:
+                fully_shard(layer, offload_policy=policy)
+            fully_shard(model, offload_policy=policy)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+            return {"label": "FSDP2 CPUOffloadPolicy, one rank (AdamW foreach on the host)",
+                    **measured(model, opt, plain_step(model, opt))}
+    if peer == "deepspeed":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo" if smoke else "nccl")
+        model = build()
+        # torch's AdamW on the host (as memplan's and FSDP2's): DeepSpeedCPUAdam is a C++ build at first use
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_force_ds_cpu_optimizer": False,
+                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": not smoke}}}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+        def ds_step() -> None:
+            engine.backward(loss_fn(engine, ids))
+            engine.step()
+        return {"label": "DeepSpeed ZeRO-Offload (stage 2, offload_optimizer cpu, torch AdamW)",
+                **measured(engine.module, opt, ds_step)}
+    if peer != "memplan":
+        raise ValueError(f"unknown peer {peer!r}; the peers are {', '.join(PEERS)} and memplan")
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config)
+    graph = profile(meta, ids.cpu() if smoke else ids, loss_fn, device="cuda", fake=True, progress=False)
+    runs = []
+    for budget, why in spec["budgets"]:
+        try:
+            r = solve(graph, budget, offload=True, states="auto", time_limit_s=spec["solve_s"])
+        except Infeasible as e:
+            runs.append({"label": f"memplan at {why}", "budget_bytes": budget, "error": f"Infeasible: {str(e)[:200]}"})
+            continue
+        _free(device_of("cuda"))
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        ex = apply(model, r.plan, graph=graph, optimizer=opt)
+        run = measured(model, opt, plain_step(model, opt))
+        ex.remove()
+        del model, opt, ex
+        runs.append({"label": f"memplan at {why} ({len(r.plan.hosted())} units stepped on the host, "
+                              f"{len(r.plan.streamed())} streamed, {r.plan.count(Action.RECOMPUTE)} recomputed)",
+                     "budget_bytes": budget, "predicted_peak_bytes": r.report.peak_bytes,
+                     "predicted_step_s": r.report.time_s, "host_peak_bytes": r.report.host_peak_bytes, **run})
+    keep = simulate(graph, None, timeline=False)
+    return {"runs": runs, "seconds": time.perf_counter() - t0, "keep_all_predicted_peak_bytes": keep.peak_bytes,
+            "keep_all_predicted_step_s": keep.time_s}
+
+
+def _run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-worker", json.dumps(spec)]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    return parse_worker(p.stdout, p.stderr, p.returncode)
+
+
+def peers_side_by_side(results: Results, smoke: bool, limit_s: float, log: Callable[[str], None]) -> None:
+    """Step 5: per shape (the 1.1B, then the 3B where the time left allows it), each peer trained alone in
+    its own process, then memplan at :func:`peer_budgets`; a peer that cannot run is its one-line error."""
+    deadline = time.perf_counter() + limit_s
+    seq_len = 32 if smoke else 1024
+    out: dict[str, Any] = {}
+    for i, name in enumerate(("smoke",) if smoke else ("1.1b", "3b")):
+        shape = PEER_SHAPES[name]
+        left = deadline - time.perf_counter()
+        if i and left < PEER_EXPECTED_S[name]:  # the first shape always runs: it is the most valuable
+            out[name] = {"skipped": f"{left:.0f} s left"}
+            results.md("", f"* Llama {name}: skipped, {left:.0f} s left of the step's {limit_s:.0f} s")
+            continue
+        spec = {"shape": name, "seq_len": seq_len, "steps": PEER_STEPS, "smoke": smoke}
+        rows = []
+        for peer in PEERS:
+            timeout = min(PEER_TIMEOUT_S[name], max(1.0, deadline - time.perf_counter()))
+            row = {"label": peer, "peer": peer, **_run_worker({**spec, "peer": peer}, timeout)}
+            rows.append(row)
+            peak = row.get("measured_peak_bytes")
+            log(f"{name} {peer}: " + (row["error"] if "error" in row else f"peak {format_bytes(peak)}, {row['step_s']:.2f} s"))
+        budgets = peer_budgets(shape, rows)
+        timeout = max(1.0, deadline - time.perf_counter())
+        mp = _run_worker({**spec, "peer": "memplan", "budgets": budgets, "solve_s": 5 if smoke else 20}, timeout)
+        rows += mp.get("runs") or [{"label": "memplan", "error": mp.get("error", "no runs")}]
+        log(f"{name} memplan: {[r.get('error') or r['measured_peak_bytes'] for r in rows[len(PEERS):]]}")
+        out[name] = {"shape": shape, "seq_len": seq_len, "params": llama_param_count(shape),
+                     "model_states_bytes": model_states_bytes(shape), "rows": rows,
+                     **{k: v for k, v in mp.items() if k != "runs"}}
+        results.put("peers", out)
+        results.md("", f"#### Model states off the device: Llama {name} (width {shape['hidden_size']}, "
+                       f"{shape['num_hidden_layers']} layers; {_count(llama_param_count(shape))} parameters, "
+                       f"fp32 parameters + AdamW state {format_bytes(model_states_bytes(shape))}), sequence "
+                       f"{seq_len}, batch 1; each run alone in its own process, {PEER_STEPS - 1} measured steps "
+                       f"after a warm-up", "", *peer_table(rows))
+    results.put("peers", out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-results"))
     ap.add_argument("--rounds", type=int, default=7, help="timed steps of each variant")
     ap.add_argument("--only", default="", help=f"a comma-separated subset of the steps: {','.join(STEPS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes under the CUDA emulation (a CPU)")
+    ap.add_argument("--peers-limit", type=float, default=240.0,
+                    help="seconds for the peers step (the 3B Llama runs only where its share is left)")
+    ap.add_argument("--peer-worker", default=None, help=argparse.SUPPRESS)  # one peers run, in a subprocess
     args = ap.parse_args()
+    if args.peer_worker is not None:
+        spec = json.loads(args.peer_worker)
+        with emulate_cuda() if spec["smoke"] else contextlib.nullcontext():
+            try:
+                result = _peer_worker(spec)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run here is its one line
+                result = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"}
+        print(PEER_MARK + json.dumps(result, default=str), flush=True)
+        return
     with contextlib.ExitStack() as stack:
         # op times taken fresh in this run, not read from a cache filled on a busier machine (a smoke run
         # here read a 512x64 addmm at 64 ms from one, 0.3 ms timed anew): the CLI subprocess's too
@@ -337,8 +622,9 @@ def main() -> None:
             print(f"   {msg}", flush=True)
 
         only = set(args.only.split(",")) if args.only else set(STEPS)
-        if unknown := only - set(STEPS):
-            sys.exit(f"--only: unknown step(s) {', '.join(sorted(unknown))}; the steps are {', '.join(STEPS)}")
+        if unknown := only - set(STEPS) - set(BY_NAME):
+            sys.exit(f"--only: unknown step(s) {', '.join(sorted(unknown))}; the steps are "
+                     f"{', '.join(STEPS + BY_NAME)}")
         if not args.smoke and "tests" in only:
             with step(results, "gpu-marked tests", 150):
                 gpu_tests(results, 150)
@@ -353,6 +639,9 @@ def main() -> None:
         if "does-not-fit" in only:
             with step(results, "a batch that does not fit", 200):
                 does_not_fit(results, args.smoke, 200 if not args.smoke else 300)
+        if "peers" in only:
+            with step(results, "model states: memplan and its peers", args.peers_limit):
+                peers_side_by_side(results, args.smoke, args.peers_limit, log)
         spread = {k: v for k, v in results.data["steps"].items() if k.endswith(":seconds")}
         print(json.dumps(spread, indent=1))
         print(f"results in {args.out}/results.json and {args.out}/section.md", flush=True)
