@@ -245,7 +245,7 @@ class HostStepper:
             if p in state:
                 state[hp] = state.pop(p)
         try:
-            with _swapped(self.optimizer, dict(zip(map(id, params), hosts, strict=True))), \
+            with self.device.host_side(), _swapped(self.optimizer, dict(zip(map(id, params), hosts, strict=True))), \
                     narrowed_groups(self.optimizer, stepped), torch.no_grad():
                 real_step()
         finally:

@@ -287,7 +287,7 @@ def test_a_slow_copy_releases_its_bytes_where_the_schedule_does_not_when_a_query
     g = slow_link_graph()
     last_use = static_facts(g).fwd_free_at
     lo, hi = smallest_known_peak(g, offload=True), keep_all_report(g).peak_bytes
-    plan = solve(g, lo + (hi - lo) // 3, "greedy", offload=True, time_limit_s=4.0).plan
+    plan = solve(g, lo + (hi - lo) // 3, "greedy", offload=True, states=False, time_limit_s=4.0).plan
     sched = schedule(g, plan)
     later = [t for t, (phase, at) in sched.released.items()
              if phase == "forward" and at > last_use[t] + 2]

@@ -277,6 +277,12 @@ class Device:
         raise MemplanError(f"{self}: its allocator keeps no history; read the allocator's reports")
         yield  # pragma: no cover
 
+    @contextlib.contextmanager
+    def host_side(self) -> Iterator[None]:
+        """A block of host work on CPU tensors (a host-stepped optimizer's update): nothing to do on a real
+        device; the emulation charges none of it to its capacity."""
+        yield
+
     # ---- execution -------------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for the device's queued work (CUDA kernels are asynchronous)."""
