@@ -59,20 +59,23 @@ def llm_rows(time_limit: float, quick: bool) -> list[str]:
             f"`h100-80gb`: keeping everything {format_bytes(keep.peak_bytes)} (fixed "
             f"{format_bytes(g.fixed.resident_bytes)}, of it optimizer state {format_bytes(g.fixed.optimizer_state_bytes)}), "
             f"{keep.time_s * 1e3:.0f} ms predicted; {len(g.state_units)} state units.", "",
-            "| device budget | host budget | placement searched | units streamed | units on the host | state moved | "
+            "| device budget | host budget | placement searched | fusion | units streamed | units on the host | state moved | "
             "host memory | predicted step | forward + backward | recompute | exposed copies | optimizer | "
             "host steps (compute waited) | solve |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    cases = [(60, "auto")] if quick else [(50, "auto"), (60, "auto"), (70, "auto")]
-    cases += [(60, "stream"), (60, "host")]
-    for gib, how in cases:
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    cases = [(60, "auto", None)] if quick else [(50, "auto", None), (60, "auto", None), (70, "auto", None)]
+    cases += [(60, "stream", None), (60, "host", None), (60, "auto", "backward")]
+    if not quick:
+        cases += [(50, "auto", "backward")]
+    for gib, how, fuse in cases:
         t0 = time.perf_counter()
-        r = solve(g, gib * 2**30, offload=True, states=how, host_budget_bytes=400 * 2**30, time_limit_s=time_limit)
+        r = solve(g, gib * 2**30, offload=True, states=how, fuse=fuse, host_budget_bytes=400 * 2**30,
+                  time_limit_s=time_limit)
         took = time.perf_counter() - t0
         rep = r.report
         streamed, hosted = r.plan.streamed(), r.plan.hosted()
         moved = sum(g.state_units[u].state_bytes for u in [*streamed, *hosted])
-        rows.append(f"| {gib} GiB | 400 GiB | {how} | {len(streamed)} / {len(g.state_units)} | {len(hosted)} | "
+        rows.append(f"| {gib} GiB | 400 GiB | {how} | {fuse or 'none'} | {len(streamed)} / {len(g.state_units)} | {len(hosted)} | "
                     f"{format_bytes(moved)} | {format_bytes(rep.host_peak_bytes)} | {rep.time_s * 1e3:.0f} ms | "
                     f"{(rep.forward_time_s + rep.backward_time_s) * 1e3:.0f} ms | {rep.recompute_time_s * 1e3:.0f} ms | "
                     f"{rep.exposed_transfer_s * 1e3:.0f} ms | {rep.optimizer_time_s * 1e3:.0f} ms | "
