@@ -144,7 +144,8 @@ _TIMES = {"time_s", "backward_time_s", "time_source"}
 
 
 def _structure(g):
-    d = g.model_dump(exclude={"meta", "measured", "optimizer_time_s", "host_optimizer_bytes_per_s"})
+    d = g.model_dump(exclude={"meta", "measured", "optimizer_time_s", "host_optimizer_bytes_per_s",
+                              "host_optimizer_call_s"})
     d["fixed"].pop("optimizer_step_bytes")
     for f in d["fused_backward"]:  # its share of the optimizer step's transient, which differs by design
         f.pop("step_bytes")

@@ -220,6 +220,9 @@ class Graph(_Strict):
         description="parameter bytes per second the host steps with the profiled optimizer (its class and "
                     "hyper-parameters on CPU tensors), measured on the profiling host; None: not measured "
                     "(no unit's optimizer can be placed on the host)")
+    host_optimizer_call_s: Seconds = Field(
+        default=0.0, description="what one host optimizer call takes beyond its bytes (a unit's update: this "
+                                 "plus its parameter bytes at host_optimizer_bytes_per_s)")
     measured: Measured = Field(default_factory=Measured)
     fused_backward: list[FusedStep] = Field(
         default_factory=list,

@@ -201,8 +201,10 @@ def in_backward_stream(graph: Graph, streamed: list[int], hosted: list[int] = ()
 
 
 def host_step_s(graph: Graph, u: int) -> float:
-    """The host's optimizer time for unit ``u``: its parameter bytes at the graph's measured host rate."""
-    return graph.state_units[u].param_bytes / (graph.host_optimizer_bytes_per_s or float("inf"))
+    """The host's optimizer time for unit ``u``: a call's cost and its parameter bytes at the graph's
+    measured host rate."""
+    return graph.host_optimizer_call_s + graph.state_units[u].param_bytes / (graph.host_optimizer_bytes_per_s
+                                                                             or float("inf"))
 
 
 def _share(graph: Graph, units: list[int]) -> float:

@@ -269,7 +269,7 @@ def _profile_real(model: nn.Module, example_batch: Any, loss_fn: LossFn, layer: 
     graph.fixed.optimizer_step_bytes = max(first.optimizer_scratch_bytes, max_prefix(first.optimizer_events))
     share_fused_step_bytes(graph, max_prefix(first.optimizer_events))
     graph.state_units = units
-    graph.host_optimizer_bytes_per_s = host_rate
+    graph.host_optimizer_bytes_per_s, graph.host_optimizer_call_s = host_rate or (None, 0.0)
     graph.measured = measured
     clock = layer.clock()
     if (measured.forward_time_s is not None and measured.backward_time_s is not None and measured.step_time_s
@@ -493,8 +493,9 @@ def _profile_fake(model: nn.Module, example_batch: Any, loss_fn: LossFn, *,
     share_fused_step_bytes(graph)
     graph.state_units = units
     # the host's optimizer rate: the spec's machine's where it gives one (with its source), else this one's
-    graph.host_optimizer_bytes_per_s = (device_spec.host_optimizer_bytes_per_s if device_spec is not None
-                                        and device_spec.host_optimizer_bytes_per_s else host_rate)
+    graph.host_optimizer_bytes_per_s, graph.host_optimizer_call_s = host_rate or (None, 0.0)
+    if device_spec is not None and device_spec.host_optimizer_bytes_per_s:
+        graph.host_optimizer_bytes_per_s, graph.host_optimizer_call_s = device_spec.host_optimizer_bytes_per_s, 0.0
     if device_spec is not None:
         graph.meta["host_optimizer_source"] = device_spec.host_source or "measured on the profiling machine"
     # what the device's libraries hold that no tensor owns (cuBLAS workspaces): the spec's figure, or what

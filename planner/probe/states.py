@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import statistics
 import time
 
 import torch
@@ -48,17 +47,23 @@ def state_units(model: nn.Module, optimizer: torch.optim.Optimizer, charge_as: s
     return units
 
 
-HOST_SAMPLE_NUMEL = 1 << 21  # parameters the host's optimizer rate is timed on (8 MiB in float32)
-HOST_SAMPLE_STEPS = 3
+HOST_SAMPLE_NUMEL = 1 << 21  # at most, the parameters the host's optimizer rate is timed on (8 MiB in float32)
+HOST_SAMPLE_MIN_NUMEL = 1 << 14  # at least (a call's fixed cost would dominate below)
+HOST_SAMPLE_STEPS = 5
 
 
-def host_optimizer_rate(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None) -> float | None:
-    """Parameter bytes per second this host's CPU steps with ``optimizer``'s class and its first group's
-    hyper-parameters (what a host-stepped unit runs: the same optimizer on CPU tensors), timed on a
-    :data:`HOST_SAMPLE_NUMEL` parameter of ``dtype`` (the optimizer's first parameter's by default): the
-    median of :data:`HOST_SAMPLE_STEPS` steps after one that creates the state. The optimizers memplan plans
-    work per parameter element, so the rate scales by bytes. None where that optimizer cannot be built on a
-    CPU tensor (its constructor wants more than a group's options, or a GPU)."""
+def host_optimizer_rate(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None
+                        ) -> tuple[float, float] | None:
+    """What this host's CPU takes to step with ``optimizer``'s class and its first group's hyper-parameters
+    (what a host-stepped unit runs: the same optimizer on CPU tensors): ``(parameter bytes per second, seconds
+    per call)``, a line through two timings, on a parameter of ``dtype`` (the optimizer's first parameter's by
+    default) of :data:`HOST_SAMPLE_MIN_NUMEL` and of the model's largest parameter's size (at most
+    :data:`HOST_SAMPLE_NUMEL`: a small model's updates run in the cache, a large one's fault fresh pages for
+    their temporaries), each the least of :data:`HOST_SAMPLE_STEPS` steps after one that creates the state (a
+    machine's other load aside).
+    The optimizers memplan plans work per parameter element, so the time is a call's fixed cost plus the
+    bytes at the rate. None where that optimizer cannot be built on a CPU tensor (its constructor wants more
+    than a group's options, or a GPU)."""
     groups = optimizer.param_groups
     if not groups or not groups[0]["params"]:
         return None
@@ -70,22 +75,29 @@ def host_optimizer_rate(optimizer: torch.optim.Optimizer, dtype: torch.dtype | N
     # the group's options the constructor takes (a group also carries derived keys: AdamW's
     # decoupled_weight_decay, a scheduler's initial_lr)
     options = {k: v for k, v in groups[0].items() if k in accepted and k != "params"}
+    largest = max(p.numel() for g in groups for p in g["params"])
+    sizes = [HOST_SAMPLE_MIN_NUMEL, min(max(largest, 4 * HOST_SAMPLE_MIN_NUMEL), HOST_SAMPLE_NUMEL)]
+    points = []
     try:
         with _plain_tensors(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            p = torch.nn.Parameter(torch.randn(HOST_SAMPLE_NUMEL, dtype=dtype))
-            p.grad = torch.randn_like(p)
-            opt = type(optimizer)([p], **options)
-            opt.step()
-            times = []
-            for _ in range(HOST_SAMPLE_STEPS):
-                start = time.perf_counter()
+            for n in sizes:
+                p = torch.nn.Parameter(torch.randn(n, dtype=dtype))
+                p.grad = torch.randn_like(p)
+                opt = type(optimizer)([p], **options)
                 opt.step()
-                times.append(time.perf_counter() - start)
+                times = []
+                for _ in range(HOST_SAMPLE_STEPS):
+                    start = time.perf_counter()
+                    opt.step()
+                    times.append(time.perf_counter() - start)
+                points.append((n * p.element_size(), min(times)))  # the least: others' load aside
     except Exception:  # noqa: BLE001 -- any optimizer that cannot run here: not measured, said in the graph
         return None
-    seconds = statistics.median(times)
-    return p.numel() * p.element_size() / seconds if seconds > 0 else None
+    (b0, t0), (b1, t1) = points
+    per_byte = (t1 - t0) / (b1 - b0) if t1 > t0 else t1 / b1  # noisy timings: all of it per byte
+    call = max(0.0, t0 - per_byte * b0)
+    return (1.0 / per_byte, call) if per_byte > 0 else None
 
 
 def _plain_tensors() -> contextlib.AbstractContextManager:
