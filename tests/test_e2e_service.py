@@ -140,11 +140,12 @@ def test_a_plan_for_a_backward_fused_step_over_http(http, graph):
     assert bad.status_code == 422 and "fuse" in bad.text
 
 
-def test_model_states_placed_as_the_request_says_over_http(http, weighty):
+def test_model_states_placed_as_the_request_says_over_http(http, weighty, tmp_path):
     """``states`` with ``offload`` (issue #38): a budget only a placement of model states fits is planned
     with host-stepped units for "host" and streamed ones only for "stream", each answer's plan simulating
     to its prediction and its ``state_summary`` saying what ``memplan solve --json`` says; the two are
-    cached apart (a hit only for the same request again, bytes reordered), and a job answers the same.
+    cached apart (a hit only for the same request again, bytes reordered), and a job answers the same (from
+    ``memplan submit --states-on host`` too).
     "none" (activations only) is a 422 naming the budget; an unknown placement a 422 naming ``states``."""
     g, budget = weighty
     req = {"graph": g.model_dump(mode="json"), "budget": budget, "solver": "greedy", "offload": True,
@@ -181,6 +182,20 @@ def test_model_states_placed_as_the_request_says_over_http(http, weighty):
     while (done := http.get(job.headers["Location"])).status_code == 202 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert done.status_code == 200 and done.json()["plan"] == answers["stream"]["plan"]
+    # from the command line: memplan submit --states-on host, memplan wait --json (the summary the answer carries)
+    from typer.testing import CliRunner
+
+    from memplan.api.cli import app
+
+    (tmp_path / "graph.json").write_text(json.dumps(req["graph"]))
+    runner = CliRunner()
+    sub = runner.invoke(app, ["submit", str(tmp_path / "graph.json"), "-b", str(budget), "--solver", "greedy",
+                              "--time-limit", "5", "--offload", "--states-on", "host", "--server", str(http.base_url)])
+    assert sub.exit_code == 0, sub.output
+    waited = runner.invoke(app, ["wait", sub.stdout.strip().splitlines()[0], "-o", str(tmp_path / "plan.json"), "--json"])
+    assert waited.exit_code == 0, waited.output
+    out = json.loads(waited.stdout)
+    assert out["cache_hit"] is True and out["hosted_units"] == answers["host"]["state_summary"]["hosted_units"]
 
     none = http.post("/v1/plans", json={**req, "states": "none"})
     assert none.status_code == 422, none.text
