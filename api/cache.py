@@ -3,7 +3,8 @@ share one in PostgreSQL instead (:mod:`memplan.api.pgcache`, same keys, same ans
 :func:`memplan.api.store.open_cache` picks the backend from the location given (:func:`cache_backend`).
 
 A row is keyed by :func:`plan_key`: a hash of the graph's full content, the budget as given, the solver
-and its settings, and what decides what a solver name means (memplan's version, the registered solvers).
+and its settings, what decides what a solver name means (memplan's version, the registered solvers) and
+the key's version (:data:`PLAN_KEY_VERSION`).
 The graph's structural ``fingerprint`` alone would not do: it leaves out the op times, so a re-profiled
 graph with other timings would be served a plan optimised for the old ones. The fingerprint is stored
 beside the key for inspection.
@@ -56,18 +57,29 @@ def content_hash(text: str | bytes) -> str:
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 
+PLAN_KEY_VERSION = 2
+"""Part of every plan key (and of the shared store's body keys): bumped when the same request comes to
+deserve another answer within one memplan version, so that no answer stored before is served after.
+2: answers carry ``state_summary``, and ``offload`` (``states`` absent) moves model states too."""
+
+
 def plan_key(*, graph_sha256: str, budget: int | str | None, solver: str, time_limit_s: float, offload: bool,
              host_budget: int | str | None, context: str, budget_fraction: float | None = None,
-             fuse: str | None = None) -> str:
+             fuse: str | None = None, states: str | None = None) -> str:
     """The cache key of a plan request. ``budget`` is taken as given (``"50%"`` and the same number of
-    bytes are two keys, both correct); ``context`` names memplan's version and the registered solvers."""
+    bytes are two keys, both correct); ``context`` names memplan's version and the registered solvers.
+    ``states`` too is as given: absent (follow ``offload``) and the value it follows are two keys."""
     norm = [b.strip() if isinstance(b, str) else b for b in (budget, host_budget)]
     body = {"graph": graph_sha256, "budget": norm[0], "host_budget": norm[1], "solver": solver,
-            "time_limit_s": float(time_limit_s), "offload": bool(offload), "context": context}
-    if budget_fraction is not None:  # only when given: keys of requests without it stay as they were
+            "time_limit_s": float(time_limit_s), "offload": bool(offload), "context": context,
+            "version": PLAN_KEY_VERSION}
+    # The optional fields only when given: within a key version, adding one leaves the others' keys alone.
+    if budget_fraction is not None:
         body["budget_fraction"] = float(budget_fraction)
-    if fuse is not None:  # likewise
+    if fuse is not None:
         body["fuse"] = fuse
+    if states is not None:
+        body["states"] = states
     return content_hash(json.dumps(body, sort_keys=True, separators=(",", ":")))
 
 

@@ -71,6 +71,27 @@ def resolve_budget(value: int | str | None, graph: Graph, *, fraction: float | N
     return parse_budget(value, activation_bytes=lambda: activation_bytes(graph), fixed_bytes=fixed)
 
 
+def solve_states(states: str | None) -> bool | str | None:
+    """:func:`memplan.solvers.solve`'s ``states`` from a request's (``"auto"``, ``"stream"``, ``"host"``,
+    ``"none"``, or None: follow ``offload``)."""
+    return {None: None, "none": False, "auto": True}.get(states, states)
+
+
+def state_summary(graph: Graph, result: Any) -> dict[str, Any]:
+    """What a plan does with the model states, and its predicted step in parts (the report's): the
+    ``memplan solve --json`` figures and the service's ``StateSummary``. ``result``: a ``SolveResult``."""
+    r = result.report
+    streamed, hosted = result.plan.streamed(), result.plan.hosted()
+    return {"state_units": len(graph.state_units), "streamed_units": len(streamed), "hosted_units": len(hosted),
+            "streamed_state_bytes": sum(graph.state_units[u].state_bytes for u in streamed),
+            "hosted_state_bytes": sum(graph.state_units[u].state_bytes for u in hosted),
+            "host_peak_bytes": r.host_peak_bytes,
+            "predicted_parts_s": {"forward": r.forward_time_s, "backward": r.backward_time_s,
+                                  "recompute": r.recompute_time_s, "exposed_transfers": r.exposed_transfer_s,
+                                  "optimizer": r.optimizer_time_s, "host_optimizer": r.host_optimizer_time_s,
+                                  "waits_for_host": r.host_wait_s}}
+
+
 def _jsonable(obj: Any) -> Any:
     """Solver statistics as plain JSON (numbers that are not finite become strings)."""
     def default(o: Any) -> Any:
@@ -85,8 +106,9 @@ def _overhead(time_s: float, base_s: float) -> float:
 
 def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_limit_s: float,
              offload: bool, host_budget: int | str | None, budget_fraction: float | None = None,
-             fuse: str | None = None) -> dict[str, Any]:
-    """Solve; returns a :class:`memplan.api.schemas.PlanResponse` without ``cache_hit``.
+             fuse: str | None = None, states: str | None = None) -> dict[str, Any]:
+    """Solve; returns a :class:`memplan.api.schemas.PlanResponse` without ``cache_hit``. ``states``: the
+    request's (:func:`solve_states`).
 
     Raises :class:`memplan.planner.core.errors.Infeasible` (with ``min_feasible_bytes``) and the other
     :class:`MemplanError` s for input the user can fix.
@@ -97,7 +119,7 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
     budget_bytes = resolve_budget(budget, g, fraction=budget_fraction)
     host_bytes = None if host_budget is None else parse_budget(host_budget)  # bytes: never a percentage
     result = solve(g, budget_bytes, solver, time_limit_s=time_limit_s, offload=offload,
-                   host_budget_bytes=host_bytes, fuse=fuse)
+                   host_budget_bytes=host_bytes, fuse=fuse, states=solve_states(states))
     base = keep_all_report(g)
     r = result.report
     return {
@@ -110,6 +132,7 @@ def plan_job(graph: Graph | str, *, budget: int | str | None, solver: str, time_
             "transfer_bytes": r.transfer_bytes, "keep_all_peak_bytes": base.peak_bytes,
             "keep_all_step_time_s": base.time_s, "overhead": _overhead(r.time_s, base.time_s),
         },
+        "state_summary": state_summary(g, result),
         "solver": {
             "name": result.plan.solver.name, "requested": solver, "status": result.status,
             "solve_time_s": result.solve_time_s, "lower_bound_s": result.lower_bound_s, "gap": result.gap,
@@ -133,7 +156,7 @@ def simulate_job(graph: Graph | str, plan: Plan | dict[str, Any] | None, *, time
 
 
 def frontier_job(graph: Graph | str, *, budgets: list[int | str], solvers: list[str], time_limit_s: float,
-                 offload: bool) -> dict[str, Any]:
+                 offload: bool, states: str | None = None) -> dict[str, Any]:
     """Predicted overhead at each budget for each solver; returns a ``FrontierResponse``."""
     from memplan.solvers import frontier_points, keep_all_report
 
@@ -145,9 +168,13 @@ def frontier_job(graph: Graph | str, *, budgets: list[int | str], solvers: list[
             raise MemplanError("budgets: a frontier needs a budget at every point")
         resolved.append(value)
     base = keep_all_report(g)
+    # states only where they change what offload says: frontier_points reads the chain DP's table at every
+    # budget only when it is given offload and the time limit alone
+    chosen = solve_states(states)
+    extra = {} if chosen is None or chosen == offload else {"states": chosen}
     series = []
     for name in solvers:
-        points = frontier_points(g, resolved, name, time_limit_s=time_limit_s, offload=offload)
+        points = frontier_points(g, resolved, name, time_limit_s=time_limit_s, offload=offload, **extra)
         series.append({"solver": name, "points": [
             {"budget": str(label), "budget_bytes": p.budget_bytes, "overhead": p.overhead, "status": p.status,
              "space": p.space}

@@ -105,6 +105,22 @@ SolverName = Annotated[str, AfterValidator(_known_solver),
                        Field(description="a name from GET /v1/solvers, or 'auto'", json_schema_extra=_solver_enum)]
 TimeLimit = Annotated[float, Field(gt=0, allow_inf_nan=False, description="seconds; capped by the server "
                                                                           "(max_time_limit_s)")]
+StatesChoice = Literal["auto", "stream", "host", "none"]
+"""Where a request lets the solver move units' optimizer state (solve's ``states``:
+:func:`memplan.api.jobs.solve_states` maps one to the other)."""
+STATES_DESCRIPTION = (
+    "where the solver may move each unit's optimizer state: 'auto' (streamed through the device for its "
+    "update, or stepped on the host, whichever the search finds faster), 'stream' or 'host' (that way only), "
+    "'none' (activations only); absent: as offload says (offload moves model states too). Without offload, "
+    "'auto', 'stream' and 'host' move model states alone")
+
+
+def check_states(states: str | None, fuse: str | None) -> None:
+    """Refuse a model-state placement with forward fusion: the solver searches placements for unfused and
+    backward-fused steps only (it would plan the activations alone without saying so)."""
+    if states not in (None, "none") and fuse == "forward":
+        raise ValueError(f"states {states!r} with fuse 'forward': model states are placed for unfused or "
+                         f"backward-fused steps only; give fuse 'backward', no fuse, or states 'none'")
 
 def _check_graph_sizes(graph: Graph) -> Graph:
     """Refuse figures too large to add up (each byte field is capped at 2^50 by the graph model itself,
@@ -160,7 +176,10 @@ class PlanRequest(_In):
     solver: SolverName = "auto"
     time_limit_s: TimeLimit | None = Field(default=None, description="None: the server's default")
     offload: bool = Field(default=False, description="let the solver offload activations to host memory")
-    host_budget: HostBudget | None = Field(default=None, description="pinned host memory cap for offload")
+    host_budget: HostBudget | None = Field(default=None, description="pinned host memory cap for what the "
+                                                                    "plan puts there (offloaded activations, "
+                                                                    "streamed or host-stepped optimizer state)")
+    states: StatesChoice | None = Field(default=None, description=STATES_DESCRIPTION)
     fuse: Literal["backward", "forward"] | None = Field(
         default=None, description="'backward' (or 'forward'): the training loop steps the optimizer inside "
                                   "backward (before each module's next forward); plan for that step's peak "
@@ -170,6 +189,7 @@ class PlanRequest(_In):
     def _one_budget_within_limits(self, info: ValidationInfo) -> PlanRequest:
         if self.budget is not None and self.budget_fraction is not None:
             raise ValueError("budget and budget_fraction: give one of them, not both")
+        check_states(self.states, self.fuse)
         settings = settings_of(info)
         if settings is not None:
             check_ops(self.graph, settings)
@@ -203,6 +223,7 @@ class FrontierRequest(_In):
     solvers: list[SolverName] = Field(default_factory=lambda: ["auto"], min_length=1, max_length=8)
     time_limit_s: TimeLimit | None = Field(default=None, description="per solve; None: the server's default")
     offload: bool = False
+    states: StatesChoice | None = Field(default=None, description=STATES_DESCRIPTION)
 
     @model_validator(mode="after")
     def _within_limits(self, info: ValidationInfo) -> FrontierRequest:
@@ -294,12 +315,37 @@ class SolverStats(_Out):
     stats: dict[str, Any] = Field(default_factory=dict, description="solver-specific figures")
 
 
+class PredictedParts(_Out):
+    """The predicted step in parts, seconds (the simulator's report)."""
+
+    forward: float
+    backward: float
+    recompute: float
+    exposed_transfers: float = Field(description="copies (activations, streamed state) compute waits for")
+    optimizer: float = Field(description="the device's optimizer step")
+    host_optimizer: float = Field(description="host-stepped units' optimizer steps, on the host")
+    waits_for_host: float = Field(description="what compute waits for the host steps and their copies")
+
+
+class StateSummary(_Out):
+    """What the plan does with the model states (``memplan solve --json`` prints the same figures)."""
+
+    state_units: int = Field(description="units whose optimizer state a plan may place (the graph's state_units)")
+    streamed_units: int = Field(description="units whose state is streamed through the device for its update")
+    hosted_units: int = Field(description="units whose optimizer is stepped on the host")
+    streamed_state_bytes: int
+    hosted_state_bytes: int
+    host_peak_bytes: int = Field(description="the host memory the plan holds at its peak (pinned)")
+    predicted_parts_s: PredictedParts
+
+
 class PlanResponse(_Out):
     cache_hit: bool = Field(description="answered from the plan cache without solving")
     plan: Plan
     budget_bytes: int
     graph_fingerprint: str
     predicted: Predicted
+    state_summary: StateSummary
     solver: SolverStats
 
 

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 
 from memplan.api import jobs
-from memplan.api.cache import content_hash, plan_key
+from memplan.api.cache import PLAN_KEY_VERSION, content_hash, plan_key
 from memplan.api.errors import (
     TRANSIENT,
     JobNotFound,
@@ -181,11 +181,12 @@ class Service:
         return None if stored is None else self._body(stored, cache_hit=True)
 
     def _shared_body_key(self, body_key: str) -> str:
-        """A body's hash scoped to what decides the plan key it is read into (memplan's version and solvers,
-        the default and largest time limits, the largest graph): replicas set up alike share it."""
+        """A body's hash scoped to what decides the plan key it is read into (the key's version, memplan's
+        version and solvers, the default and largest time limits, the largest graph): replicas set up alike
+        share it, and a body seen under an older key version is read again."""
         s = self.settings
         return content_hash(f"{body_key};{self._cache_context};{s.default_time_limit_s};{s.max_time_limit_s};"
-                            f"{s.max_ops}")
+                            f"{s.max_ops};plan key {PLAN_KEY_VERSION}")
 
     async def _remember_body(self, body_key: str, key: str) -> None:
         if self._body_keys.get(body_key) != key and self.cache.shared:
@@ -205,7 +206,8 @@ class Service:
         graph_sha256 = await asyncio.to_thread(content_hash, read.graph_json)
         key = plan_key(graph_sha256=graph_sha256, budget=req["budget"], budget_fraction=req["budget_fraction"],
                        solver=req["solver"], time_limit_s=time_limit_s, offload=req["offload"],
-                       host_budget=req["host_budget"], context=self._cache_context, fuse=req["fuse"])
+                       host_budget=req["host_budget"], context=self._cache_context, fuse=req["fuse"],
+                       states=req["states"])
         return key, time_limit_s
 
     async def plan(self, read: ReadRequest[PlanRequest], *, body_key: str | None = None) -> bytes:
@@ -236,7 +238,7 @@ class Service:
         solve = functools.partial(
             self._solve_and_cache, key, self._graph_arg(read), budget=req["budget"],
             budget_fraction=req["budget_fraction"], solver=req["solver"], time_limit_s=time_limit_s,
-            offload=req["offload"], host_budget=req["host_budget"], fuse=req["fuse"])
+            offload=req["offload"], host_budget=req["host_budget"], fuse=req["fuse"], states=req["states"])
         s = self.settings
         if not self.store.shared:
             return await solve()
@@ -396,7 +398,8 @@ class Service:
         per_solve_s = self.settings.time_limit_s(req["time_limit_s"], solves=solves)
         return await self.pool.run(
             jobs.frontier_job, self._graph_arg(read), budgets=list(req["budgets"]), solvers=list(req["solvers"]),
-            time_limit_s=per_solve_s, offload=req["offload"], timeout_s=per_solve_s * solves + self.settings.grace_s)
+            time_limit_s=per_solve_s, offload=req["offload"], states=req["states"],
+            timeout_s=per_solve_s * solves + self.settings.grace_s)
 
 
 def get_service(request: Request) -> Service:

@@ -133,6 +133,97 @@ def test_bad_budget_and_unknown_solver_are_422(client):
     assert r.status_code == 422 and r.json()["detail"].startswith("solver: unknown solver 'nope'; known: auto, ")
 
 
+# ---- model states --------------------------------------------------------------------------------
+MiB = 1 << 20
+
+
+def _chain_with_states() -> tuple[Graph, int]:
+    """An 8-op chain at MiB scale holding four 64 MiB units of optimizer state (an AdamW's moments: twice
+    the parameters), and a budget only streaming them fits: between the least peak with every unit
+    streamed and the least peak of the activations alone."""
+    from memplan.planner.core.graph import StateUnit
+    from memplan.planner.core.states import states_search_graph, stream_order
+    from memplan.solvers import smallest_known_peak
+
+    g = linear_chain(8, activation_bytes=4 * MiB, input_bytes=4 * MiB, time_s=1e-3, backward_time_s=2e-3)
+    g.state_units = [StateUnit(module=f"layers.{i}", params=2, param_bytes=32 * MiB, state_bytes=64 * MiB,
+                               state_tensors=4) for i in range(4)]
+    g.fixed.params_bytes, g.fixed.optimizer_state_bytes, g.fixed.optimizer_step_bytes = 128 * MiB, 256 * MiB, 64 * MiB
+    g.optimizer_time_s = 0.05
+    g = g.invalidate()
+    every_streamed = keep_all_report(states_search_graph(g, stream_order(g))).peak_bytes
+    activations_only = smallest_known_peak(g, offload=True)
+    assert every_streamed < activations_only
+    return g, (every_streamed + activations_only) // 2
+
+
+def test_states_moves_model_states_alone_or_with_offload(client):
+    """``states`` without ``offload`` moves model states alone (no activation offloaded); absent, it follows
+    ``offload``: without it a budget only streaming fits is infeasible, with it the units are streamed."""
+    g, budget = _chain_with_states()
+    r = client.post("/v1/plans", json=body(g, budget=budget, solver="greedy", states="stream"))
+    assert r.status_code == 200, r.text
+    res = PlanResponse.model_validate(r.json())
+    assert res.plan.streamed() and res.plan.count("offload") == 0 and res.predicted.peak_bytes <= budget
+    assert res.state_summary.streamed_units == len(res.plan.streamed()) and res.state_summary.hosted_units == 0
+    assert res.state_summary.streamed_state_bytes == 64 * MiB * len(res.plan.streamed())
+    r = client.post("/v1/plans", json=body(g, budget=budget, solver="greedy"))
+    assert r.status_code == 422 and r.json()["error"] == "infeasible", r.text
+    r = client.post("/v1/plans", json=body(g, budget=budget, solver="greedy", offload=True))
+    assert r.status_code == 200 and r.json()["state_summary"]["streamed_units"] > 0, r.text
+
+
+def test_states_on_the_frontier(client):
+    """A frontier point only a placement of model states fits has an overhead with ``states``, none without."""
+    g, budget = _chain_with_states()
+    keep_all = keep_all_report(g).peak_bytes
+
+    def overheads(**kw):
+        r = client.post("/v1/frontier", json=body(g, budgets=[budget, keep_all], solvers=["greedy"], **kw))
+        assert r.status_code == 200, r.text
+        return [p["overhead"] for p in r.json()["series"][0]["points"]]
+
+    moved = overheads(states="stream")
+    assert moved[0] is not None and moved[0] > 0 and moved[1] == 0.0
+    assert overheads() == overheads(states="none") == [None, 0.0]
+    r = client.post("/v1/frontier", json=body(g, budgets=[budget], states="disk"))
+    assert r.status_code == 422 and r.json()["field"] == "states"
+
+
+def test_states_that_cannot_be_honoured_are_422(client):
+    """An unknown placement names the field; a placement with forward fusion (for which the solver places
+    no model states) is refused rather than planned without them, on plans and on maxbatch."""
+    r = client.post("/v1/plans", json=body(budget="60%", states="everywhere"))
+    assert r.status_code == 422 and r.json() == {
+        "detail": "states: Input should be 'auto', 'stream', 'host' or 'none'", "error": "invalid_request",
+        "field": "states"}
+    r = client.post("/v1/plans", json=body(budget="60%", states=True))
+    assert r.status_code == 422 and r.json()["field"] == "states"
+    forward = ("states 'host' with fuse 'forward': model states are placed for unfused or backward-fused steps "
+               "only; give fuse 'backward', no fuse, or states 'none'")
+    r = client.post("/v1/plans", json=body(budget="60%", states="host", fuse="forward"))
+    assert r.status_code == 422 and r.json() == {"detail": forward, "error": "invalid_request"}
+    assert client.post("/v1/plans", json=body(budget="60%", states="none", fuse="forward")).status_code == 200
+    family = {"graph": _chain_family().model_dump(mode="json"), "budget": 4000, "max_value": 8, "time_limit_s": 1.0}
+    r = client.post("/v1/maxbatch", json={**family, "states": "host", "fuse": "forward"})
+    assert r.status_code == 422 and r.json()["detail"] == forward
+    r = client.post("/v1/maxbatch", json={**family, "states": "up"})
+    assert r.status_code == 422 and r.json()["field"] == "states"
+    r = client.post("/v1/maxbatch", json={**family, "states": "stream"})
+    assert r.status_code == 200, r.text
+    assert r.json()["state_summary"]["state_units"] == 0  # a chain without units: nothing to place
+
+
+def _chain_family() -> Graph:
+    """A shape family over ``batch`` of chains (as tests/test_e2e_service.py's)."""
+    from memplan.planner.core.shapes import fit_family
+
+    def at(b: int) -> Graph:
+        return linear_chain(6, activation_bytes=[100 * b, 300 * b, 50 * b, 200 * b, 100 * b, 10 * b],
+                            input_bytes=100 * b, time_s=[1.0, 3.0, 1.0, 2.0, 1.0, 1.0])
+    return fit_family([({"batch": 8}, at(8)), ({"batch": 6}, at(6)), ({"batch": 4}, at(4))])
+
+
 # ---- malformed input -----------------------------------------------------------------------------
 def _graph_dict(**edits):
     g = CHAIN8.model_dump(mode="json")

@@ -74,6 +74,21 @@ def test_an_answer_comes_back_as_it_was_stored(make_cache):
     assert a.get(key) is None and len(a) == 0
 
 
+def test_a_requests_states_and_the_key_version_are_part_of_its_key(monkeypatch):
+    """Requests differing only in ``states`` (absent included: it follows ``offload``) never share an
+    answer, and a new key version leaves every answer stored under the old one unserved."""
+    from memplan.api import cache
+
+    def key(**kw):
+        return plan_key(graph_sha256="g", budget="50%", solver="greedy", time_limit_s=1, offload=True,
+                        host_budget=None, context="c", **kw)
+
+    keys = [key(states=s) for s in (None, "auto", "stream", "host", "none")]
+    assert len(set(keys)) == 5 and key() == keys[0]
+    monkeypatch.setattr(cache, "PLAN_KEY_VERSION", cache.PLAN_KEY_VERSION + 1)
+    assert key() != keys[0]
+
+
 def test_incomplete_answers_are_not_cached(make_cache):
     cache = make_cache()
     assert cache.put("k", {**ANSWER, "solver": {"name": "ilp", "status": "timeout"}}) is False

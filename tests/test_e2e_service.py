@@ -14,6 +14,7 @@ from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
 from memplan.planner.core.simulator import simulate
 from memplan.planner.core.synthetic import linear_chain
+from memplan.planner.core.units import format_bytes
 from memplan.solvers import keep_all_report, solve
 
 pytestmark = pytest.mark.slow  # a server start (worker processes) and a profile: ~10 s together
@@ -40,6 +41,24 @@ def gpt2() -> Graph:
 
     w = load_workload("gpt2", n_layer=12, n_embd=32, n_head=2, vocab_size=128, seq_len=32, batch_size=2)
     return profile(w.model, w.batch, w.loss_fn, repeats=1, progress=False, name="gpt2")
+
+
+@pytest.fixture(scope="module")
+def weighty() -> tuple[Graph, int]:
+    """A training step whose model states are most of its memory (a wide 4-layer MLP at batch 4), and a
+    budget only a placement of model states fits: between the least peak with every unit's state streamed
+    and the least peak of the activations alone (offloaded as well)."""
+    from memplan.planner.core.states import states_search_graph, stream_order
+    from memplan.planner.probe.profiler import profile
+    from memplan.planner.workloads import load_workload
+    from memplan.solvers import smallest_known_peak
+
+    w = load_workload("mlp", depth=4, width=256, batch_size=4)
+    g = profile(w.model, w.batch, w.loss_fn, repeats=1, progress=False, name="weighty", measure=False)
+    every_streamed = keep_all_report(states_search_graph(g, stream_order(g))).peak_bytes
+    activations_only = smallest_known_peak(g, offload=True)
+    assert g.host_optimizer_bytes_per_s and every_streamed < activations_only
+    return g, (every_streamed + activations_only) // 2
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +138,75 @@ def test_a_plan_for_a_backward_fused_step_over_http(http, graph):
     assert plain["cache_hit"] is False and "fuse" not in plain["plan"]["solver"]["settings"]  # keyed apart
     bad = http.post("/v1/plans", json={**req, "fuse": "sideways"})
     assert bad.status_code == 422 and "fuse" in bad.text
+
+
+def test_model_states_placed_as_the_request_says_over_http(http, weighty, tmp_path):
+    """``states`` with ``offload`` (issue #38): a budget only a placement of model states fits is planned
+    with host-stepped units for "host" and streamed ones only for "stream", each answer's plan simulating
+    to its prediction and its ``state_summary`` saying what ``memplan solve --json`` says; the two are
+    cached apart (a hit only for the same request again, bytes reordered), and a job answers the same (from
+    ``memplan submit --states-on host`` too).
+    "none" (activations only) is a 422 naming the budget; an unknown placement a 422 naming ``states``."""
+    g, budget = weighty
+    req = {"graph": g.model_dump(mode="json"), "budget": budget, "solver": "greedy", "offload": True,
+           "time_limit_s": 5.0}
+    answers = {}
+    for states in ("host", "stream"):
+        r = http.post("/v1/plans", json={**req, "states": states})
+        assert r.status_code == 200, r.text
+        res = answers[states] = r.json()
+        assert res["cache_hit"] is False and res["solver"]["status"] in ("optimal", "feasible")  # cacheable
+        plan = Plan.model_validate(res["plan"])
+        assert {d.optimizer_state for d in plan.states} - {"resident"} == {states}
+        local = simulate(g, plan)
+        assert local.peak_bytes == res["predicted"]["peak_bytes"] <= budget
+        moved = plan.hosted() if states == "host" else plan.streamed()
+        summary = res["state_summary"]
+        assert summary["state_units"] == len(g.state_units) == 4
+        assert summary[f"{'hosted' if states == 'host' else 'streamed'}_units"] == len(moved) > 0
+        assert summary[f"{'streamed' if states == 'host' else 'hosted'}_units"] == 0
+        assert summary[f"{'hosted' if states == 'host' else 'streamed'}_state_bytes"] == sum(
+            g.state_units[u].state_bytes for u in moved)
+        assert summary["host_peak_bytes"] == local.host_peak_bytes > 0
+        parts = summary["predicted_parts_s"]
+        assert parts["host_optimizer"] == pytest.approx(local.host_optimizer_time_s)
+        assert parts["waits_for_host"] == pytest.approx(local.host_wait_s)
+        assert (parts["host_optimizer"] > 0) == (states == "host")
+    # the same request again, its fields in another order (other bytes, the same plan key): a hit
+    again = http.post("/v1/plans", json=dict(reversed(list({**req, "states": "host"}.items()))))
+    assert again.json()["cache_hit"] is True and again.json()["plan"] == answers["host"]["plan"]
+
+    job = http.post("/v1/jobs", json={**req, "states": "stream"})
+    assert job.status_code == 202, job.text
+    deadline = time.monotonic() + 30
+    while (done := http.get(job.headers["Location"])).status_code == 202 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert done.status_code == 200 and done.json()["plan"] == answers["stream"]["plan"]
+    # from the command line: memplan submit --states-on host, memplan wait --json (the summary the answer carries)
+    from typer.testing import CliRunner
+
+    from memplan.api.cli import app
+
+    (tmp_path / "graph.json").write_text(json.dumps(req["graph"]))
+    runner = CliRunner()
+    sub = runner.invoke(app, ["submit", str(tmp_path / "graph.json"), "-b", str(budget), "--solver", "greedy",
+                              "--time-limit", "5", "--offload", "--states-on", "host", "--server", str(http.base_url)])
+    assert sub.exit_code == 0, sub.output
+    waited = runner.invoke(app, ["wait", sub.stdout.strip().splitlines()[0], "-o", str(tmp_path / "plan.json"), "--json"])
+    assert waited.exit_code == 0, waited.output
+    out = json.loads(waited.stdout)
+    assert out["cache_hit"] is True and out["hosted_units"] == answers["host"]["state_summary"]["hosted_units"]
+
+    none = http.post("/v1/plans", json={**req, "states": "none"})
+    assert none.status_code == 422, none.text
+    assert none.json()["error"] == "infeasible" and none.json()["budget_bytes"] == budget
+    detail = none.json()["detail"]
+    assert "\n" not in detail and f"no plan fits budget {format_bytes(budget)} ({budget} B) for graph 'weighty'" \
+        in detail and none.json()["min_feasible_bytes"] > budget
+    bad = http.post("/v1/plans", json={**req, "states": "gpu"})
+    assert bad.status_code == 422 and bad.json() == {
+        "detail": "states: Input should be 'auto', 'stream', 'host' or 'none'", "error": "invalid_request",
+        "field": "states"}
 
 
 def test_budget_forms_agree(http, graph):

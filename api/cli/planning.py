@@ -35,26 +35,13 @@ from memplan.api.cli.options import (
 )
 from memplan.api.cli.ranks import ranks_fake
 from memplan.api.cli.tables import print_report
+from memplan.api.jobs import state_summary
 from memplan.planner.core.errors import MemplanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.units import check_budget, format_bytes, parse_budget
 
 
 # ---- solve --------------------------------------------------------------------------------------
-def state_summary(graph: Graph, result: Any) -> dict[str, Any]:
-    """What a plan does with the model states, and its predicted step in parts (the report's)."""
-    r = result.report
-    streamed, hosted = result.plan.streamed(), result.plan.hosted()
-    return {"state_units": len(graph.state_units), "streamed_units": len(streamed), "hosted_units": len(hosted),
-            "streamed_state_bytes": sum(graph.state_units[u].state_bytes for u in streamed),
-            "hosted_state_bytes": sum(graph.state_units[u].state_bytes for u in hosted),
-            "host_peak_bytes": r.host_peak_bytes,
-            "predicted_parts_s": {"forward": r.forward_time_s, "backward": r.backward_time_s,
-                                  "recompute": r.recompute_time_s, "exposed_transfers": r.exposed_transfer_s,
-                                  "optimizer": r.optimizer_time_s, "host_optimizer": r.host_optimizer_time_s,
-                                  "waits_for_host": r.host_wait_s}}
-
-
 def print_states(summary: dict[str, Any]) -> None:
     if not summary["streamed_units"] and not summary.get("hosted_units"):
         return

@@ -12,7 +12,8 @@ import typer
 
 from memplan.api.cli.base import app, emit_json, err, guard, out
 from memplan.api.cli.files import writable, writing
-from memplan.api.cli.options import FuseOpt, JsonOpt, fuse_mode
+from memplan.api.cli.options import FuseOpt, JsonOpt, StatesOnOpt, StatesOpt, fuse_mode, state_choice
+from memplan.api.cli.planning import print_states
 from memplan.planner.core.errors import MemplanError
 
 ServerOpt = Annotated[str, typer.Option(envvar="MEMPLAN_SERVER", show_envvar=True,
@@ -58,6 +59,8 @@ def submit(
     time_limit: Annotated[float | None, typer.Option("--time-limit", help="seconds (default: the server's)")] = None,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="allow offloading to host memory")] = False,
     host_budget: Annotated[str | None, typer.Option(help="pinned host memory cap for offload, e.g. 8GiB")] = None,
+    states: StatesOpt = None,
+    states_on: StatesOnOpt = "auto",
     fuse: FuseOpt = None,
     token: TokenOpt = None,
     json_out: JsonOpt = False,
@@ -74,6 +77,9 @@ def submit(
                             "fuse": fuse_mode(fuse)}
     if time_limit is not None:
         body["time_limit_s"] = time_limit
+    chosen = state_choice(states, states_on)  # the request's states: absent follows --offload, as solve's None
+    if chosen is not None:
+        body["states"] = {True: "auto", False: "none"}.get(chosen, chosen)
     with _client(server, token) as client:
         r = _call(client, "POST", "/v1/jobs", json=body)
         if r.status_code != 202:
@@ -129,9 +135,12 @@ def wait(
         output.write_text(json.dumps(answer["plan"], indent=1) + "\n")
     summary = {"plan": str(output), "cache_hit": answer["cache_hit"], "solver": answer["solver"]["name"],
                "status": answer["solver"]["status"], "budget_bytes": answer["budget_bytes"],
-               **{k: answer["predicted"][k] for k in ("peak_bytes", "step_time_s", "overhead")}}
+               **{k: answer["predicted"][k] for k in ("peak_bytes", "step_time_s", "overhead")},
+               **answer.get("state_summary", {})}  # (absent in an answer from an older server)
     if json_out:
         emit_json(summary)
     else:
         out.print(f"{output}: {summary['solver']} ({summary['status']}), peak {summary['peak_bytes']} B within "
                   f"{summary['budget_bytes']} B, overhead {summary['overhead']:.1%}", highlight=False)
+        if "state_units" in summary:
+            print_states(summary)

@@ -15,9 +15,20 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-from memplan.api.jobs import load_graph
+from memplan.api.jobs import load_graph, solve_states, state_summary
 from memplan.api.routes.body import documented, json_body
-from memplan.api.schemas import ERROR_RESPONSES, Budget, ReadRequest, check_ops, check_time_limit, settings_of
+from memplan.api.schemas import (
+    ERROR_RESPONSES,
+    STATES_DESCRIPTION,
+    Budget,
+    ReadRequest,
+    StatesChoice,
+    StateSummary,
+    check_ops,
+    check_states,
+    check_time_limit,
+    settings_of,
+)
 from memplan.api.service import ServiceDep
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.plan import Plan
@@ -51,6 +62,7 @@ class MaxBatchRequest(BaseModel):
     time_limit_s: float = Field(default=DEFAULT_TIME_LIMIT_S, gt=0, allow_inf_nan=False,
                                 description="solver seconds per candidate")
     offload: bool = False
+    states: StatesChoice | None = Field(default=None, description=STATES_DESCRIPTION)
     fuse: Literal["backward", "forward"] | None = Field(
         default=None, description="'backward' (or 'forward'): the training loop steps the optimizer inside "
                                   "backward (before each module's next forward); size for that step (its peak "
@@ -69,6 +81,7 @@ class MaxBatchRequest(BaseModel):
                              "(memplan maxbatch WORKLOAD, or memplan.planner.probe.family.profile_family)")
         if self.dim not in fam.dims:
             raise ValueError(f"the graph's shape family varies {', '.join(fam.dims)}, not {self.dim!r}")
+        check_states(self.states, self.fuse)
         settings = settings_of(info)
         if settings is not None:  # the server's limits: the search's whole work must fit its time cap
             check_ops(self.graph, settings)
@@ -95,6 +108,7 @@ class MaxBatchResponse(BaseModel):
     budget_bytes: int
     plan: Plan
     predicted: MaxBatchPredicted
+    state_summary: StateSummary = Field(description="what the plan does with the model states at the answer")
     next: NextValue = Field(description="value + 1, and why it does not fit")
     candidates: int = Field(description="values solved")
     graph: Graph | None = None
@@ -102,15 +116,17 @@ class MaxBatchResponse(BaseModel):
 
 def maxbatch_job(graph: Graph | str, budget_bytes: int, *, dim: str, max_overhead: float | None, solver: str,
                  time_limit_s: float, offload: bool, max_value: int, include_graph: bool,
-                 fuse: str | None = None) -> dict[str, Any]:
+                 fuse: str | None = None, states: str | None = None) -> dict[str, Any]:
     """The search, in a worker: the response body as a dict."""
     from memplan.solvers.maxbatch import max_dim
 
     a = max_dim(load_graph(graph), budget_bytes, dim=dim, max_overhead=max_overhead, method=solver,
-                time_limit_s=time_limit_s, offload=offload, max_value=max_value, fuse=fuse)
+                time_limit_s=time_limit_s, offload=offload, max_value=max_value, fuse=fuse,
+                states=solve_states(states))  # (annotated bool | None, it passes a placement to solve too)
     return {"dim": dim, "value": a.value, "budget_bytes": budget_bytes, "plan": a.result.plan.model_dump(mode="json"),
             "predicted": {"peak_bytes": a.result.report.peak_bytes, "step_time_s": a.result.report.time_s,
                           "overhead": a.overhead},
+            "state_summary": state_summary(a.graph, a.result),
             "next": {"value": a.next.value, "reason": a.next.reason, "min_feasible_bytes": a.next.min_feasible_bytes,
                      "overhead": a.next.overhead},
             "candidates": len(a.probes), "graph": a.graph.model_dump(mode="json") if include_graph else None}
@@ -131,4 +147,4 @@ async def maxbatch(read: Annotated[ReadRequest[MaxBatchRequest], Depends(json_bo
     return await service.pool.run(
         maxbatch_job, graph, budget_bytes, dim=req["dim"], max_overhead=req["max_overhead"], solver=req["solver"],
         time_limit_s=req["time_limit_s"], offload=req["offload"], max_value=req["max_value"],
-        include_graph=req["include_graph"], fuse=req["fuse"], timeout_s=req["time_limit_s"] * n + service.settings.grace_s)
+        include_graph=req["include_graph"], fuse=req["fuse"], states=req["states"], timeout_s=req["time_limit_s"] * n + service.settings.grace_s)
