@@ -86,6 +86,10 @@ def solve(graph: Graph, budget_bytes: int | None, method: str = "auto", *, time_
     deadline = start + time_limit_s  # the searches below share the request's time limit
     if isinstance(states, str) and states not in STATE_PLACEMENTS:
         raise MemplanError(f"states={states!r}: expected {', '.join(STATE_PLACEMENTS)}, True, False or None")
+    if states not in (None, False) and fuse == "forward":
+        raise MemplanError("states with fuse='forward': forward fusion defers each update to the module's next "
+                           "forward, and state off the device is updated at optimizer.step(); use "
+                           "fuse='backward' or none (states=None plans activations only under forward fusion)")
     if ((offload if states is None else bool(states)) and graph.state_units and fuse in (None, "backward")
             and budget_bytes is not None):
         if fuse is None:

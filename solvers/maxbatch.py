@@ -63,7 +63,7 @@ class MaxDim:
 def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead: float | None = None,
             method: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
             max_value: int = MAX_VALUE, fuse: str | None = None, host_budget_bytes: int | None = None,
-            states: bool | None = None) -> MaxDim:
+            states: bool | str | None = None) -> MaxDim:
     """The largest value of dimension ``dim`` (the family's other dimensions at the graph's own values)
     whose best plan fits ``budget_bytes`` within ``max_overhead`` (a fraction: 0.2 is 20%; None: any).
 
@@ -98,7 +98,9 @@ def max_dim(graph: Graph, budget_bytes: int, *, dim: str = "batch", max_overhead
             return probes[v]
         g = at_shape(graph, {**fixed, dim: v}, extrapolate=True)
         # (the unfused step's bound is no bound on the fused one: solve refuses that, quoting its least peak)
-        if not fused and memory_lower_bound(g) > budget_bytes:
+        # (nor is the activations' bound one on a step whose model states may leave the device)
+        moves_states = bool(g.state_units) and (offload if states is None else bool(states))
+        if not fused and not moves_states and memory_lower_bound(g) > budget_bytes:
             least = smallest_known_peak(g, offload=offload, deadline=time.perf_counter() + time_limit_s)
             p = Probe(v, False, "no plan fits the budget", least)
         else:

@@ -257,3 +257,23 @@ def test_the_memory_viewers_trace_is_the_timeline_under_every_placement():
         plan = Plan.keep_all(g).with_states(g, streamed, hosted)
         for fuse in (None, "backward"):
             assert_trace_is_the_timeline(g, schedule(g, plan, fuse=fuse), {})
+
+
+def test_maxbatch_answers_with_the_state_placements_and_forward_fusion_refuses_them():
+    """The activations' lower bound is no bound on a step whose model states may leave the device: maxbatch
+    asks the solver (the bound refused every batch there before); forward fusion with moved state is one line."""
+    from memplan.api.integrations.common import dim_family
+    from memplan.planner.core.errors import MemplanError
+    from memplan.planner.probe.family import profile_family
+    from memplan.solvers.maxbatch import max_dim
+
+    w = load_workload("mlp", depth=4, width=256, batch_size=4)
+    fam = profile_family(w.model, dim_family(w.batch, "batch"), w.loss_fn, progress=False, repeats=1,
+                         measure=False, device="cpu")
+    budget = 4 * 2**20
+    with pytest.raises(Exception, match="budget"):
+        max_dim(fam, budget, offload=True, states=False, method="greedy", time_limit_s=3)
+    assert max_dim(fam, budget, offload=True, states="host", method="greedy", time_limit_s=3).value >= 1
+    _, g = weighty("gpt2")
+    with pytest.raises(MemplanError, match="fuse='forward'"):
+        solve(g, g.fixed.resident_bytes, offload=True, states="host", fuse="forward")
