@@ -162,7 +162,8 @@ def emulated_rows(quick: bool) -> list[str]:
              f"| plain training (unlimited device) | {format_bytes(plain_peak)} | "
              f"{format_bytes(keep_all_report(g).peak_bytes)} | {plain_s * 1e3:.0f} ms | "
              f"{keep_all_report(g).time_s * 1e3:.0f} ms | - |",
-             f"| memplan, {len(r.plan.streamed())} of {len(g.state_units)} units' state streamed | "
+             f"| memplan, of {len(g.state_units)} units {len(r.plan.streamed())} streamed, {len(r.plan.hosted())} on "
+             f"the host | "
              f"{format_bytes(plan_peak)} ({(plan_peak / r.report.peak_bytes - 1) * 100:+.3f}%) | "
              f"{format_bytes(r.report.peak_bytes)} | {plan_s * 1e3:.0f} ms | {r.report.time_s * 1e3:.0f} ms | "
              f"{'yes' if same(plain_p, plan_p) else 'NO'} |"]
