@@ -5,7 +5,9 @@
 # the wheels of gpu.py --only peers (torchao, DeepSpeed and what DeepSpeed imports; about 6 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.whl/ >> .git/info/exclude; }
+# the checkout's own exclude file (in a worktree .git is a file: ask git where it is)
+exclude=$(git rev-parse --git-path info/exclude 2>/dev/null || echo .git/info/exclude)
+grep -qx '/.whl/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")"; echo /.whl/ >> "$exclude"; }
 PY=${PYTHON:-.venv/bin/python}
 # fastapi 0.16x imports opentelemetry-api; OR-Tools needs immutabledict and a recent protobuf
 NAMES="ortools pulp highspy pydantic pydantic_core annotated-types typing-inspection fastapi opentelemetry-api
