@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.executor.recipes import byte_view
+from memplan.executor.recipes import tensor_bytes
 from memplan.planner.core.errors import PlanError
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.schedule import ScheduleEvent
@@ -132,7 +132,7 @@ class HostStepper:
                 chunk = self.pool[at:at + n]
                 view = chunk.view(value.dtype).view(value.shape) if value.dim() else chunk.view(value.dtype).view(())
                 if view.data_ptr() != value.data_ptr():
-                    self.copies.to_host(_bytes_of(view), _bytes_of(value)).synchronize()
+                    self.copies.to_host(tensor_bytes(view), tensor_bytes(value)).synchronize()
                 self.optimizer.state[p][key] = view
                 at += -(-n // STATE_ALIGN) * STATE_ALIGN
 
@@ -142,7 +142,7 @@ class HostStepper:
         for u in units:
             for p, hp in zip(self.groups[u], self.host_params[u], strict=True):
                 if force or self.versions.get(id(p)) != p._version:
-                    self.copies.to_host(_bytes_of(hp), _bytes_of(p.detach())).synchronize()
+                    self.copies.to_host(tensor_bytes(hp), tensor_bytes(p.detach())).synchronize()
                     self.versions[id(p)] = p._version
 
     # ---- backward ----------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ class HostStepper:
         copies, copied = [], set()
         for p, hg in zip(self.groups[u], self.host_grads[u], strict=True):
             if p.grad is not None:
-                copies.append((self.grad_copies.to_host(_bytes_of(hg), _bytes_of(p.grad)), p.grad))
+                copies.append((self.grad_copies.to_host(tensor_bytes(hg), tensor_bytes(p.grad)), p.grad))
                 copied.add(id(p))
         self.pending[u] = copies
         self.copied[u] = copied
@@ -209,26 +209,30 @@ class HostStepper:
                 for copy, _ in self.pending.pop(u, ()):
                     copy.synchronize()
                 self._refresh([u])
-                self._host_step(u, real_step)
-                for p, hp in zip(self.groups[u], self.host_params[u], strict=True):
-                    if id(p) in self.copied[u]:
-                        back.append(self.copies.to_device(_bytes_of(p.detach()), _bytes_of(hp)))
+                try:
+                    self._host_step(u, real_step)
+                finally:  # a step that raised part-way: what it updated on the host reaches the device too
+                    for p, hp in zip(self.groups[u], self.host_params[u], strict=True):
+                        if id(p) in self.copied[u]:
+                            back.append(self.copies.to_device(tensor_bytes(p.detach()), tensor_bytes(hp)))
                 self.log.append(ScheduleEvent("h2d", "optimizer", u, reason="updated parameters copied back"))
         finally:
             for t in back:
                 t.wait()  # the next forward reads the parameters
-            self.copied.clear()
-            self.pending.clear()
-            for s in self.seen.values():
-                s.clear()
+            self.abandon()
 
-    def zero_grad(self) -> None:
-        """``optimizer.zero_grad()``: the host gradients of a backward not stepped are dropped too."""
-        self.before_step()
+    def abandon(self) -> None:
+        """This step's gradients are done with (stepped, or a step that failed before reaching them): the next
+        backward starts clean."""
         self.copied.clear()
         self.pending.clear()
         for s in self.seen.values():
             s.clear()
+
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad()``: the host gradients of a backward not stepped are dropped too."""
+        self.before_step()
+        self.abandon()
 
     def _host_step(self, u: int, real_step: Any) -> None:
         """The user's optimizer on unit ``u``'s host parameters: its state entries keyed by the host
@@ -315,11 +319,6 @@ def _accumulated(me: weakref.ref, p: nn.Parameter) -> None:
         stepper.accumulated(p)
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s own bytes as a uint8 view of its storage."""
-    start = t.storage_offset() * t.element_size()
-    return byte_view(t.untyped_storage())[start:start + t.numel() * t.element_size()]
-
 
 _ACTIVE: list[weakref.ref] = []  # the applied host steppers, for torch's clipping functions
 
@@ -334,7 +333,3 @@ def host_stand_ins(parameters: list[torch.Tensor]) -> list[torch.Tensor]:
             parameters = stepper.stand_ins(parameters)
     return parameters
 
-
-def active() -> bool:
-    """Whether any host stepper is applied."""
-    return any(r() is not None for r in _ACTIVE)

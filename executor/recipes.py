@@ -182,6 +182,13 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return storage_view(storage, torch.uint8, (storage.nbytes(),), (1,), 0)
 
 
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s own bytes as a uint8 view of its storage (a contiguous tensor's: a pool slot's view, a
+    parameter, a gradient, a state tensor), what the copy streams copy."""
+    start = t.storage_offset() * t.element_size()
+    return byte_view(t.untyped_storage())[start:start + t.numel() * t.element_size()]
+
+
 def storage_key(t: torch.Tensor) -> int | None:
     """The key ``Step.by_key`` knows ``t``'s storage by, or None if it has none (a tensor whose storage
     ``storage_of`` does not count is never registered, so looking its key up finds nothing either)."""

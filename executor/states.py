@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from memplan.executor.hoststep import HostStepper
-from memplan.executor.recipes import byte_view
+from memplan.executor.recipes import tensor_bytes
 from memplan.planner.core.errors import PlanMismatch
 from memplan.planner.core.graph import Graph
 from memplan.planner.core.schedule import ScheduleEvent
@@ -132,7 +132,7 @@ class StateStreamer:
             self.log.append(ScheduleEvent("h2d", "optimizer", u, reason="optimizer state streamed in"))
         for (p, key), host in zip(self._entries(u), self._host_views(u), strict=True):
             dst = torch.empty_like(host, device=p.device)  # on the compute stream
-            copies.append(self.copies.to_device(_bytes_of(dst), _bytes_of(host)))
+            copies.append(self.copies.to_device(tensor_bytes(dst), tensor_bytes(host)))
             self.optimizer.state[p][key] = dst
         return copies
 
@@ -148,7 +148,7 @@ class StateStreamer:
             src = self.optimizer.state[p][key]
             if self._is_slot(src):
                 continue
-            copies.append((self.copies.to_host(_bytes_of(host), _bytes_of(src)), src))
+            copies.append((self.copies.to_host(tensor_bytes(host), tensor_bytes(src)), src))
         self.log.append(ScheduleEvent("d2h", "optimizer", u, reason="optimizer state copied back"))
         for copy, _src in copies:
             copy.wait()  # the source stays referenced until its copy is known complete
@@ -194,7 +194,7 @@ class StateStreamer:
         for (p, key), host in zip(self._entries(u), self._host_views(u), strict=True):
             src = self.optimizer.state[p][key]
             if not self._is_slot(src):
-                copies.append((self.back_copies.to_host(_bytes_of(host), _bytes_of(src)), p, key, host, src))
+                copies.append((self.back_copies.to_host(tensor_bytes(host), tensor_bytes(src)), p, key, host, src))
         self.log.append(ScheduleEvent("d2h", "backward", at, reason=f"{STATE_BACK} ({self.modules[u]})"))
         return copies
 
@@ -242,12 +242,23 @@ class StateStreamer:
         if self.hoststep is not None:
             self.hoststep.log = self.log
             self.hoststep.before_step()
+        try:
+            self._device_updates(real_step)
+        except BaseException:
+            if self.hoststep is not None:  # the host units after the failure are not stepped (as plain
+                self.hoststep.abandon()    # training's would not be): the next backward starts clean
+            raise
+        if self.hoststep is not None:
+            self.hoststep.step(real_step)
+        return loss
+
+    def _device_updates(self, real_step: Any) -> None:
+        """The resident units' update, then each streamed unit's through the device (unfused); under backward
+        fusion, what backward's streaming left."""
         if self.fused:  # backward fusion stepped the resident and streamed units
             self._end_backward_streaming()
-            if self.hoststep is not None:
-                self.hoststep.step(real_step)
-            return loss
-        if self.resident and not self.fused:
+            return
+        if self.resident:
             with narrowed_groups(self.optimizer, self.resident), torch.no_grad():
                 real_step()
         todo = self.streamed
@@ -265,9 +276,6 @@ class StateStreamer:
             for c in pending if todo else []:
                 c.wait()
             self.to_host(todo)
-        if self.hoststep is not None:
-            self.hoststep.step(real_step)
-        return loss
 
     def remove(self) -> None:
         """Every streamed state back on its parameter's device (plain training from here on)."""
@@ -282,8 +290,3 @@ class StateStreamer:
                     self.optimizer.state[p][key] = t.to(p.device, copy=True)
         self.pool = None
 
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s own bytes as a uint8 view (a slot view's part of the pool, a device buffer's storage)."""
-    start = t.storage_offset() * t.element_size()
-    return byte_view(t.untyped_storage())[start:start + t.numel() * t.element_size()]

@@ -277,3 +277,78 @@ def test_maxbatch_answers_with_the_state_placements_and_forward_fusion_refuses_t
     _, g = weighty("gpt2")
     with pytest.raises(MemplanError, match="fuse='forward'"):
         solve(g, g.fixed.resident_bytes, offload=True, states="host", fuse="forward")
+
+
+class _Failing(torch.optim.AdamW):
+    """AdamW whose call raises once where ``fail(params)`` says so (a fault in one unit's update)."""
+
+    fail = None
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        if self.fail is not None and params and self.fail(params):
+            self.fail = None
+            raise RuntimeError("injected fault in an update")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("where", ["host", "stream"])
+def test_a_step_that_fails_part_way_is_a_transaction(where):
+    """A fault in the second host-stepped unit's update (or in the first streamed unit's, before any host
+    step): the units updated before it stay updated, the rest are not, nothing is lost or half-copied (the
+    device parameters are the host's), and training goes on: equal to plain training whose step updated
+    exactly those units, then stepped on."""
+    from memplan.planner.probe.fusion import buckets, narrowed_groups
+
+    w, g = weighty("gpt2")
+    order = stream_order(g)
+    streamed, hosted = (order[4:6], order[:4]) if where == "stream" else ([], order[:4])
+    plan = Plan.keep_all(g).with_states(g, streamed, hosted)
+
+    def make():
+        model = copy.deepcopy(w.model)
+        return model, _Failing(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+
+    def batch_step(model, opt, i):
+        torch.manual_seed(i)
+        opt.zero_grad(set_to_none=True)
+        w.loss_fn(model, w.batch).backward()
+
+    model, opt = make()
+    units = buckets(model, opt)[0]
+    ex = apply(model, plan, graph=g, optimizer=opt)
+    calls = []
+
+    def fail(params):
+        if where == "host":
+            calls.append(all(is_host_buffer(p) for p in params))
+            return sum(calls) == 2  # the second unit stepped on the host
+        return {id(p) for p in params} == {id(p) for p in units[streamed[0]]}
+
+    try:
+        batch_step(model, opt, 0)
+        opt.step()
+        batch_step(model, opt, 1)
+        opt.fail = fail
+        with pytest.raises(RuntimeError, match="injected"):
+            opt.step()
+        for i in (2, 3):
+            batch_step(model, opt, i)
+            opt.step()
+        got = ([p.detach().clone() for p in model.parameters()], 0, copy.deepcopy(opt.state_dict()))
+    finally:
+        ex.remove()
+
+    ref, ref_opt = make()
+    ref_units = buckets(ref, ref_opt)[0]
+    moved = set(streamed) | set(hosted)
+    done = [u for u in range(len(ref_units)) if u not in moved] + ([hosted[0]] if where == "host" else [])
+    batch_step(ref, ref_opt, 0)
+    ref_opt.step()
+    batch_step(ref, ref_opt, 1)
+    with narrowed_groups(ref_opt, [p for u in done for p in ref_units[u]]):
+        ref_opt.step()
+    for i in (2, 3):
+        batch_step(ref, ref_opt, i)
+        ref_opt.step()
+    _same(got, ([p.detach().clone() for p in ref.parameters()], 0, ref_opt.state_dict()))
